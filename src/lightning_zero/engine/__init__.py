@@ -1,0 +1,9 @@
+"""The ZeRO engine: partitioning, buckets, collectives, hooks and the sharded optimizer.
+
+Imports torch only, never Lightning, so it runs under any training loop.
+"""
+
+from lightning_zero.engine.config import ZeroConfig, ZeroStage
+from lightning_zero.engine.zero import MemoryReport, ZeroEngine
+
+__all__ = ["MemoryReport", "ZeroConfig", "ZeroEngine", "ZeroStage"]

@@ -1,0 +1,140 @@
+"""The only module that calls ``torch.distributed``.
+
+Every collective takes its process group explicitly, and every call is counted in
+:data:`COLLECTIVE_STATS` (calls and bytes sent per rank, by kind), which is how the tests and the
+benchmark check that communication scales with buckets rather than with parameters.
+
+Torch-version differences live here: torch 2.13 deprecates ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` in favour of ``all_gather_single`` / ``reduce_scatter_single``; we call
+whichever the installed torch offers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveStats:
+    """Running count of collectives issued by this process, by kind ("all_gather", ...)."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    """Bytes of the full (unsharded) buffer each collective moved, as torch reports sizes:
+    for all-gather the output, for reduce-scatter the input, for all-reduce the tensor."""
+
+    def record(self, kind: str, tensor: Tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+
+COLLECTIVE_STATS = CollectiveStats()
+
+
+class PendingCollective:
+    """An issued asynchronous collective; ``wait()`` blocks until its output is ready.
+
+    Synchronous backends (or a world of one) hand back an already-finished instance.
+    """
+
+    def __init__(self, work: Optional[dist.Work] = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: ProcessGroup = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def rank(group: ProcessGroup = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
+    """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
+    COLLECTIVE_STATS.record("all_gather", output)
+    if world_size(group) == 1:
+        output.copy_(shard)
+        return PendingCollective()
+    return PendingCollective(_all_gather_flat(output, shard, group=group, async_op=True))
+
+
+def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
+    """Sum ``inputs`` (rank-major, 1D) over ranks; rank r receives its slice in ``output``."""
+    COLLECTIVE_STATS.record("reduce_scatter", inputs)
+    if world_size(group) == 1:
+        output.copy_(inputs)
+        return PendingCollective()
+    return PendingCollective(
+        _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    )
+
+
+def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
+    """In-place all-reduce (``op`` is "sum" or "max"); returns ``tensor``."""
+    COLLECTIVE_STATS.record("all_reduce", tensor)
+    if world_size(group) > 1:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def all_gather_object(obj: object, group: ProcessGroup) -> list:
+    """Every rank's ``obj``, in rank order (used to check that ranks agree before collectives)."""
+    if world_size(group) == 1:
+        return [obj]
+    gathered: list = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
+    COLLECTIVE_STATS.record("broadcast", tensor)
+    if world_size(group) > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
+    return tensor
+
+
+
+def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, one collective per dtype
+    and device (used to start all replicas from the same weights, as DDP does)."""
+    if world_size(group) == 1 or not tensors:
+        return
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for members in by_kind.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        broadcast_(flat, src, group)
+        offset = 0
+        with torch.no_grad():
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,50 @@
+"""What the user chooses: the ZeRO stage and its knobs, validated once, at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ZeroStage(enum.IntEnum):
+    """ZeRO stages, named by what each one shards across the data-parallel ranks."""
+
+    OPTIMIZER_STATE = 1
+    """Optimizer state and fp32 master weights are sharded; gradients are reduced after backward."""
+    GRADIENTS = 2
+    """Also gradients: reduce-scattered bucket by bucket during backward, full gradients freed."""
+    PARAMETERS = 3
+    """Also parameters: each rank keeps its chunk at rest and gathers a unit just before use."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Every option of the engine, checked in ``__post_init__`` so a bad value fails on every rank
+    before any process group or collective exists."""
+
+    stage: int = 2
+    """1, 2 or 3 (see :class:`ZeroStage`)."""
+
+    bucket_size_mb: float = 25.0
+    """Target size, in MiB of parameter bytes, of one bucket: the parameters whose gradients are
+    reduce-scattered (and whose updated shards are all-gathered) in one collective. Collectives per
+    step scale with model bytes / bucket size. A parameter larger than a bucket gets its own."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ZeroStage}:
+            raise ValueError(
+                f"ZeRO `stage` must be one of 1, 2 or 3 (1 shards optimizer state, 2 also gradients,"
+                f" 3 also parameters), got {self.stage!r}."
+            )
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)):
+            raise TypeError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
+        if not self.bucket_size_mb > 0 or self.bucket_size_mb == float("inf"):
+            raise ValueError(f"`bucket_size_mb` must be a positive, finite number of MiB, got {self.bucket_size_mb!r}.")
+
+    @property
+    def zero_stage(self) -> ZeroStage:
+        return ZeroStage(self.stage)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20))

@@ -1,0 +1,103 @@
+"""When gradients are reduce-scattered into the shards: the one difference between stages 1 and 2.
+
+Both policies issue the buckets' reduce-scatters in one fixed order — the bucket list's — on every
+rank, whatever order their gradients arrive in. Collectives are matched by issue order, so this is
+what keeps ranks from deadlocking when a parameter is unused on some ranks only.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from typing import Sequence
+
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.engine.bucket import Bucket, PendingGradientReduction
+from lightning_zero.engine.sharded_param import ShardedParam
+
+
+class GradientSync(abc.ABC):
+    """Reduce-scatters the buckets' full gradients into each rank's gradient shards."""
+
+    def __init__(self, buckets: Sequence[Bucket]) -> None:
+        self.buckets = list(buckets)
+
+    @abc.abstractmethod
+    def finish_backward(self, sync: bool) -> None:
+        """Called after each backward pass. Once it returns with ``sync=True``, every
+        ``ShardedParam.shard.grad`` holds this rank's chunk of the summed, 1/N-scaled gradient
+        (DDP's average). ``sync=False`` marks a micro-batch that will not step (accumulation)."""
+
+    def close(self) -> None:
+        """Remove whatever this policy registered."""
+
+
+class ReduceAfterBackward(GradientSync):
+    """Stage 1: full gradients accumulate in ``param.grad`` as usual; after the backward of a
+    micro-batch that steps, the buckets are reduce-scattered one after another (at most
+    ``max_in_flight`` at once, bounding the temporary buffers) and the full gradients released.
+    Micro-batches that only accumulate communicate nothing."""
+
+    def __init__(self, buckets: Sequence[Bucket], max_in_flight: int = 2) -> None:
+        super().__init__(buckets)
+        self.max_in_flight = max_in_flight
+
+    def finish_backward(self, sync: bool) -> None:
+        if not sync:
+            return
+        in_flight: deque[PendingGradientReduction] = deque()
+        for bucket in self.buckets:
+            in_flight.append(bucket.start_gradient_reduction())
+            if len(in_flight) >= self.max_in_flight:
+                in_flight.popleft().finish()
+        while in_flight:
+            in_flight.popleft().finish()
+
+
+class ReduceDuringBackward(GradientSync):
+    """Stage 2: a bucket's reduce-scatter starts (asynchronously, overlapping the rest of backward)
+    as soon as it and every bucket before it have all their gradients, and its full gradients are
+    released right then. Buckets still waiting when backward ends (unused parameters) are flushed.
+
+    Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
+    sharded (the choice ZeRO-2 and FSDP make), at the cost of one reduce-scatter per micro-batch.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket]) -> None:
+        super().__init__(buckets)
+        self._bucket_of: dict[int, Bucket] = {}
+        self._handles: list[RemovableHandle] = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p.param)] = bucket
+                self._handles.append(p.param.register_post_accumulate_grad_hook(self._hook_for(p)))
+        self._next_to_launch = 0
+        self._in_flight: list[PendingGradientReduction] = []
+
+    def _hook_for(self, param: ShardedParam):
+        def on_grad_accumulated(_: object) -> None:
+            if self._bucket_of[id(param.param)].mark_ready(param):
+                self._launch_ready_buckets()
+
+        return on_grad_accumulated
+
+    def _launch_ready_buckets(self, flush: bool = False) -> None:
+        while self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            if not (flush or bucket.is_ready):
+                return
+            self._in_flight.append(bucket.start_gradient_reduction())
+            self._next_to_launch += 1
+
+    def finish_backward(self, sync: bool) -> None:
+        self._launch_ready_buckets(flush=True)
+        for pending in self._in_flight:
+            pending.finish()
+        self._in_flight.clear()
+        self._next_to_launch = 0
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

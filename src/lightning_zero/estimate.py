@@ -1,0 +1,452 @@
+"""How many bytes of model states DDP and ZeRO stages 1-3 keep per device and per host.
+
+Choosing a stage is a trade: every stage shards more, stage 3 moves 1.5x the bytes of stages 1-2 per
+step (3Ψ against 2Ψ), and CPU offload moves the optimizer step onto the host. So the first question
+is which is the cheapest layout whose model states fit, and it can be answered with arithmetic alone:
+this module is the ZeRO paper's accounting (Rajbhandari et al., 2020, section 3 and figure 1) plus a
+parameter counter that builds a model on the meta device, so nothing is allocated.
+
+[Note: what the estimate leaves out]
+Model states only: weights, gradients and optimizer states. A real run also needs
+- activations (often the largest term; they scale with batch size x sequence length and are what
+  activation checkpointing trades for compute),
+- stage 3's gathered units: each unit's full weights (and, in backward, full gradients) while it
+  runs, plus the next unit's when prefetching,
+- communication buckets (flat gather / reduce-scatter buffers, a few bucket sizes per rank),
+- the caching allocator's fragmentation and the CUDA context (roughly 0.5-1 GB per device),
+- per-parameter padding of shards (at most N-1 elements per parameter, see `shard_numel`),
+- frozen parameters, which are counted here as if trained (an upper bound: they have no gradients
+  and no optimizer state).
+Keep a margin between the estimate and the device's capacity for all of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+import typing
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+LEFT_OUT = (
+    "Model states only (weights, gradients, optimizer states). Not included: activations, "
+    "stage 3's gathered units (full weights of the running and the prefetched unit), "
+    "communication buckets, allocator fragmentation and the CUDA context. Leave a margin."
+)
+"""One-paragraph summary of [Note: what the estimate leaves out], for command-line output."""
+
+_DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1))
+"""Decimal units, largest first: GPU spec sheets ("80 GB") and the ZeRO paper's figures use 1e9."""
+
+
+@dataclass(frozen=True)
+class PrecisionScheme:
+    """What one parameter costs, in bytes, split by who holds the bytes.
+
+    The split matters because each stage shards a different term: stage 1 the optimizer term, stage 2
+    also the gradient term, stage 3 also the weight term.
+    """
+
+    name: str
+    """The name the command line and `precision_scheme` take."""
+    weight_bytes: int
+    """The weights the forward and backward pass read."""
+    gradient_bytes: int
+    """The gradients the backward pass writes (same dtype as the weights)."""
+    optimizer_bytes: int
+    """Everything the optimizer keeps per parameter: an fp32 master copy if any, Adam's two moments."""
+    description: str
+    """One line saying where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        for field in ("weight_bytes", "gradient_bytes", "optimizer_bytes"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes per parameter with nothing sharded (DDP)."""
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+
+SCHEMES: Mapping[str, PrecisionScheme] = {
+    scheme.name: scheme
+    for scheme in (
+        PrecisionScheme(
+            "mixed",
+            weight_bytes=2,
+            gradient_bytes=2,
+            # fp32 master weights (4) + Adam's fp32 momentum (4) and variance (4): the paper's K = 12.
+            optimizer_bytes=12,
+            description="fp16/bf16 weights and gradients; fp32 master copy + Adam moments (ZeRO's K=12)",
+        ),
+        PrecisionScheme(
+            "fp32",
+            weight_bytes=4,
+            gradient_bytes=4,
+            # Adam's two fp32 moments; the weights already are fp32, so no master copy.
+            optimizer_bytes=8,
+            description="fp32 weights, gradients and Adam moments, no separate master copy "
+            "(also Lightning's bf16-mixed, whose parameters stay fp32 under autocast)",
+        ),
+        PrecisionScheme(
+            "half",
+            weight_bytes=2,
+            gradient_bytes=2,
+            # Adam's two moments kept in fp32 (torch's AdamW on bf16 parameters keeps them in bf16,
+            # 4 B instead of 8: for `bf16-true` this is an upper bound).
+            optimizer_bytes=8,
+            description="fp16/bf16 weights and gradients with no fp32 master copy; fp32 Adam moments",
+        ),
+    )
+}
+
+
+def precision_scheme(name: str) -> PrecisionScheme:
+    """The scheme called `name`, or a `ValueError` naming the ones that exist."""
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown precision scheme {name!r}; choose one of: {', '.join(SCHEMES)}") from None
+
+
+class Stage(enum.IntEnum):
+    """A ZeRO stage, named by what it shards across the data-parallel ranks; each also shards what the
+    stages below it shard."""
+
+    NOTHING = 0  # DDP: every rank holds everything
+    OPTIMIZER_STATES = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+    @property
+    def shards_optimizer_states(self) -> bool:
+        return self >= Stage.OPTIMIZER_STATES
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self >= Stage.GRADIENTS
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self >= Stage.PARAMETERS
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where model states live: what is sharded (the stage) and what is moved to host memory."""
+
+    stage: Stage
+    """What is sharded across the data-parallel ranks."""
+    offload_optimizer: bool = False
+    """The optimizer term (master copy and moments) lives in host memory; the step runs on the CPU."""
+    offload_params: bool = False
+    """Stage 3 only: the weight shard also lives in host memory and is copied in to be gathered."""
+
+    def __post_init__(self) -> None:
+        if self.offload_optimizer and self.stage is Stage.NOTHING:
+            raise ValueError("offloading the optimizer needs a ZeRO stage (1, 2 or 3); DDP has no offload")
+        if self.offload_params and self.stage is not Stage.PARAMETERS:
+            raise ValueError("offloading parameters needs stage 3, the only stage that shards them")
+        if self.offload_params and not self.offload_optimizer:
+            # The optimizer updates the weight shard in place: keeping the weights on the host but the
+            # optimizer on the device would move the shard across PCIe twice per step for nothing.
+            raise ValueError("offloading parameters also needs offload_optimizer=True")
+
+    @property
+    def label(self) -> str:
+        """A short name: the strategy name, plus what is offloaded (e.g. `zero3 + offload optimizer`)."""
+        name = "ddp" if self.stage is Stage.NOTHING else f"zero{int(self.stage)}"
+        if self.offload_params:
+            return f"{name} + offload optimizer, params"
+        if self.offload_optimizer:
+            return f"{name} + offload optimizer"
+        return name
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout(Stage.NOTHING),
+    Layout(Stage.OPTIMIZER_STATES),
+    Layout(Stage.GRADIENTS),
+    Layout(Stage.PARAMETERS),
+    Layout(Stage.OPTIMIZER_STATES, offload_optimizer=True),
+    Layout(Stage.GRADIENTS, offload_optimizer=True),
+    Layout(Stage.PARAMETERS, offload_optimizer=True),
+    Layout(Stage.PARAMETERS, offload_optimizer=True, offload_params=True),
+)
+"""Every layout, in order of preference: on the device before offloading (the host step and PCIe
+copies cost more than sharding), lower stages first (fewer collectives, stage 3 moves 1.5x the bytes)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The data-parallel world: `devices` ranks on each of `nodes` hosts."""
+
+    devices: int
+    """Devices (ranks) per node."""
+    nodes: int = 1
+    """Hosts; host memory is reported per node, summed over its ranks."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.nodes < 1:
+            raise ValueError(f"devices and nodes must be at least 1, got {self.devices} and {self.nodes}")
+
+    @property
+    def world_size(self) -> int:
+        """N, the number of data-parallel ranks that share the sharded terms."""
+        return self.devices * self.nodes
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model states in one place, by term."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    def __mul__(self, factor: int) -> StateBytes:
+        return StateBytes(self.weights * factor, self.gradients * factor, self.optimizer * factor)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Model-state bytes for one layout: on each device and on each host."""
+
+    layout: Layout
+    device: StateBytes
+    """On each device (they all hold the same amount, up to shard padding)."""
+    host: StateBytes
+    """On each node: the offloaded terms of all the node's ranks together."""
+
+
+def shard_numel(num_params: int, world_size: int) -> int:
+    """Elements of the largest rank's shard of `num_params`: the ceiling of Ψ/N, because the last rank's
+    shard is padded to the others' size for the collectives. (Sharding each parameter separately pads
+    each by up to N-1 elements; that is ignored here, see the module's note.)"""
+    return -(-num_params // world_size)
+
+
+def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology: Topology) -> MemoryEstimate:
+    """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.world_size`.
+
+    Per device, with w, g, o the scheme's bytes per parameter:
+    DDP (w+g+o)Ψ; stage 1 (w+g)Ψ + oΨ/N; stage 2 wΨ + (g+o)Ψ/N; stage 3 (w+g+o)Ψ/N.
+    Offloading moves a term from each device to its host unchanged: the optimizer term (master copy
+    and moments), and with parameter offload the weight shard too. Gradients stay on the device: in
+    ZeRO-Offload the reduced gradient shard is copied to the host for the CPU step, but that copy is
+    transient and in the same dtype, so it is not counted twice.
+    """
+    if num_params < 1:
+        raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
+    shard = shard_numel(num_params, topology.world_size)
+    stage = layout.stage
+    on_device = StateBytes(
+        weights=scheme.weight_bytes * (shard if stage.shards_parameters else num_params),
+        gradients=scheme.gradient_bytes * (shard if stage.shards_gradients else num_params),
+        optimizer=scheme.optimizer_bytes * (shard if stage.shards_optimizer_states else num_params),
+    )
+    offloaded = StateBytes(
+        weights=on_device.weights if layout.offload_params else 0,
+        optimizer=on_device.optimizer if layout.offload_optimizer else 0,
+    )
+    device = StateBytes(
+        weights=on_device.weights - offloaded.weights,
+        gradients=on_device.gradients,
+        optimizer=on_device.optimizer - offloaded.optimizer,
+    )
+    return MemoryEstimate(layout=layout, device=device, host=offloaded * topology.devices)
+
+
+def estimate_all(num_params: int, scheme: PrecisionScheme, topology: Topology) -> tuple[MemoryEstimate, ...]:
+    """`estimate` for every layout in `LAYOUTS`, in their order of preference."""
+    return tuple(estimate(num_params, layout, scheme, topology) for layout in LAYOUTS)
+
+
+def fits(candidate: MemoryEstimate, gpu_memory: int, host_memory: Optional[int] = None) -> bool:
+    """Whether the model states fit in `gpu_memory` bytes per device (and `host_memory` per node, if
+    given). Only model states: see the module's note for what else needs room."""
+    if candidate.device.total > gpu_memory:
+        return False
+    return host_memory is None or candidate.host.total <= host_memory
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The first layout, in order of preference, whose model states fit; `choice` is None if none does."""
+
+    choice: Optional[MemoryEstimate]
+    smallest: MemoryEstimate
+    """The layout with the fewest bytes per device, to say how far off a budget is when none fits."""
+    gpu_memory: int
+    host_memory: Optional[int]
+
+    @property
+    def message(self) -> str:
+        """One sentence for a person, followed by what the estimate leaves out."""
+        budget = f"{format_bytes(self.gpu_memory)} per device"
+        if self.host_memory is not None:
+            budget += f" and {format_bytes(self.host_memory)} of host memory per node"
+        if self.choice is None:
+            return (
+                f"No layout fits in {budget}: the smallest, {self.smallest.layout.label}, needs "
+                f"{format_bytes(self.smallest.device.total)} per device and "
+                f"{format_bytes(self.smallest.host.total)} per node. Add devices or nodes (stage 3 "
+                f"divides every term by their number) or use a smaller model. {LEFT_OUT}"
+            )
+        line = f"Recommended for {budget}: {self.choice.layout.label}, {format_bytes(self.choice.device.total)} per device"
+        if self.choice.host.total:
+            line += f" and {format_bytes(self.choice.host.total)} of host memory per node"
+        return f"{line}. {LEFT_OUT}"
+
+
+def recommend(
+    estimates: Sequence[MemoryEstimate], gpu_memory: int, host_memory: Optional[int] = None
+) -> Recommendation:
+    """The cheapest layout that fits: `estimates` are tried in order (`estimate_all` returns them in
+    `LAYOUTS`' order of preference: the lowest stage that fits on the device, then offload)."""
+    if not estimates:
+        raise ValueError("recommend needs at least one estimate")
+    if gpu_memory < 1:
+        raise ValueError(f"gpu_memory must be a positive number of bytes, got {gpu_memory}")
+    choice = next((e for e in estimates if fits(e, gpu_memory, host_memory)), None)
+    smallest = min(estimates, key=lambda e: (e.device.total, e.host.total))
+    return Recommendation(choice=choice, smallest=smallest, gpu_memory=gpu_memory, host_memory=host_memory)
+
+
+def decimal_unit(nbytes: float) -> tuple[str, int]:
+    """The largest decimal unit (name, bytes) in which `nbytes` is at least 1, so figures stay readable
+    from a 1M-parameter model (MB) to a 1T one (TB)."""
+    return next(((name, size) for name, size in _DECIMAL_UNITS if abs(nbytes) >= size), ("B", 1))
+
+
+def format_bytes(nbytes: float) -> str:
+    """`nbytes` in its decimal unit, e.g. `41.25 GB`; three decimals show the paper's 28.125 exactly."""
+    name, size = decimal_unit(nbytes)
+    return f"{Decimal(nbytes) / size:.3f}".rstrip("0").rstrip(".") + f" {name}"
+
+
+class ModelSpecError(ValueError):
+    """A `--model` spec, its module, its class or its init args are unusable; the message says why."""
+
+
+def count_parameters(spec: str, init_args: str | Mapping[str, Any] | None = None) -> int:
+    """Parameters of the model `spec` names, built with `init_args` on the meta device.
+
+    `spec` is `package.module:Class` (importable from `sys.path`) or `path/to/file.py:Class`;
+    `init_args` are the constructor's keyword arguments, as a JSON object or a mapping. As in
+    LightningCLI's `init_args`, an object given for a parameter annotated with a dataclass becomes
+    that dataclass, so `examples/gpt.py:GPT` takes `{"config": {"n_layer": 12}}`.
+
+    The meta device gives every tensor a shape and no storage, so a model of any size is counted in
+    milliseconds and no memory. Tied parameters are counted once (`Module.parameters` deduplicates).
+    """
+    kwargs = _parse_init_args(init_args)
+    factory = _load_attribute(spec)
+    try:
+        with torch.device("meta"):
+            model = factory(**_dataclass_args(factory, kwargs))
+    except Exception as error:  # any constructor failure is the user's spec or args, reported as such
+        raise ModelSpecError(
+            f"building {spec} with init args {json.dumps(kwargs)} on the meta device failed: "
+            f"{type(error).__name__}: {error}. HINT: init args are the constructor's keyword arguments; "
+            "a constructor that reads tensor values (.item(), .tolist()) cannot run on the meta device."
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec} built a {type(model).__name__}, not a torch.nn.Module")
+    return sum(p.numel() for p in model.parameters())
+
+
+def _parse_init_args(init_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    if init_args is None:
+        return {}
+    if isinstance(init_args, str):
+        try:
+            init_args = json.loads(init_args)
+        except json.JSONDecodeError as error:
+            raise ModelSpecError(
+                f"init args are not valid JSON ({error}); expected an object such as '{{\"n_layer\": 12}}'"
+            ) from None
+    if not isinstance(init_args, Mapping):
+        raise ModelSpecError(
+            f"init args must be a JSON object of keyword arguments such as '{{\"n_layer\": 12}}', "
+            f"got {type(init_args).__name__}"
+        )
+    return dict(init_args)
+
+
+def _load_attribute(spec: str) -> Any:
+    """The object `module:Qualified.name` points to; every failure is a `ModelSpecError` saying which part."""
+    module_name, sep, qualname = spec.rpartition(":")
+    if not sep or not module_name or not qualname or not all(p.isidentifier() for p in qualname.split(".")):
+        raise ModelSpecError(
+            f"model spec {spec!r} is not of the form package.module:Class or path/to/file.py:Class"
+        )
+    module = _import_file(module_name) if module_name.endswith(".py") else _import_module(module_name)
+    obj: Any = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelSpecError(f"module {module_name!r} has no attribute {qualname!r}") from None
+    if not callable(obj):
+        raise ModelSpecError(f"{spec} is a {type(obj).__name__}, not a class")
+    return obj
+
+
+def _import_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        raise ModelSpecError(
+            f"cannot import module {name!r}: {error}. HINT: put its package on PYTHONPATH, run from the "
+            "directory that holds it, or give a file path such as examples/gpt.py:GPT"
+        ) from None
+
+
+def _import_file(path_text: str) -> Any:
+    """Import a source file as a module named after its stem. It is registered in `sys.modules` before
+    it runs because dataclasses (and pickling) look their module up there."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelSpecError(f"model file {path_text!r} does not exist")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise ModelSpecError(f"cannot import {path_text!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        del sys.modules[path.stem]
+        raise ModelSpecError(f"importing {path_text!r} failed: {type(error).__name__}: {error}") from error
+    return module
+
+
+def _dataclass_args(factory: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with each JSON object given for a dataclass-annotated parameter built into that dataclass."""
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    try:
+        hints = typing.get_type_hints(target)
+    except Exception:  # unresolvable annotations: pass the arguments through untouched
+        return kwargs
+    return {
+        name: hints[name](**value)
+        if isinstance(value, Mapping) and dataclasses.is_dataclass(hints.get(name)) and isinstance(hints[name], type)
+        else value
+        for name, value in kwargs.items()
+    }

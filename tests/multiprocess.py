@@ -1,0 +1,108 @@
+"""Run a function on N CPU ranks (gloo) and collect what each rank returns.
+
+Spawning processes and importing torch/Lightning costs seconds, so tests pass one function that
+runs many sub-cases and returns a dict of results; the test then asserts on them in the parent.
+
+The environment variables Lightning's ``LightningEnvironment`` reads are set in each rank, so a
+``Trainer(accelerator="cpu", devices=N, strategy=...)`` created inside the function joins the
+already-running ranks instead of launching new processes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, init_pg: bool) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # two ranks on two cores
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        out = fn(rank, world_size, *args)
+        # plain pickle copies tensor data; the queue's own pickler would share it through file
+        # descriptors that die with this process
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    init_process_group: bool = True,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
+    per-rank results in rank order. A rank's exception is re-raised here with its traceback; a
+    hang fails after ``timeout`` seconds instead of blocking the test run.
+
+    ``fn`` must be importable (a module-level function). With ``init_process_group=False`` the
+    function (e.g. a Lightning Trainer) creates the process group itself.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, init_process_group), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    collected: dict[int, tuple[str, Any]] = {}
+    try:
+        import queue
+
+        while len(collected) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s (hang?)"
+                ) from None
+            collected[rank] = (status, payload)
+            if status == "error":
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(collected) == world_size else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: payload for r, (status, payload) in collected.items() if status == "error"}
+    if errors:
+        rank, tb = sorted(errors.items())[0]
+        raise RuntimeError(f"rank {rank} failed:\n{tb}")
+    return [pickle.loads(collected[r][1]) for r in range(world_size)]
