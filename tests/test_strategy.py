@@ -1,0 +1,146 @@
+"""ZeroStrategy through a real ``Trainer(accelerator="cpu", devices=2)``: parity with Lightning's
+DDP at every step, memory and communication per rank, checkpoints, and the training-loop features
+that must not change the result. All sub-cases run inside one spawned pair of ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from multiprocess import run_on_ranks
+
+STEPS = 4
+
+
+class _ManySmallParams(torch.nn.Module):
+    """60 tiny parameters: per-parameter collectives would be 60 per direction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(7 if i == 0 else 5, 5) for i in range(30))
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _with_unused_branch():
+    from models import OddShapes
+
+    return OddShapes(with_unused_branch=True)
+
+
+class _StepProbe(Callback):
+    """What each rank holds right before each optimizer step, and collectives per step."""
+
+    def __init__(self) -> None:
+        self.full_grads_before_step: list[list[str]] = []
+        self.reports = []
+        self.calls_per_step: list[dict] = []
+
+    def on_train_batch_start(self, *args) -> None:
+        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+
+        COLLECTIVE_STATS.reset()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.full_grads_before_step.append([n for n, p in pl_module.named_parameters() if p.grad is not None])
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+
+        self.calls_per_step.append(dict(COLLECTIVE_STATS.calls))
+        self.reports.append(trainer.strategy.memory_report())
+        self.buckets = len(trainer.strategy.engine.buckets)
+
+
+def _strategy_cases(rank: int, world_size: int) -> dict:
+    import lightning_zero
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning_helpers import fit_and_record, max_abs_diff
+
+    out: dict = {}
+
+    # -- parity with DDP at every step, both stages, two optimizers, tiny and large buckets
+    for optimizer in ("adamw", "sgd_momentum"):
+        _, ddp_history, _ = fit_and_record("ddp", STEPS, module_kwargs={"optimizer": optimizer})
+        for stage in (1, 2):
+            for bucket_size_mb in (1e-4, 25.0):
+                strategy = lightning_zero.ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb)
+                _, history, _ = fit_and_record(strategy, STEPS, module_kwargs={"optimizer": optimizer})
+                out[("parity", optimizer, stage, bucket_size_mb)] = [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
+
+    # -- an unused branch: DDP needs find_unused_parameters=True, we need nothing
+    _, ddp_history, _ = fit_and_record(DDPStrategy(find_unused_parameters=True), STEPS, module_kwargs={"make_model": _with_unused_branch})
+    for name in ("zero1", "zero2"):
+        module, history, _ = fit_and_record(name, STEPS, module_kwargs={"make_model": _with_unused_branch})
+        out[("unused", name)] = [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
+
+    # -- memory and communication per rank
+    for name in ("zero1", "zero2"):
+        probe = _StepProbe()
+        module, _, trainer = fit_and_record(name, STEPS, callbacks=[probe], module_kwargs={"make_model": _ManySmallParams})
+        opt = trainer.optimizers[0]
+        out[("probe", name)] = {
+            "full_grads_before_step": probe.full_grads_before_step,
+            "calls_per_step": probe.calls_per_step,
+            "buckets": probe.buckets,
+            "n_params": len(list(module.parameters())),
+            "state_elems": sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step"),
+            "model_elems": sum(p.numel() for p in module.parameters()),
+            "report": probe.reports[-1],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(_strategy_cases, world_size=2, init_process_group=False)
+
+
+def test_every_step_bitwise_equal_to_ddp(results):
+    for rank_results in results:
+        for case, diffs in rank_results.items():
+            if case[0] in ("parity", "unused"):
+                assert len(diffs) == STEPS, case
+                assert diffs == [0.0] * STEPS, f"{case}: max |zero - ddp| per step = {diffs}"
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_only_gradient_shards_remain_after_backward(results, name):
+    probe = results[0][("probe", name)]
+    assert probe["full_grads_before_step"] == [[]] * STEPS
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_optimizer_state_is_one_nth_per_rank(results, name):
+    per_rank = [r[("probe", name)]["state_elems"] for r in results]
+    model_elems = results[0][("probe", name)]["model_elems"]
+    n_params = results[0][("probe", name)]["n_params"]
+    assert sum(per_rank) == 2 * model_elems  # AdamW: exp_avg + exp_avg_sq, each element on one rank
+    for elems in per_rank:
+        assert abs(elems - model_elems) <= 2 * n_params  # 1/N of 2 slots, up to one padding element per param
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_collectives_per_step_bounded_by_buckets_not_parameters(results, name):
+    probe = results[0][("probe", name)]
+    assert probe["n_params"] == 62 and probe["buckets"] == 1
+    for calls in probe["calls_per_step"]:
+        assert calls == {"reduce_scatter": 1, "all_gather": 1}
+
+
+def test_memory_report_counts_shards(results):
+    for name in ("zero1", "zero2"):
+        report = results[0][("probe", name)]["report"]
+        model_bytes = 4 * results[0][("probe", name)]["model_elems"]
+        n_params = results[0][("probe", name)]["n_params"]
+        assert report.parameters == model_bytes  # stages 1-2 keep full parameters
+        # AdamW: 2 fp32 slots over 2 ranks = model_bytes, + a padding element per slot and a
+        # 4-byte step count per parameter
+        assert model_bytes * 0.9 <= report.optimizer_state <= model_bytes + 12 * n_params
+        # after the step, only gradient shards are held: about half the model
+        assert report.gradients <= model_bytes / 2 + 4 * n_params
