@@ -27,11 +27,25 @@ class RegressionModule(L.LightningModule):
         return nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "adamw":
+        name = self.optimizer_name
+        if name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        if self.optimizer_name == "sgd_momentum":
+        if name == "sgd_momentum":
             return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01)
-        raise ValueError(self.optimizer_name)
+        if name == "two_groups_steplr":
+            decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+            no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+            opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}], lr=1e-2
+            )
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}}
+        if name == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        if name == "not_an_optimizer":
+            return {"optimizer": object()}
+        if name == "foreign_tensor":
+            return torch.optim.SGD([*self.parameters(), torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        raise ValueError(name)
 
 
 def regression_data(n: int = 64, batch_size: int = 4) -> DataLoader:
@@ -65,13 +79,21 @@ def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None
     return L.Trainer(strategy=strategy, **options)
 
 
-def fit_and_record(strategy: Any, max_steps: int = 4, seed: int = 0, module_kwargs: Optional[dict] = None, **trainer_kwargs: Any):
+def fit_and_record(
+    strategy: Any,
+    max_steps: int = 4,
+    seed: int = 0,
+    module_kwargs: Optional[dict] = None,
+    data_size: int = 64,
+    ckpt_path: Optional[str] = None,
+    **trainer_kwargs: Any,
+):
     """Fit a freshly seeded RegressionModule; returns (module, weights after each step, trainer)."""
     L.seed_everything(seed, verbose=False)
     module = RegressionModule(**(module_kwargs or {}))
     recorder = WeightRecorder()
     trainer = make_trainer(strategy, max_steps, callbacks=[recorder, *trainer_kwargs.pop("callbacks", [])], **trainer_kwargs)
-    trainer.fit(module, regression_data())
+    trainer.fit(module, regression_data(data_size), ckpt_path=ckpt_path)
     return module, recorder.history, trainer
 
 

@@ -125,6 +125,17 @@ class ZeroStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            if not isinstance(optimizer, Optimizer):
+                self.optimizers, self.lr_scheduler_configs = [], []  # nothing half-built to tear down
+                raise TypeError(
+                    "lightning-zero shards torch optimizers: `configure_optimizers` must return"
+                    f" `torch.optim.Optimizer` instances (optionally with LR schedulers), got {type(optimizer).__name__}."
+                )
+
+    @override
     def teardown(self) -> None:
         self._close_engine()
         super().teardown()

@@ -1,0 +1,103 @@
+"""Construction-time behaviour in one process: validation, registry, LightningCLI parsing."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import ZeroStrategy
+
+
+@pytest.mark.parametrize("stage", [0, 4, "2", 2.5, True, None])
+def test_bad_stage_is_refused_at_construction(stage):
+    with pytest.raises(ValueError, match="must be one of 1, 2 or 3"):
+        ZeroStrategy(stage=stage)
+
+
+@pytest.mark.parametrize("size", [0, -1, float("nan"), float("inf")])
+def test_bad_bucket_size_is_refused(size):
+    with pytest.raises(ValueError, match="positive, finite number of MiB"):
+        ZeroStrategy(bucket_size_mb=size)
+
+
+@pytest.mark.parametrize("size", ["10", None, True])
+def test_bucket_size_must_be_a_number(size):
+    with pytest.raises(TypeError, match="positive number of MiB"):
+        ZeroStrategy(bucket_size_mb=size)
+
+
+def test_registered_names_and_reimport_is_harmless():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    importlib.reload(lightning_zero)
+    importlib.reload(lightning_zero)
+    for name, stage in (("zero1", 1), ("zero2", 2)):
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, lightning_zero.ZeroStrategy) and strategy.stage == stage
+
+
+def test_trainer_accepts_the_names():
+    import lightning as L
+
+    trainer = L.Trainer(strategy="zero1", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.stage == 1
+
+
+def test_constructor_has_explicit_typed_documented_arguments():
+    signature = inspect.signature(ZeroStrategy.__init__)
+    kinds = {p.kind for p in signature.parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds and inspect.Parameter.VAR_POSITIONAL not in kinds
+    for name, parameter in signature.parameters.items():
+        if name == "self":
+            continue
+        assert parameter.annotation is not inspect.Parameter.empty, name
+        assert f"    {name}:" in ZeroStrategy.__doc__, f"{name} is not documented"
+
+
+def test_lightning_cli_parses_name_and_class_path(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.logger=false"])
+    assert isinstance(cli.trainer.strategy, ZeroStrategy) and cli.trainer.strategy.stage == 2
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  logger: false\n  strategy:\n    class_path: lightning_zero.ZeroStrategy\n"
+        "    init_args:\n      stage: 1\n      bucket_size_mb: 4.5\n"
+    )
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)])
+    assert cli.trainer.strategy.stage == 1 and cli.trainer.strategy.zero_config.bucket_size_mb == 4.5
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(config.read_text().replace("stage: 1", "stage: 5"))
+    with pytest.raises((SystemExit, ValueError)):
+        LightningCLI(BoringModel, run=False, args=["--config", str(bad)])
+
+
+def test_loss_scaling_is_refused_until_supported():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_zero.precision import check_precision_supported, to_zero_precision
+
+    plugin = to_zero_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        check_precision_supported(plugin)
+    check_precision_supported(to_zero_precision(MixedPrecision("bf16-mixed", "cpu")))
+
+
+def test_custom_precision_plugin_is_refused():
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_zero.precision import check_precision_supported
+
+    class Custom(Precision):
+        pass
+
+    with pytest.raises(ValueError, match="norm of this rank's shard"):
+        check_precision_supported(Custom())

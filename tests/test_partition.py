@@ -1,0 +1,80 @@
+"""Partition and bucket math, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.engine.bucket import assign_buckets
+from lightning_zero.engine.partition import ChunkLayout, copy_flat_into_rows, copy_rows_into_flat
+from lightning_zero.engine.sharded_param import ShardedParam
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2, 3, 5, 7, 8, 91, 1000])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_chunks_match_torch_chunk_and_cover_every_element_once(numel, world_size):
+    layout = ChunkLayout(numel, world_size)
+    flat = torch.arange(numel)
+    expected = list(torch.chunk(flat, world_size)) if numel else []
+    owned = [flat[slice(*layout.owned_range(r))] for r in range(world_size)]
+    nonempty = [o for o in owned if o.numel()]
+    assert [o.tolist() for o in nonempty] == [e.tolist() for e in expected]
+    assert sum(layout.owned_numel(r) for r in range(world_size)) == numel
+    assert all(layout.owned_numel(r) <= layout.padded_chunk_numel for r in range(world_size))
+
+
+@pytest.mark.parametrize("numel", [1, 5, 12, 13])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_row_copies_round_trip_with_zero_padding(numel, world_size):
+    layout = ChunkLayout(numel, world_size)
+    c = layout.padded_chunk_numel
+    buffer = torch.full((world_size, c + 3), -1.0)  # a wider buffer: rows is a strided column slice
+    rows = buffer[:, 1 : 1 + c]
+    flat = torch.arange(1, numel + 1, dtype=torch.float32)
+    copy_flat_into_rows(flat, rows)
+    for r in range(world_size):
+        start, end = layout.owned_range(r)
+        assert rows[r, : end - start].tolist() == flat[start:end].tolist()
+        assert rows[r, end - start :].eq(0).all()  # padding zeroed
+    assert buffer[:, 0].eq(-1).all() and buffer[:, 1 + c :].eq(-1).all()  # neighbours untouched
+    back = torch.empty(numel)
+    copy_rows_into_flat(rows, back)
+    assert back.tolist() == flat.tolist()
+
+
+def _sharded(params, world_size=2, rank=0):
+    return [ShardedParam(f"p{i}", p, rank, world_size) for i, p in enumerate(params)]
+
+
+def test_buckets_respect_size_dtype_and_optimizer():
+    params = [nn.Parameter(torch.zeros(100)) for _ in range(6)] + [nn.Parameter(torch.zeros(100, dtype=torch.float64))]
+    sharded = _sharded(params)
+    owner = {id(sp): (0 if i < 4 else 1) for i, sp in enumerate(sharded)}
+    buckets = assign_buckets(sharded, owner, bucket_bytes=2 * 400, group=None)
+    membership = [[sp.name for sp in b.params] for b in buckets]
+    assert membership == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"], ["p6"]]
+    assert buckets[0].shard_numel == 100  # 2 params x ceil(100/2); world of 1 here: group=None
+
+
+def test_parameter_larger_than_a_bucket_gets_its_own():
+    sharded = _sharded([nn.Parameter(torch.zeros(10)), nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(10))])
+    buckets = assign_buckets(sharded, {id(sp): 0 for sp in sharded}, bucket_bytes=100, group=None)
+    assert [[sp.name for sp in b.params] for b in buckets] == [["p0"], ["p1"], ["p2"]]
+
+
+def test_half_precision_parameters_get_an_fp32_master_and_fp32_ones_alias():
+    half = nn.Parameter(torch.randn(7, dtype=torch.bfloat16))
+    full = nn.Parameter(torch.randn(7))
+    sp_half, sp_full = _sharded([half, full], world_size=2, rank=1)
+    assert sp_half.holds_master_copy and sp_half.shard.dtype == torch.float32
+    assert sp_half.shard.tolist() == half.detach()[4:].float().tolist()
+    assert not sp_full.holds_master_copy and sp_full.shard.data_ptr() == full.data_ptr() + 4 * 4
+
+
+def test_replacing_a_parameter_after_sharding_is_detected():
+    p = nn.Parameter(torch.randn(6))
+    (sp,) = _sharded([p])
+    p.data = torch.randn(6)
+    with pytest.raises(RuntimeError, match="replaced or resized"):
+        sp.check_storage_unchanged()
