@@ -48,6 +48,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _subcommands() -> tuple[Subcommand, ...]:
+    """Every subcommand, in `--help` order; a function so that entries defined further down (or imported
+    from their own modules) are looked up when `main` runs, not when this module is imported."""
     return (ESTIMATE,)
 
 
@@ -103,6 +105,7 @@ def parse_memory(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
+    """A count of devices or nodes: a whole number, at least 1."""
     try:
         value = int(text)
     except ValueError:

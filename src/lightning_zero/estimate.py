@@ -308,7 +308,8 @@ class Recommendation:
                 f"{format_bytes(self.smallest.host.total)} per node. Add devices or nodes (stage 3 "
                 f"divides every term by their number) or use a smaller model. {LEFT_OUT}"
             )
-        line = f"Recommended for {budget}: {self.choice.layout.label}, {format_bytes(self.choice.device.total)} per device"
+        choice = self.choice
+        line = f"Recommended for {budget}: {choice.layout.label}, {format_bytes(choice.device.total)} per device"
         if self.choice.host.total:
             line += f" and {format_bytes(self.choice.host.total)} of host memory per node"
         return f"{line}. {LEFT_OUT}"
