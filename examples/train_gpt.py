@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
-# gpt.py and stdlib_corpus.py sit next to this file; make them importable however the script is run.
+# stdlib_corpus.py sits next to this file; make it importable however the script is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L  # noqa: E402
@@ -26,7 +26,7 @@ from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.text import Perplexity  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
-from gpt import GPT, GPTConfig  # noqa: E402
+from lightning_zero.models.gpt import GPT, GPTConfig  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 
 

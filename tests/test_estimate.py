@@ -13,7 +13,7 @@ from lightning_zero import estimate as est
 from lightning_zero.cli import main, parse_count, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
-GPT_FILE = REPO / "examples" / "gpt.py"
+GPT_FILE = REPO / "src" / "lightning_zero" / "models" / "gpt.py"
 GB = 10**9
 MIXED, FP32, HALF = (est.precision_scheme(name) for name in ("mixed", "fp32", "half"))
 
@@ -123,9 +123,8 @@ def test_format_bytes():
 # --- counting parameters on the meta device ---------------------------------------------------------
 
 
-def test_meta_count_of_example_gpt_matches_the_real_model(monkeypatch):
-    monkeypatch.syspath_prepend(str(GPT_FILE.parent))
-    import gpt
+def test_meta_count_of_example_gpt_matches_the_real_model():
+    from lightning_zero.models import gpt
 
     shape = {"block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}
     real = gpt.GPT(gpt.GPTConfig(**shape))
@@ -137,7 +136,7 @@ def test_meta_count_of_example_gpt_matches_the_real_model(monkeypatch):
     counted = est.count_parameters(f"{GPT_FILE}:GPT", {"config": shape})
     assert counted == real_count == real.num_parameters()
     as_json = '{"config": {"block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}}'
-    assert est.count_parameters("gpt:GPT", as_json) == real_count
+    assert est.count_parameters("lightning_zero.models.gpt:GPT", as_json) == real_count
 
 
 def test_meta_count_allocates_nothing():

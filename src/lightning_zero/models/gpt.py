@@ -1,4 +1,4 @@
-"""A small GPT-style language model in plain torch, for the lightning-zero examples.
+"""A small GPT-style language model in plain torch, used by the example, the benchmark and the tests.
 
 Decoder-only transformer as in GPT-2: token + learned position embeddings, pre-LayerNorm blocks of
 causal self-attention and a 4x GELU MLP, a final LayerNorm, and an LM head tied to the token

@@ -1,0 +1,1 @@
+"""Reference models shared by the example, the benchmark and the tests."""
