@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -119,21 +119,41 @@ class Bucket:
         self.state = ReductionState.COLLECTING
 
     # ---- parameters ------------------------------------------------------------------------
-    def start_param_gather(self) -> "PendingParamGather":
-        """All-gather every rank's updated chunks (cast to the parameter dtype)."""
+    def start_param_gather(self, tag: Optional[int] = None) -> "PendingParamGather":
+        """All-gather every rank's updated chunks (cast to the parameter dtype).
+
+        With a ``tag`` (a small integer naming what is gathered), each rank appends it to its row,
+        and finishing checks that every rank gathered the same thing (see ``_check_tags``).
+        """
         n, s = self.world_size, self.shard_numel
-        send = torch.zeros(s, dtype=self.dtype, device=self.device)  # (S,)
+        row = s + (tag is not None)
+        send = torch.zeros(row, dtype=self.dtype, device=self.device)  # (S [+ 1],)
         for p, start in zip(self.params, self.offsets):
             p.write_chunk_to(send[start : start + p.owned_numel])
-        gathered = torch.empty(n * s, dtype=self.dtype, device=self.device)  # (N*S,)
+        if tag is not None:
+            send[s] = tag
+        gathered = torch.empty(n * row, dtype=self.dtype, device=self.device)  # (N * (S [+ 1]),)
         work = collectives.start_all_gather(gathered, send, self.group)
-        return PendingParamGather(self, work, gathered)
+        return PendingParamGather(self, work, gathered, tag)
 
-    def _finish_param_gather(self, gathered: Tensor) -> None:
-        rows = gathered.view(self.world_size, self.shard_numel)
+    def _finish_param_gather(self, gathered: Tensor, tag: Optional[int]) -> None:
+        rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
+        if tag is not None:
+            _check_tags(rows[:, self.shard_numel].tolist(), tag)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                copy_rows_into_flat(self._columns(rows, i), p.param.detach().view(-1))
+                copy_rows_into_flat(self._columns(rows, i), p.gather_target())
+
+
+def _check_tags(tags: list[float], expected: int) -> None:
+    if any(t != expected for t in tags):
+        raise RuntimeError(
+            "The ranks gathered different ZeRO-3 units at the same point (unit tags by rank:"
+            f" {[int(t) for t in tags]}): the forward took different modules, or a different number"
+            " of them, on different ranks. Every rank must run the same modules in the same order;"
+            " make data-dependent branches agree across ranks (e.g. decide them on rank 0 and"
+            " broadcast), or run such modules outside the sharded units."
+        )
 
 
 @dataclass
@@ -153,11 +173,12 @@ class PendingParamGather:
     bucket: Bucket
     work: collectives.PendingCollective
     gathered: Tensor
+    tag: Optional[int] = None
 
     def finish(self) -> None:
         """Wait for the all-gather and copy every rank's chunk into the full parameters."""
         self.work.wait()
-        self.bucket._finish_param_gather(self.gathered)
+        self.bucket._finish_param_gather(self.gathered, self.tag)
 
 
 def assign_buckets(

@@ -16,25 +16,36 @@ class ShardedParam:
     """One ``nn.Parameter`` of the module, its layout and this rank's chunk of it.
 
     ``shard`` is the tensor the optimizer steps in place of the parameter (its ``param_groups`` are
-    rebound to it). Its dtype is the master dtype: fp32 where the parameter is half precision (then
-    ``shard`` owns a separate fp32 copy of the chunk), otherwise the parameter's own dtype (then
-    ``shard`` is a view into the parameter's storage, so stepping it updates the parameter's own
-    chunk in place and costs no memory).
+    rebound to it). Its dtype is the master dtype: fp32 where the parameter is half precision,
+    otherwise the parameter's own.
+
+    With ``keep_full=True`` (stages 1-2) the parameter stays a full tensor; where dtypes agree,
+    ``shard`` is a view into it, so stepping the shard updates the parameter's own chunk in place
+    at no memory cost. With ``keep_full=False`` (stage 3) ``shard`` owns its chunk and the
+    parameter's full data lives only while its unit is gathered; see [Note: stage-3 storage].
     """
 
-    def __init__(self, name: str, param: nn.Parameter, rank: int, world_size: int) -> None:
+    def __init__(self, name: str, param: nn.Parameter, rank: int, world_size: int, keep_full: bool = True) -> None:
         if not param.is_contiguous():
             # sharding works on the flat view; this happens at setup only
             param.data = param.data.contiguous()
         self.name = name
         self.param = param
         self.rank = rank
+        self.shape = param.shape
         self.layout = ChunkLayout(param.numel(), world_size)
+        self.keeps_full = keep_full
         self.holds_master_copy = param.dtype in _HALF_DTYPES
-        chunk = self._owned_chunk()  # 1D view into the parameter
-        shard_data = chunk.detach().to(torch.float32, copy=True) if self.holds_master_copy else chunk.detach()
+        self._unsharded: Optional[Tensor] = None  # stage 3: the full tensor whose storage is freed at rest
+        chunk = self._owned_chunk()
+        aliases_param = keep_full and not self.holds_master_copy
+        shard_data = chunk.detach() if aliases_param else chunk.detach().to(self.master_dtype, copy=True)
         self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
         self._storage_ptr = param.data_ptr()
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32 if self.holds_master_copy else self.param.dtype
 
     @property
     def owned_numel(self) -> int:
@@ -48,6 +59,7 @@ class ShardedParam:
         start, end = self.layout.owned_range(self.rank)
         return self.param.detach().view(-1)[start:end]
 
+    # ---- gradients and updates -------------------------------------------------------------
     def accumulate_grad(self, grad_shard: Tensor) -> None:
         """Add this rank's reduced gradient chunk to ``shard.grad`` (set it on the first call)."""
         if self.shard.grad is None:
@@ -59,21 +71,69 @@ class ShardedParam:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
         out.copy_(self.shard.detach())
 
+    def load_full_value(self, full: Tensor) -> None:
+        """Take this rank's chunk of ``full`` (the whole parameter, e.g. from a checkpoint)."""
+        if full.shape != self.shape:
+            raise ValueError(f"parameter {self.name!r} has shape {tuple(self.shape)}, the value has {tuple(full.shape)}")
+        start, end = self.layout.owned_range(self.rank)
+        with torch.no_grad():
+            self.shard.copy_(full.detach().reshape(-1)[start:end])
+            if self.keeps_full:
+                self.param.copy_(full)
+
+    # ---- stages 1-2: the full parameter is the module's -----------------------------------
     def check_storage_unchanged(self) -> None:
         """Fail loudly when the parameter's storage was replaced after setup, e.g. by
         ``module.to(...)`` or assigning ``param.data``: the shard would silently stop aliasing it."""
-        if self.param.data_ptr() != self._storage_ptr or self.param.numel() != self.layout.numel:
+        if self.param.data_ptr() != self._storage_ptr or self.param.shape != self.shape:
             raise RuntimeError(
                 f"Parameter {self.name!r} was replaced or resized after lightning-zero sharded it"
-                f" (now shape {tuple(self.param.shape)}). Move, cast or resize the model before"
-                " `trainer.fit` (or in `configure_model`), never during training."
+                f" (now shape {tuple(self.param.shape)}, was {tuple(self.shape)}). Move, cast or resize"
+                " the model before `trainer.fit` (or in `configure_model`), never during training."
             )
 
     def sync_master_from_param(self) -> None:
-        """Refresh the fp32 master chunk from the parameter (after the weights were loaded)."""
-        if self.holds_master_copy:
+        """Refresh the fp32 master chunk from the full parameter (after its weights were edited)."""
+        if self.holds_master_copy or not self.keeps_full:
             with torch.no_grad():
                 self.shard.copy_(self._owned_chunk())
+
+    # ---- stage 3: full data only while gathered -------------------------------------------
+    # [Note: stage-3 storage]
+    # At rest the parameter holds an empty placeholder, so touching it outside its unit fails
+    # with a shape error instead of reading freed memory. While gathered, ``param.data`` is
+    # ``_unsharded``. Autograd saves that tensor's *storage* for backward; resharding shrinks the
+    # storage to 0 bytes (memory is really freed, also under the saved references) and gathering
+    # for backward grows the same storage again and refills it, so the saved references see the
+    # weights again without any graph surgery.
+    def gather_target(self) -> Tensor:
+        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, the
+        (re)allocated unsharded tensor at stage 3."""
+        if self.keeps_full:
+            return self.param.detach().view(-1)
+        if self._unsharded is None:
+            self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.shard.device)
+        else:
+            storage = self._unsharded.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self._unsharded.numel() * self._unsharded.element_size())
+        return self._unsharded.view(-1)
+
+    def show_unsharded(self) -> None:
+        at_rest = self.param.numel() == 0
+        if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
+            raise RuntimeError(
+                f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded"
+                f" (it has shape {tuple(self.param.shape)}). Parameters of a ZeRO-3 model may not be"
+                " reassigned after setup; edit them inside `strategy.summon_full_params(writeback=True)`."
+            )
+        self.param.data = self._unsharded
+
+    def free_unsharded(self) -> None:
+        """Back to rest: release the full data (see [Note: stage-3 storage])."""
+        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
+        if self._unsharded is not None:
+            self._unsharded.untyped_storage().resize_(0)
 
     def optimizer_state_bytes(self, state: Optional[dict]) -> int:
         if not state:

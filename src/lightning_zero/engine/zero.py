@@ -94,6 +94,12 @@ class ZeroEngine:
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
 
     # ---- the training step -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before each training/evaluation step (stage 3 gathers the root unit here)."""
+
+    def end_step(self) -> None:
+        """After each step, once its last backward finished (stage 3 frees the root unit)."""
+
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
