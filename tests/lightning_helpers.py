@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -55,13 +56,15 @@ def regression_data(n: int = 64, batch_size: int = 4) -> DataLoader:
 
 
 class WeightRecorder(Callback):
-    """Weights after every optimizer step."""
+    """Full weights after every optimizer step (gathered under stage 3)."""
 
     def __init__(self) -> None:
         self.history: list[dict[str, torch.Tensor]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self.history.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+        summon = getattr(trainer.strategy, "summon_full_params", contextlib.nullcontext)
+        with summon():
+            self.history.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
 
 def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None, **kwargs: Any) -> L.Trainer:
@@ -100,3 +103,89 @@ def fit_and_record(
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+class GPTModule(L.LightningModule):
+    """The reference GPT (tied embedding / LM head, blocks in a ModuleList) as a LightningModule.
+
+    ``frozen``: freeze the position embedding and the first block (fine-tuning the rest).
+    ``unused_branch``: a block that is never called. ``in_configure_model``: build the layers in
+    ``configure_model`` from layers that initialise in ``reset_parameters()`` (a plain MLP stack
+    with a tied embedding), so a meta-device build can reproduce an eager one.
+    """
+
+    def __init__(self, frozen: bool = False, unused_branch: bool = False, in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.frozen, self.unused_branch, self.in_configure_model = frozen, unused_branch, in_configure_model
+        self.model: Optional[nn.Module] = None
+        if not in_configure_model:
+            self._build()
+
+    def _build(self) -> None:
+        from lightning_zero.models.gpt import GPT, GPTConfig
+
+        if self.in_configure_model:
+            self.model = TiedMLPStack()
+        else:
+            self.model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=16))
+            if self.unused_branch:
+                self.model.spare = nn.ModuleList([nn.Linear(16, 16)])
+            if self.frozen:
+                self.model.wpe.requires_grad_(False)
+                self.model.blocks[0].requires_grad_(False)
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self._build()
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        return self.model(idx, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0][:, :-1], batch[0][:, 1:])[1]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self(batch[0][:, :-1], batch[0][:, 1:])[1]
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0][:, :-1])[0]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+class TiedMLPStack(nn.Module):
+    """Embedding → blocks of Linear+LayerNorm → head tied to the embedding; initialised only by the
+    layers' own ``reset_parameters()``."""
+
+    def __init__(self, vocab: int = 256, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        loss = None if targets is None else nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def token_data(n: int = 32, length: int = 17, batch_size: int = 2) -> DataLoader:
+    g = torch.Generator().manual_seed(11)
+    return DataLoader(TensorDataset(torch.randint(0, 256, (n, length), generator=g)), batch_size=batch_size)
+
+
+def fit_gpt(strategy: Any, max_steps: int = 4, module_kwargs: Optional[dict] = None, callbacks: Optional[list] = None, **trainer_kwargs: Any):
+    """Fit a freshly seeded GPTModule; returns (module, weights after each step, trainer)."""
+    L.seed_everything(0, verbose=False)
+    module = GPTModule(**(module_kwargs or {}))
+    recorder = WeightRecorder()
+    trainer = make_trainer(strategy, max_steps, callbacks=[recorder, *(callbacks or [])], **trainer_kwargs)
+    trainer.fit(module, token_data(), token_data(8))
+    return module, recorder.history, trainer

@@ -31,26 +31,36 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, collectives
+from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
+from lightning_zero.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 
 STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
 }
 """Names registered in Lightning's ``StrategyRegistry`` by ``import lightning_zero``."""
 
 
 class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism: each of the N ranks keeps 1/N of the optimizer state (stage 1), of
-    the gradients too (stage 2), and trains to the same weights as DDP.
+    the gradients too (stage 2), of the parameters too (stage 3), and trains to the same weights
+    as DDP.
 
     Args:
         stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients,
-            reduce-scattering them in buckets during backward.
-        bucket_size_mb: MiB of parameters whose gradients are reduce-scattered (and updated
-            weights all-gathered) in one collective. Larger buckets mean fewer, bigger collectives
-            and bigger temporary buffers.
+            reduce-scattering them in buckets during backward; 3 also shards parameters, gathering
+            each unit just before its forward and backward and freeing it after.
+        bucket_size_mb: stages 1-2: MiB of parameters whose gradients are reduce-scattered (and
+            updated weights all-gathered) in one collective. Larger buckets mean fewer, bigger
+            collectives and bigger temporary buffers. At stage 3 a unit is a bucket.
+        unit_classes: stage 3: names of the module classes whose instances are units (e.g.
+            ``["Block"]``). Default: every element of an ``nn.ModuleList``/``nn.Sequential``/
+            ``nn.ModuleDict``. The LightningModule itself is the root unit, gathered for the whole step.
+        min_unit_params: stage 3: candidate units with fewer parameters stay in their parent's unit.
+        prefetch_units: stage 3: units gathered ahead of the one computing (0 disables); at most
+            root + 1 + ``prefetch_units`` units are gathered at once.
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``.
         cluster_environment: set by the Trainer; how ranks find each other.
@@ -66,6 +76,9 @@ class ZeroStrategy(DDPStrategy):
         self,
         stage: int = 2,
         bucket_size_mb: float = 25.0,
+        unit_classes: Optional[list[str]] = None,
+        min_unit_params: int = 0,
+        prefetch_units: int = 1,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -74,7 +87,13 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        self.zero_config = ZeroConfig(stage=stage, bucket_size_mb=bucket_size_mb)  # validates first
+        self.zero_config = ZeroConfig(  # validates before anything else happens
+            stage=stage,
+            bucket_size_mb=bucket_size_mb,
+            unit_classes=unit_classes,
+            min_unit_params=min_unit_params,
+            prefetch_units=prefetch_units,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -107,22 +126,64 @@ class ZeroStrategy(DDPStrategy):
         return self._engine
 
     # ---- setup / teardown --------------------------------------------------------------------
+    @property
+    def shards_parameters(self) -> bool:
+        return self.zero_config.zero_stage is ZeroStage.PARAMETERS
+
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        # every replica starts from rank 0's weights and buffers, as under DDP
-        collectives.broadcast_tensors_(_module_tensors(self.model), src=0, group=None)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            self._close_engine()
-            self._engine = ZeroEngine(self.lightning_module, self.optimizers, self.zero_config)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._close_engine()
+        if self.shards_parameters:
+            if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
+                self.setup_optimizers(trainer)
+            self._engine = ZeroEngine(
+                self.lightning_module, self.optimizers if fitting else [], self.zero_config, device=self.root_device
+            )
+            use_true_sizes_in_model_summary(trainer, self._engine)
+        else:
+            self.model_to_device()
+            # every replica starts from rank 0's weights and buffers, as under DDP
+            collectives.broadcast_tensors_(_module_tensors(self.model), src=0, group=None)
+            if fitting:
+                self.setup_optimizers(trainer)
+                self._engine = ZeroEngine(self.lightning_module, self.optimizers, self.zero_config)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # stage 3 loads weights into the shards, which exist only after setup
+        return self.shards_parameters
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """At stage 3, ``configure_model`` and ``trainer.init_module()`` build on the meta device;
+        setup then materializes one unit at a time (see ``engine/materialize.py``)."""
+        if not self.shards_parameters or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def summon_full_params(self, writeback: bool = False) -> Generator[None, None, None]:
+        """Inside, every parameter is its full tensor on every rank (for inspection, generation or
+        export). Edits are written back to the shards only with ``writeback=True``. Enter it on
+        every rank: gathering is a collective."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.gathered(writeback):
+            yield
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -137,12 +198,16 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._close_engine()
+        if self._engine is not None:
+            # stage 3: the module leaves with full parameters (on the CPU, where Lightning's
+            # teardown moves it anyway), gathered one unit at a time
+            self._engine.release_parameters(torch.device("cpu"))
+            self._engine = None
         super().teardown()
 
     def _close_engine(self) -> None:
         if self._engine is not None:
-            self._engine.close()
+            self._engine.release_parameters(self.root_device)
             self._engine = None
 
     # ---- the training step ---------------------------------------------------------------------
@@ -151,7 +216,36 @@ class ZeroStrategy(DDPStrategy):
         if self.model is not None:
             # DDP re-broadcasts rank 0's buffers (e.g. BatchNorm statistics) before each forward
             collectives.broadcast_tensors_(list(self.model.buffers()), src=0, group=None)
+        if self._engine is not None:
+            self._engine.begin_step()
         return super().training_step(*args, **kwargs)
+
+    @override
+    def post_training_step(self) -> None:
+        # manual optimization ran its backward passes inside training_step
+        if self._engine is not None and not self.lightning_module.automatic_optimization:
+            self._engine.end_step()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return step(*args, **kwargs)
+        self._engine.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._engine.end_step()
 
     @contextmanager
     @override
@@ -175,6 +269,8 @@ class ZeroStrategy(DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self._engine is not None:
             self._engine.finish_backward()
+            if self.lightning_module.automatic_optimization:
+                self._engine.end_step()
 
     @override
     def optimizer_step(
@@ -190,6 +286,14 @@ class ZeroStrategy(DDPStrategy):
         return output
 
     # ---- checkpoints -------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights; at stage 3 gathered one unit at a time and kept on rank 0 only (the rank
+        that writes the checkpoint)."""
+        if self._engine is None or not self.shards_parameters:
+            return super().lightning_module_state_dict()
+        return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full optimizer state, in the same format as DDP's (a collective on all ranks)."""
@@ -214,9 +318,9 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self._engine is not None:
-            self._engine.sync_master_weights()
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     # ---- introspection -----------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

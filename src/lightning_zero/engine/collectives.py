@@ -138,3 +138,16 @@ def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> 
             for t in members:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def new_group_like(group: ProcessGroup) -> ProcessGroup:
+    """A second process group over the same ranks (every rank must call this, in the same order).
+
+    Collectives on different groups are ordered independently: stage 3 issues all-gathers in
+    forward/backward order and reduce-scatters in bucket order, and giving each its own group keeps
+    those two orders from having to agree across ranks.
+    """
+    if world_size(group) == 1:
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks=ranks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 
 class ZeroStage(enum.IntEnum):
@@ -30,6 +31,20 @@ class ZeroConfig:
     reduce-scattered (and whose updated shards are all-gathered) in one collective. Collectives per
     step scale with model bytes / bucket size. A parameter larger than a bucket gets its own."""
 
+    unit_classes: Optional[Sequence[str]] = None
+    """Stage 3: names of the module classes whose instances are units (e.g. ``["Block"]``): their
+    parameters are gathered together just before their forward and freed after. None: every
+    element of an ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential``. The top module is always
+    a unit too (the root unit, gathered for the whole step)."""
+
+    min_unit_params: int = 0
+    """Stage 3: a candidate unit with fewer parameters than this stays in its parent's unit, so
+    tiny modules do not cost a collective each."""
+
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead to gather while the current one computes (0 disables). At most
+    the root unit + 1 + ``prefetch_units`` units are gathered at once."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ZeroStage}:
             raise ValueError(
@@ -40,6 +55,17 @@ class ZeroConfig:
             raise TypeError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
         if not self.bucket_size_mb > 0 or self.bucket_size_mb == float("inf"):
             raise ValueError(f"`bucket_size_mb` must be a positive, finite number of MiB, got {self.bucket_size_mb!r}.")
+
+        if self.unit_classes is not None:
+            if isinstance(self.unit_classes, str) or not all(isinstance(c, str) and c for c in self.unit_classes):
+                raise TypeError(
+                    f"`unit_classes` must be a list of module class names such as ['Block'], got {self.unit_classes!r}."
+                )
+            object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        for name in ("min_unit_params", "prefetch_units"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
 
     @property
     def zero_stage(self) -> ZeroStage:

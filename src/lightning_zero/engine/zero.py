@@ -1,28 +1,34 @@
-"""The ZeRO engine: a module and its optimizers, with stages composed from the shared parts.
+"""The ZeRO engine: a module and its optimizers, with the stages composed from shared parts.
 
-Stage 1 = sharded optimizer (``sharded_optimizer``) + buckets reduced after backward;
-stage 2 = the same + buckets reduced during backward (``grad_sync``). Nothing here imports
-Lightning: the strategy calls these methods from its hooks, and a Fabric strategy or a plain
-training loop can call them the same way::
+    stage 1 = ReplicatedParameters + ReduceAfterBackward  + the sharded optimizer
+    stage 2 = ReplicatedParameters + ReduceDuringBackward + the sharded optimizer
+    stage 3 = ShardedParameters    + ReduceDuringBackward + the sharded optimizer
 
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2))
-    loss.backward(); engine.finish_backward()
-    optimizer.step(); engine.after_optimizer_step(optimizer); optimizer.zero_grad()
+Nothing here imports Lightning: the strategy calls these methods from its hooks, and a Fabric
+strategy or a plain training loop can call them the same way::
+
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
+    for batch in data:
+        engine.begin_step()
+        loss = model(batch); loss.backward(); engine.finish_backward()
+        optimizer.step(); engine.after_optimizer_step(optimizer); optimizer.zero_grad()
+        engine.end_step()
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
-from lightning_zero.engine.bucket import Bucket, PendingParamGather, assign_buckets
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.residency import ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
     check_optimizer,
     gather_full_state_dict,
@@ -37,7 +43,7 @@ class MemoryReport:
     """Bytes of model state this rank holds right now, by kind."""
 
     parameters: int
-    """The module's parameters as they are now (full tensors at stages 1 and 2)."""
+    """Parameter data: full tensors where they exist now, plus stage 3's fp32 chunks at rest."""
     gradients: int
     """Full-size ``param.grad`` tensors plus this rank's gradient shards."""
     optimizer_state: int
@@ -49,7 +55,11 @@ class MemoryReport:
 
 
 class ZeroEngine:
-    """Shards ``optimizers``' state (and, from stage 2, gradients) over the ranks of ``group``."""
+    """Shards ``optimizers``' state, gradients (stage ≥ 2) and parameters (stage 3) over ``group``.
+
+    ``device``: where stage 3 materializes and keeps the parameter chunks (default: where the
+    module's parameters are; meta-device parameters need it given).
+    """
 
     def __init__(
         self,
@@ -57,33 +67,23 @@ class ZeroEngine:
         optimizers: Sequence[Optimizer],
         config: ZeroConfig,
         group: collectives.ProcessGroup = None,
+        device: Optional[torch.device] = None,
     ) -> None:
-        if config.zero_stage is ZeroStage.PARAMETERS:
-            raise ValueError("ZeroEngine implements stages 1 and 2; stage 3 shards parameters and is built separately.")
         self.config = config
         self.group = group
-        self.rank = collectives.rank(group)
-        self.world_size = collectives.world_size(group)
         self.optimizers = list(optimizers)
         optimizer_of = _optimizer_index_of_params(module, self.optimizers)
 
-        self.params = [
-            ShardedParam(name, p, self.rank, self.world_size)
-            for name, p in module.named_parameters()
-            if id(p) in optimizer_of
-        ]
+        self.residency: ParameterResidency
+        if config.zero_stage is ZeroStage.PARAMETERS:
+            self.residency = ShardedParameters(module, config, group, device or _device_of(module))
+        else:
+            self.residency = ReplicatedParameters(module, optimizer_of, config, group)
+        self.params: list[ShardedParam] = self.residency.params
+        self.buckets = self.residency.grad_buckets
+
         sharded = {id(sp.param): sp for sp in self.params}
         self._params_of_optimizer = [rebind_param_groups(opt, sharded) for opt in self.optimizers]
-
-        # gradients arrive roughly in reverse registration order, so buckets are filled that way
-        trainable = [sp for sp in reversed(self.params) if sp.param.requires_grad]
-        self.buckets = assign_buckets(
-            trainable, {id(sp): optimizer_of[id(sp.param)] for sp in trainable}, config.bucket_bytes, group
-        )
-        self._buckets_of_optimizer: dict[int, list[Bucket]] = {id(opt): [] for opt in self.optimizers}
-        for bucket in self.buckets:
-            owner = self.optimizers[optimizer_of[id(bucket.params[0].param)]]
-            self._buckets_of_optimizer[id(owner)].append(bucket)
 
         self.grad_sync: GradientSync = (
             ReduceAfterBackward(self.buckets)
@@ -96,27 +96,21 @@ class ZeroEngine:
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Before each training/evaluation step (stage 3 gathers the root unit here)."""
-
-    def end_step(self) -> None:
-        """After each step, once its last backward finished (stage 3 frees the root unit)."""
+        self.residency.begin_step()
 
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
         self.grad_sync.finish_backward(self.sync_gradients)
+        self.residency.end_backward()
 
-    def after_optimizer_step(self, optimizer: Optimizer, max_in_flight: int = 2) -> None:
-        """All-gather the shards ``optimizer`` just updated back into the full parameters."""
-        buckets = self._buckets_of(optimizer)
-        in_flight: deque[PendingParamGather] = deque()
-        for bucket in buckets:
-            for p in bucket.params:
-                p.check_storage_unchanged()
-            in_flight.append(bucket.start_param_gather())
-            if len(in_flight) >= max_in_flight:
-                in_flight.popleft().finish()
-        while in_flight:
-            in_flight.popleft().finish()
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Make the module see the shards ``optimizer`` just updated."""
+        self.residency.after_optimizer_step(optimizer, self._params_of(optimizer))
+
+    def end_step(self) -> None:
+        """After each step, once its last backward finished (stage 3 frees the root unit)."""
+        self.residency.end_step()
 
     # ---- state -----------------------------------------------------------------------------
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -127,49 +121,106 @@ class ZeroEngine:
         load_full_state_dict(optimizer, state_dict, self._params_of(optimizer))
 
     def sync_master_weights(self) -> None:
-        """Refresh fp32 master shards after the module's weights were loaded or edited."""
-        for p in self.params:
-            p.sync_master_from_param()
+        """Refresh fp32 master shards after the module's full weights were loaded or edited
+        (stages 1-2; at stage 3 the chunks are the only copy)."""
+        if not isinstance(self.residency, ShardedParameters):
+            for p in self.params:
+                p.sync_master_from_param()
+
+    def gathered(self, writeback: bool = False) -> AbstractContextManager[None]:
+        """Inside, every parameter is its full tensor on every rank; edits are written back to the
+        shards only with ``writeback=True``. A collective: enter it on every rank."""
+        return self.residency.gathered(writeback)
+
+    def full_state_dict(self, module: nn.Module, keep: bool = True, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` with full parameters copied to ``device``, gathering one unit at a
+        time (a collective). ``keep=False`` (e.g. on ranks that will not save) still takes part in
+        the collectives but returns an empty dict, so no rank holds more than it needs."""
+        values: dict[int, torch.Tensor] = {}
+        for p, value in self.residency.full_values(device):
+            if keep:
+                values[id(p.param)] = value
+        if not keep:
+            return {}
+        return {
+            key: values[id(t)] if id(t) in values else t.detach().to(device, copy=True)
+            for key, t in module.state_dict(keep_vars=True).items()
+        }
+
+    def load_full_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load unsharded weights (a plain ``state_dict``, e.g. from a DDP checkpoint) into the
+        shards and the module's buffers."""
+        if not isinstance(self.residency, ShardedParameters):
+            module.load_state_dict(state_dict, strict=strict)
+            self.sync_master_weights()
+            return
+        by_id = {id(p.param): p for p in self.params}
+        expected = module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"The state dict does not match the model: missing keys {missing[:10]}, unexpected keys"
+                f" {unexpected[:10]}{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}."
+            )
+        with torch.no_grad():
+            for key, target in expected.items():
+                if key not in state_dict:
+                    continue
+                if id(target) in by_id:
+                    by_id[id(target)].load_full_value(state_dict[key].to(target.device))
+                else:
+                    if target.shape != state_dict[key].shape:
+                        raise ValueError(f"buffer {key!r} has shape {tuple(target.shape)}, the value has {tuple(state_dict[key].shape)}")
+                    target.copy_(state_dict[key])
+
+    def release_parameters(self, device: torch.device) -> None:
+        """Training is over: leave the module with plain full parameters on ``device`` and remove
+        every hook (stage 3 gathers one unit at a time)."""
+        self.grad_sync.close()
+        self.residency.release_to(device)
 
     def memory_report(self) -> MemoryReport:
+        def nbytes(t: Optional[torch.Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
         module_params = {id(p.param): p.param for p in self.params}
-        parameters = sum(p.numel() * p.element_size() for p in module_params.values())
-        gradients = sum(
-            t.numel() * t.element_size()
-            for sp in self.params
-            for t in (sp.param.grad, sp.shard.grad)
-            if t is not None
-        )
+        chunk_is_the_weight = [p for p in self.params if not p.keeps_full and not p.holds_master_copy]
+        parameters = sum(nbytes(p) for p in module_params.values()) + sum(nbytes(p.shard) for p in chunk_is_the_weight)
+        gradients = sum(nbytes(sp.param.grad) + nbytes(sp.shard.grad) for sp in self.params)
         optimizer_state = sum(
             sp.optimizer_state_bytes(opt.state.get(sp.shard))
             for opt, params in zip(self.optimizers, self._params_of_optimizer)
             for sp in params
         )
-        masters = sum(sp.shard.numel() * sp.shard.element_size() for sp in self.params if sp.holds_master_copy)
+        masters = sum(nbytes(sp.shard) for sp in self.params if sp.holds_master_copy)
         return MemoryReport(parameters, gradients, optimizer_state + masters)
 
     def close(self) -> None:
-        """Remove every hook; the module is left as a plain module with full parameters."""
+        """Remove every hook."""
         self.grad_sync.close()
+        self.residency.close()
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _index_of(self, optimizer: Optimizer) -> int:
-        for i, opt in enumerate(self.optimizers):
+    def _params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
+        for opt, params in zip(self.optimizers, self._params_of_optimizer):
             if opt is optimizer:
-                return i
+                return params
         raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
 
-    def _params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
-        return self._params_of_optimizer[self._index_of(optimizer)]
 
-    def _buckets_of(self, optimizer: Optimizer) -> list[Bucket]:
-        return self._buckets_of_optimizer[id(self.optimizers[self._index_of(optimizer)])]
+def _device_of(module: nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        if not t.is_meta:
+            return t.device
+    raise ValueError("The module lives on the meta device; pass `device=` to say where to materialize it.")
 
 
 def _optimizer_index_of_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[int, int]:
     """Map ``id(param)`` to the index of the optimizer that holds it, checking that optimizers hold
     only the module's parameters, each at most once, and that something is trainable."""
-    if not any(p.requires_grad for p in module.parameters()):
+    optimizers = [opt for opt in optimizers if opt.param_groups]  # Lightning's stand-in when there is none
+    if optimizers and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"{type(module).__name__} has no parameter with `requires_grad=True`: there is nothing to"
             " train or shard. Unfreeze at least one parameter, or run `trainer.validate/test/predict`."

@@ -1,0 +1,130 @@
+"""When each ZeRO-3 unit is gathered and freed: the module and autograd hooks of stage 3.
+
+Per step, for a unit U (the root unit is gathered by ``begin_step`` and freed by ``end_step``, as
+its parameters may be used anywhere in the step):
+
+- forward pre-hook: gather U (waiting for its prefetch), then prefetch the units that followed U
+  in the previous forward;
+- forward post-hook: free U; under autograd, hook U's outputs so that the first gradient reaching
+  them gathers U again (and prefetches the unit that ran before U), and hook U's inputs so that once
+  their gradients are computed — U's backward is over — U is freed again;
+- if no input of U needs a gradient, U's backward ends with the last of its trainable parameters'
+  gradient accumulation, which then frees it;
+- anything still gathered when backward ends is freed there.
+
+All-gathers are issued in forward order (and its reverse in backward) on a process group of their
+own, so they never interleave with the reduce-scatters, whose order is fixed by the buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.engine.unit import Unit, UnitState
+
+
+def _grad_tensors(*trees: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(trees)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class GatherSchedule:
+    """Registers and runs the stage-3 hooks for ``units`` (the root first)."""
+
+    def __init__(self, units: Sequence[Unit], prefetch_units: int) -> None:
+        self.units = list(units)
+        self.root = self.units[0]
+        self.prefetch_units = prefetch_units
+        self._handles: list[RemovableHandle] = []
+        self._forward_order: list[int] = []  # unit indices in the order their forward ran
+        self._previous_order: list[int] = []
+        self._inputs_need_grad: dict[int, bool] = {}
+        self._grads_pending: dict[int, set[int]] = {}
+        for unit in self.units[1:]:
+            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(self._post_forward(unit), with_kwargs=True))
+            for p in unit.params:
+                if p.param.requires_grad:
+                    self._handles.append(p.param.register_post_accumulate_grad_hook(self._grad_accumulated(unit, p)))
+
+    # ---- step boundaries -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        if self._forward_order:
+            self._previous_order = self._forward_order
+        self._forward_order = []
+        self._inputs_need_grad.clear()
+        self._grads_pending = {u.index: {id(p) for p in u.params if p.param.requires_grad} for u in self.units[1:]}
+        self.root.unshard()
+
+    def end_backward(self) -> None:
+        for unit in self.units[1:]:
+            unit.reshard()
+
+    def end_step(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    def refresh_gathered(self) -> None:
+        """After an optimizer step: gathered units hold stale weights; gather them anew."""
+        for unit in self.units:
+            if unit.state is not UnitState.SHARDED:
+                unit.reshard()
+                unit.unshard()
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit):
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            unit.unshard()
+            self._forward_order.append(unit.index)
+            self._prefetch_after(unit.index, len(self._forward_order) - 1)
+
+        return hook
+
+    def _post_forward(self, unit: Unit):
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+            unit.reshard()
+            if not torch.is_grad_enabled():
+                return output
+            outputs, inputs = _grad_tensors(output), _grad_tensors(args, kwargs)
+            if outputs:
+                position = len(self._forward_order) - 1
+                register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit, position), mode="any")
+            if inputs:
+                self._inputs_need_grad[unit.index] = True
+                register_multi_grad_hook(inputs, lambda _: unit.reshard(), mode="all")
+            return output
+
+        return hook
+
+    def _pre_backward(self, unit: Unit, position: int) -> None:
+        unit.unshard()
+        for earlier in range(position - 1, max(position - 1 - self.prefetch_units, -1), -1):
+            self.units[self._forward_order[earlier]].start_unshard()
+
+    def _grad_accumulated(self, unit: Unit, param: Any):
+        def hook(_: Any) -> None:
+            pending = self._grads_pending.get(unit.index)
+            if pending is None:
+                return
+            pending.discard(id(param))
+            if not pending and not self._inputs_need_grad.get(unit.index, False):
+                unit.reshard()  # see the module docstring: no input gradient follows
+
+        return hook
+
+    def _prefetch_after(self, index: int, position: int) -> None:
+        order = self._previous_order
+        if self.prefetch_units <= 0 or position + 1 >= len(order) or order[position] != index:
+            return  # no record yet, or this forward already left last step's path
+        for later in order[position + 1 : position + 1 + self.prefetch_units]:
+            self.units[later].start_unshard()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,175 @@
+"""Where the full parameters live between uses — the one difference between stages 1-2 and 3.
+
+``ReplicatedParameters`` (stages 1-2): every rank keeps the full parameters; after an optimizer
+step each rank's updated chunks are all-gathered back into them, bucket by bucket.
+
+``ShardedParameters`` (stage 3): every rank keeps only its chunks; units are gathered just before
+use and freed after (``gather_schedule``), so nothing needs gathering after a step.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.bucket import Bucket, PendingParamGather, assign_buckets
+from lightning_zero.engine.config import ZeroConfig
+from lightning_zero.engine.gather_schedule import GatherSchedule
+from lightning_zero.engine.materialize import build_units
+from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.unit import UnitState
+
+
+class ParameterResidency(abc.ABC):
+    """The sharded parameters, the buckets their gradients are reduced in, and the step hooks."""
+
+    params: list[ShardedParam]
+    grad_buckets: list[Bucket]
+    """Buckets of trainable parameters, in the order their reduce-scatters are issued."""
+
+    def begin_step(self) -> None:
+        """Before a training or evaluation step."""
+
+    def end_backward(self) -> None:
+        """After each backward, once the gradients are reduced."""
+
+    def end_step(self) -> None:
+        """After a step's last backward (or after an evaluation step)."""
+
+    @abc.abstractmethod
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        """Make the module see the weights ``optimizer`` just updated in its shards."""
+
+    @abc.abstractmethod
+    def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
+        """Every sharded parameter's full value, copied to ``device`` (a collective at stage 3)."""
+
+    @abc.abstractmethod
+    def gathered(self, writeback: bool) -> AbstractContextManager[None]:
+        """A context in which every parameter is its full tensor on every rank."""
+
+    def release_to(self, device: torch.device) -> None:
+        """Leave the module with plain full parameters (when training ends)."""
+        self.close()
+
+    def close(self) -> None:
+        """Remove hooks."""
+
+
+class ReplicatedParameters(ParameterResidency):
+    """Stages 1-2: full parameters on every rank; the optimizer steps chunks of them."""
+
+    def __init__(
+        self, module: nn.Module, optimizer_of: dict[int, int], config: ZeroConfig, group: collectives.ProcessGroup
+    ) -> None:
+        rank, world_size = collectives.rank(group), collectives.world_size(group)
+        self.params = [
+            ShardedParam(name, p, rank, world_size, keep_full=True)
+            for name, p in module.named_parameters()
+            if id(p) in optimizer_of
+        ]
+        # gradients arrive roughly in reverse registration order, so buckets are filled that way
+        trainable = [sp for sp in reversed(self.params) if sp.param.requires_grad]
+        self.grad_buckets = assign_buckets(
+            trainable, {id(sp): optimizer_of[id(sp.param)] for sp in trainable}, config.bucket_bytes, group
+        )
+
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = 2) -> None:
+        """All-gather the buckets of ``optimizer``'s parameters, at most ``max_in_flight`` at once."""
+        mine = {id(p) for p in optimizer_params}
+        in_flight: deque[PendingParamGather] = deque()
+        for bucket in self.grad_buckets:
+            if id(bucket.params[0]) not in mine:
+                continue  # buckets never mix optimizers
+            for p in bucket.params:
+                p.check_storage_unchanged()
+            in_flight.append(bucket.start_param_gather())
+            if len(in_flight) >= max_in_flight:
+                in_flight.popleft().finish()
+        while in_flight:
+            in_flight.popleft().finish()
+
+    def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
+        for p in self.params:
+            yield p, p.param.detach().to(device, copy=True)
+
+    @contextmanager
+    def gathered(self, writeback: bool) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if writeback:
+                for p in self.params:
+                    p.sync_master_from_param()
+
+
+class ShardedParameters(ParameterResidency):
+    """Stage 3: only chunks at rest; units gathered around their use."""
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device) -> None:
+        gather_group = collectives.new_group_like(group)  # see GatherSchedule's docstring
+        self.units = build_units(module, device, gather_group, config.unit_classes, config.min_unit_params)
+        self.params = [p for unit in self.units for p in unit.params]
+        self.grad_buckets = []
+        for unit in reversed(self.units):  # backward runs the units in reverse
+            trainable = [p for p in unit.params if p.param.requires_grad]
+            for dtype in dict.fromkeys(p.param.dtype for p in trainable):
+                members = [p for p in trainable if p.param.dtype == dtype]
+                self.grad_buckets.append(Bucket(len(self.grad_buckets), members, group))
+        self.schedule = GatherSchedule(self.units, config.prefetch_units)
+
+    def begin_step(self) -> None:
+        self.schedule.begin_step()
+
+    def end_backward(self) -> None:
+        self.schedule.end_backward()
+
+    def end_step(self) -> None:
+        self.schedule.end_step()
+
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        self.schedule.refresh_gathered()
+
+    def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
+        """Every parameter's full value as a copy on ``device``, gathering one unit at a time (a
+        collective: every rank must iterate it to the end). Units gathered before stay gathered."""
+        for unit in self.units:
+            was_gathered = unit.state is UnitState.UNSHARDED
+            unit.unshard()
+            for p in unit.params:
+                yield p, p.param.detach().to(device, copy=True)
+            if not was_gathered:
+                unit.reshard()
+
+    @contextmanager
+    def gathered(self, writeback: bool) -> Iterator[None]:
+        """Every unit gathered; with ``writeback``, edits to the full parameters are kept."""
+        was_sharded = [unit for unit in self.units if unit.state is not UnitState.UNSHARDED]
+        for unit in self.units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            if writeback:
+                for p in self.params:
+                    p.sync_master_from_param()
+            for unit in was_sharded:
+                unit.reshard()
+
+    def release_to(self, device: torch.device) -> None:
+        """Give the module plain full parameters on ``device`` again (one unit on the compute
+        device at a time) and drop the sharding; used when training ends."""
+        full = {id(p): value for p, value in self.full_values(device)}
+        self.close()
+        for p in self.params:
+            p.param.data = full[id(p)]
+
+    def close(self) -> None:
+        self.schedule.close()
