@@ -105,6 +105,7 @@ class ZeroStrategy(DDPStrategy):
             start_method="popen",
         )
         self._engine: Optional[ZeroEngine] = None
+        self._failed = False
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -197,12 +198,22 @@ class ZeroStrategy(DDPStrategy):
                 )
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # the ranks may now disagree on which collective comes next: tear down without any
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
         if self._engine is not None:
-            # stage 3: the module leaves with full parameters (on the CPU, where Lightning's
-            # teardown moves it anyway), gathered one unit at a time
-            self._engine.release_parameters(torch.device("cpu"))
+            if self._failed:
+                self._engine.close()
+            else:
+                # stage 3: the module leaves with full parameters (on the CPU, where Lightning's
+                # teardown moves it anyway), gathered one unit at a time
+                self._engine.release_parameters(torch.device("cpu"))
             self._engine = None
+        self._failed = False
         super().teardown()
 
     def _close_engine(self) -> None:

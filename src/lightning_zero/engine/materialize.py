@@ -95,7 +95,9 @@ def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) 
     kept: dict[int, Tensor] = {}
     for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
         if t.is_meta:
-            t.data = torch.empty_like(t, device=device)
+            # meta and real tensors cannot share `.data`; swapping keeps the Python object, so
+            # optimizers built from the meta model (with the true shapes) keep pointing at it
+            torch.utils.swap_tensors(t, _same_kind(t, torch.empty_like(t, device=device)))
         elif id(t) in done:
             kept[id(t)] = t.detach().clone()
     with torch.no_grad():
@@ -103,3 +105,7 @@ def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) 
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
             if id(t) in kept:
                 t.copy_(kept[id(t)])
+
+
+def _same_kind(like: Tensor, data: Tensor) -> Tensor:
+    return nn.Parameter(data, requires_grad=like.requires_grad) if isinstance(like, nn.Parameter) else data
