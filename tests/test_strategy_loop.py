@@ -35,7 +35,7 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
     }
     for label, kwargs in settings.items():
         _, reference, _ = fit_and_record("ddp", STEPS, **dict(kwargs))
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             _, history, trainer = fit_and_record(name, STEPS, **dict(kwargs))
             out[(label, name)] = diffs(reference, history)
             if label == "two_groups_steplr":
@@ -55,18 +55,27 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
 
     ddp_history, ddp_ckpt = checkpointed_run("ddp")
     zero2_history, zero2_ckpt = checkpointed_run("zero2")
+    zero3_history, zero3_ckpt = checkpointed_run("zero3")
     out["ckpt_uninterrupted_zero2"] = diffs(ddp_history, zero2_history)
+    out["ckpt_uninterrupted_zero3"] = diffs(ddp_history, zero3_history)
     if rank == 0:
-        saved = [torch.load(p, weights_only=False) for p in (ddp_ckpt, zero2_ckpt)]
+        saved = [torch.load(p, weights_only=False) for p in (ddp_ckpt, zero2_ckpt, zero3_ckpt)]
         states = [s["optimizer_states"][0]["state"] for s in saved]
-        out["ckpt_optimizer_state_diff"] = max(
-            (states[0][i][k].float() - states[1][i][k].float()).abs().max().item() for i in states[0] for k in states[0][i]
-        )
-        out["ckpt_optimizer_state_keys_equal"] = all(states[0][i].keys() == states[1][i].keys() for i in states[0]) and states[0].keys() == states[1].keys()
+        for name, other, ckpt in (("zero2", states[1], saved[1]), ("zero3", states[2], saved[2])):
+            out[("ckpt_optimizer_state_diff", name)] = max(
+                (states[0][i][k].float() - other[i][k].float()).abs().max().item() for i in states[0] for k in states[0][i]
+            )
+            out[("ckpt_optimizer_state_keys_equal", name)] = states[0].keys() == other.keys() and all(
+                states[0][i].keys() == other[i].keys() for i in states[0]
+            )
+            out[("ckpt_weights_diff", name)] = max_abs_diff(saved[0]["state_dict"], ckpt["state_dict"])
     # the reference is DDP resumed from DDP's checkpoint, so Lightning's own resume semantics
     # (e.g. how it re-enters an epoch) are the same on both sides
     _, reference, _ = fit_and_record("ddp", 6, data_size=16, ckpt_path=ddp_ckpt)
-    for resumed_name, ckpt in (("zero1", ddp_ckpt), ("zero2", ddp_ckpt), ("ddp", zero2_ckpt), ("zero1", zero2_ckpt)):
+    for resumed_name, ckpt in (
+        ("zero1", ddp_ckpt), ("zero2", ddp_ckpt), ("zero3", ddp_ckpt),
+        ("ddp", zero2_ckpt), ("zero1", zero2_ckpt), ("zero3", zero2_ckpt), ("ddp", zero3_ckpt), ("zero2", zero3_ckpt),
+    ):
         _, history, _ = fit_and_record(resumed_name, 6, data_size=16, ckpt_path=ckpt)
         out[("resume", resumed_name, os.path.basename(os.path.dirname(ckpt)))] = diffs(reference, history)
 
@@ -108,16 +117,17 @@ def test_stage1_accumulation_bitwise_and_silent_between_steps(results):
     assert results[0]["zero1_accumulate_calls"] == {"reduce_scatter": 2, "all_gather": 2, "broadcast": 1}
 
 
-def test_stage2_accumulation_close_to_ddp(results):
-    # Stage 2 reduce-scatters each micro-batch (keeping gradients sharded), so it sums
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_stage2_and_3_accumulation_close_to_ddp(results, name):
+    # Stages 2-3 reduce-scatter each micro-batch (keeping gradients sharded), so they sum
     # (g1/N + g2/N) across ranks where DDP sums (g1 + g2)/N: a different order of float additions.
     for r in results:
-        assert max(r[("accumulate_2", "zero2")]) <= 1e-6
+        assert max(r[("accumulate_2", name)]) <= 1e-6
 
 
 def test_clip_by_value_bitwise(results):
     for r in results:
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             assert r[("clip_value", name)] == [0.0] * STEPS
 
 
@@ -125,25 +135,30 @@ def test_clip_by_norm_uses_global_norm(results):
     # The global norm is summed from per-shard norms, DDP's from per-tensor norms: the same
     # quantity with a different rounding, hence 1e-6 rather than bitwise.
     for r in results:
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             assert max(r[("clip_norm", name)]) <= 1e-6
 
 
 def test_param_groups_and_scheduler(results):
     for r in results:
-        for name in ("zero1", "zero2"):
+        for name in ("zero1", "zero2", "zero3"):
             assert r[("two_groups_steplr", name)] == [0.0] * STEPS
             assert r[("two_groups_steplr", name, "lr")] == [1e-2 * 0.5**STEPS, 3e-2 * 0.5**STEPS]
 
 
-def test_checkpoint_matches_ddp_format_and_values(results):
-    assert results[0]["ckpt_optimizer_state_keys_equal"]
-    assert results[0]["ckpt_optimizer_state_diff"] == 0.0
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_checkpoint_matches_ddp_format_and_values(results, name):
+    assert results[0][("ckpt_optimizer_state_keys_equal", name)]
+    assert results[0][("ckpt_optimizer_state_diff", name)] == 0.0
+    assert results[0][("ckpt_weights_diff", name)] == 0.0
     for r in results:
-        assert r["ckpt_uninterrupted_zero2"] == [0.0] * 6
+        assert r[f"ckpt_uninterrupted_{name}"] == [0.0] * 6
 
 
-@pytest.mark.parametrize("resumed,saved_by", [("zero1", "ddp"), ("zero2", "ddp"), ("ddp", "zero2"), ("zero1", "zero2")])
+@pytest.mark.parametrize(
+    "resumed,saved_by",
+    [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "ddp"), ("ddp", "zero2"), ("zero1", "zero2"), ("zero3", "zero2"), ("ddp", "zero3"), ("zero2", "zero3")],
+)
 def test_resume_across_strategies_is_exact(results, resumed, saved_by):
     for r in results:
         assert r[("resume", resumed, saved_by)] == [0.0] * 4

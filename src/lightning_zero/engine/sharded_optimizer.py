@@ -108,7 +108,7 @@ def gather_full_state_dict(
             collectives.start_all_gather(gathered, padded, group).wait()
             full = torch.empty(param.layout.numel, dtype=local.dtype, device=local.device)
             copy_rows_into_flat(gathered.view(n, c), full)
-            state[key] = full.view(param.param.shape)
+            state[key] = full.view(param.shape)
         full_state[index] = state
     return {"state": full_state, "param_groups": state_dict["param_groups"]}
 
@@ -127,12 +127,12 @@ def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], 
         start, end = param.layout.owned_range(param.rank)
         state[index] = {}
         for key, value in saved.items():
-            if key != STEP_KEY and isinstance(value, Tensor) and value.shape == param.param.shape:
+            if key != STEP_KEY and isinstance(value, Tensor) and value.shape == param.shape:
                 value = value.reshape(-1)[start:end].clone()
             elif key != STEP_KEY and isinstance(value, Tensor) and value.numel() == param.layout.numel > 1:
                 raise ValueError(
                     f"Optimizer state {key!r} of parameter {param.name!r} has shape {tuple(value.shape)},"
-                    f" the parameter has shape {tuple(param.param.shape)}."
+                    f" the parameter has shape {tuple(param.shape)}."
                 )
             state[index][key] = value
     optimizer.load_state_dict({"state": state, "param_groups": full_state_dict["param_groups"]})

@@ -1,0 +1,154 @@
+"""Memory a rank holds: model-state bytes by kind and location, and peak process memory.
+
+[Note: counting model-state bytes]
+Every variant says which tensors it holds as parameters, gradients and optimizer state
+(`StateTensors`); each is counted by the *storage* under it, once, at the storage's full size. So
+views are not counted twice (our stage-1/2 shards are views into the parameters, DDP's gradients
+are views into its buckets with `gradient_as_bucket_view=True`), padding inside a storage is
+counted, and a freed stage-3 parameter (storage resized to 0 bytes) counts 0. When two kinds share a
+storage it is counted under the first of parameters, gradients, optimizer state. DTensors (FSDP2)
+are counted by their local shard. Location is the tensor's device type ("cpu", "cuda").
+
+This is the same rule for every variant, so the figures compare; it sees only tensors reachable
+from the module and the optimizer (plus the extra ones a wrapper names), not communication buffers
+or activations — those show in the peak memory instead.
+
+[Note: peak memory]
+On CUDA: `torch.cuda.max_memory_allocated`, reset after setup. On CPU: the peak resident set size
+(`VmHWM` in /proc/self/status), reset after setup by writing "5" to /proc/self/clear_refs (Linux
+4.0+; where that fails, the peak since the process started, and the result says so). glibc keeps
+freed heap memory mapped, which hides sharding in RSS; the benchmark therefore starts its processes
+with `MALLOC_MMAP_THRESHOLD_=131072` (see `worker.py`), so buffers of 128 KiB and more are mmap'ed
+and returned to the system when freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+KINDS = ("parameters", "gradients", "optimizer_state")
+"""The three model-state terms of the ZeRO paper, in the order a shared storage is attributed."""
+
+
+@dataclass(frozen=True)
+class StateTensors:
+    """The tensors a variant holds as model state, by kind (duplicates and views are fine)."""
+
+    parameters: tuple[Tensor, ...] = ()
+    gradients: tuple[Tensor, ...] = ()
+    optimizer_state: tuple[Tensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeldBytes:
+    """Model-state bytes held by one rank at one moment; see [Note: counting model-state bytes]."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    total: int
+    by_location: dict[str, int] = field(default_factory=dict)
+    """Total bytes by device type, e.g. {"cpu": ..., "cuda": ...}."""
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard, any other tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else t
+
+
+def held_bytes(tensors: StateTensors) -> HeldBytes:
+    """Sum the storages under `tensors`, each once (see [Note: counting model-state bytes])."""
+    seen: set[tuple[str, int]] = set()
+    by_kind = dict.fromkeys(KINDS, 0)
+    by_location: dict[str, int] = {}
+    for kind in KINDS:
+        for tensor in getattr(tensors, kind):
+            t = _local(tensor)
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            key = (str(t.device), storage.data_ptr())
+            if nbytes == 0 or t.is_meta or key in seen:
+                continue
+            seen.add(key)
+            by_kind[kind] += nbytes
+            by_location[t.device.type] = by_location.get(t.device.type, 0) + nbytes
+    return HeldBytes(**by_kind, total=sum(by_kind.values()), by_location=by_location)
+
+
+def module_and_optimizer_tensors(
+    module: nn.Module, optimizers: Sequence[Optimizer], extra_gradients: Iterable[Tensor] = ()
+) -> StateTensors:
+    """What a module and its optimizers hold: the module's parameters, every `.grad`, the
+    optimizers' state tensors, and the tensors the optimizers step in place of the module's
+    parameters (our shards, FSDP2's DTensors, DeepSpeed's flat partitions).
+
+    Such a stepped tensor counts as a parameter when it has the module's parameter dtype (it *is*
+    this rank's copy of the weights, e.g. a stage-3 shard) and as optimizer state otherwise (an fp32
+    master copy of half-precision weights, the paper's K term)."""
+    module_params = list(module.parameters())
+    weight_dtype = module_params[0].dtype if module_params else torch.float32
+    stepped = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    state = [
+        v for opt in optimizers for per_param in opt.state.values() for v in per_param.values() if isinstance(v, Tensor)
+    ]
+    return StateTensors(
+        parameters=tuple(module_params) + tuple(p for p in stepped if p.dtype == weight_dtype),
+        gradients=tuple(p.grad for p in (*module_params, *stepped) if p.grad is not None) + tuple(extra_gradients),
+        optimizer_state=tuple(state) + tuple(p for p in stepped if p.dtype != weight_dtype),
+    )
+
+
+# --- peak memory ---------------------------------------------------------------------------------
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+def _status_kib(field_name: str) -> Optional[int]:
+    try:
+        with open(_STATUS) as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])  # "VmHWM:   123456 kB"
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """How peak memory is read on this device; see [Note: peak memory]."""
+
+    device: torch.device
+
+    def reset(self) -> str:
+        """Start a new peak now; returns what the peak will mean, for the report."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return "torch.cuda.max_memory_allocated since setup"
+        try:
+            with open(_CLEAR_REFS, "w") as clear_refs:
+                clear_refs.write("5")  # 5 = reset the peak RSS to the current RSS (proc(5))
+            return "peak RSS (VmHWM) since setup"
+        except OSError:
+            return "peak RSS (VmHWM) since the process started (could not reset it)"
+
+    def current(self) -> int:
+        """Bytes in use now: allocated CUDA memory, or the resident set size."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return 1024 * (_status_kib("VmRSS") or 0)
+
+    def peak(self) -> int:
+        """Peak bytes since `reset`."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return 1024 * (_status_kib("VmHWM") or 0)

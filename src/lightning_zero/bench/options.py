@@ -1,0 +1,130 @@
+"""What one benchmark run measures: the model, the data shape, the world and the variants.
+
+The defaults size a run for a laptop-class machine: on 2 CPU cores all twelve variants (three of
+them DeepSpeed's) finish in a few minutes, each process group spending more time starting than
+stepping. Scale `--params` (or the shape) and `--steps` up for figures that speak for real models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lightning_zero.bench import variants
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+PRECISIONS = ("fp32", "bf16-mixed")
+"""fp32, or Lightning's bf16-mixed: autocast to bf16 around the forward, fp32 model states."""
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Every option of `lightning-zero bench`; checked in `__post_init__`."""
+
+    n_layer: int = 4
+    """Transformer blocks (each one a stage-3 / FSDP2 unit)."""
+    n_embd: int = 384
+    """Width; with the other defaults about 7.3M parameters, ~1 s per step per rank on one core."""
+    n_head: int = 6
+    """Attention heads (head size 64 at the default width, as GPT-2)."""
+    block_size: int = 128
+    """Sequence length of every sample."""
+    params: Optional[int] = None
+    """A target parameter count: when given, `n_embd` is chosen (a multiple of `n_head`) so the
+    model comes closest to it, keeping the other shape options."""
+    batch_size: int = 8
+    """Sequences per rank per step."""
+    devices: int = 2
+    """Ranks (processes), N."""
+    warmup: int = 2
+    """Untimed steps first: the optimizer state is created in the first step, and DDP rebuilds its
+    buckets after it."""
+    steps: int = 5
+    """Timed steps; the median is reported."""
+    variants: tuple[str, ...] = tuple(v.name for v in variants.VARIANTS)
+    """Which variants to run (`variants.VARIANTS` names), DDP first whatever the order given."""
+    precision: str = "fp32"
+    """One of `PRECISIONS`."""
+    fused: bool = False
+    """Use `torch.optim.AdamW(fused=True)` in every variant (about 3.5x faster on CPU)."""
+    out: Path = Path("bench-results")
+    """Directory for the markdown, JSON, PNG and the processes' logs."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (nccl, one GPU per rank)."""
+    seed: int = 1234
+    """Seeds the model's initialisation (identical for every variant) and the data."""
+    bucket_size_mb: float = 25.0
+    """Bucket size for every variant that has one (ours, DDP, DeepSpeed), so they communicate in
+    pieces of the same size; 25 MiB is DDP's default."""
+    timeout_s: float = 900.0
+    """A variant whose processes have not all reported by then is killed and marked failed."""
+
+    def __post_init__(self) -> None:
+        positive = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "steps")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"`warmup` must be a non-negative integer, got {self.warmup!r}")
+        if self.params is not None and self.params < 1:
+            raise ValueError(f"`params` must be a positive parameter count, got {self.params!r}")
+        if self.devices < 2:
+            raise ValueError("`devices` must be at least 2: with one rank there is nothing to shard or compare")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"`precision` must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"`device` must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"`bucket_size_mb` must be positive, got {self.bucket_size_mb!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"`timeout_s` must be positive, got {self.timeout_s!r}")
+        if not self.variants:
+            raise ValueError("`variants` must name at least one variant")
+        variants.select(self.variants)  # raises for unknown names
+        object.__setattr__(self, "variants", tuple(self.variants))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.n_embd % self.n_head and self.params is None:
+            raise ValueError(f"`n_head` ({self.n_head}) must divide `n_embd` ({self.n_embd})")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens all ranks together train on per step."""
+        return self.devices * self.batch_size * self.block_size
+
+
+def _count(config: GPTConfig) -> int:
+    with torch.device("meta"):  # shapes only: any size is counted instantly and allocates nothing
+        return GPT(config).num_parameters()
+
+
+def model_config(options: BenchOptions) -> GPTConfig:
+    """The GPT shape to train: the options' own, or with `n_embd` fitted to `options.params`."""
+    base = dict(vocab_size=256, block_size=options.block_size, n_layer=options.n_layer, n_head=options.n_head)
+    if options.params is None:
+        return GPTConfig(n_embd=options.n_embd, dropout=0.0, bias=True, **base)
+
+    def shaped(heads_wide: int) -> GPTConfig:
+        return GPTConfig(n_embd=heads_wide * options.n_head, dropout=0.0, bias=True, **base)
+
+    # The count grows monotonically with the width: bisect on n_embd / n_head.
+    low, high = 1, 1
+    while _count(shaped(high)) < options.params:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _count(shaped(middle)) < options.params:
+            low = middle
+        else:
+            high = middle
+    best = min((low, high), key=lambda k: abs(_count(shaped(k)) - options.params))
+    return shaped(best)
+
+
+def num_parameters(config: GPTConfig) -> int:
+    """Ψ: distinct parameters of the model (the tied embedding counted once)."""
+    return _count(config)

@@ -1,0 +1,115 @@
+"""The floors a variant is measured against: the ZeRO paper's model-state and communication volumes.
+
+Model states per rank (Rajbhandari et al., 2020, section 5 and figure 1), with Ψ parameters, N ranks
+and w + g + o bytes per parameter for weights, gradients and optimizer state:
+
+    DDP (stage 0)  (w+g+o)Ψ              mixed-precision Adam (2+2+12): 16Ψ      fp32 Adam (4+4+8): 16Ψ
+    stage 1        (w+g)Ψ + oΨ/N                                        4Ψ+12Ψ/N                   8Ψ+8Ψ/N
+    stage 2        wΨ + (g+o)Ψ/N                                        2Ψ+14Ψ/N                   4Ψ+12Ψ/N
+    stage 3        (w+g+o)Ψ/N                                           16Ψ/N                      16Ψ/N
+
+The arithmetic is `lightning_zero.estimate`'s (the `estimate` subcommand), so the benchmark and the
+estimate cannot disagree. The benchmark trains in fp32 or Lightning-style bf16-mixed (autocast, with
+fp32 weights, gradients and moments), so its floors use the fp32-Adam column; the paper's
+mixed-precision column is reported beside it for reference.
+
+Communication per step and rank, in bytes of the gradient dtype b (4 for both precisions here):
+DDP and stages 1-2 move 2Ψ·b·(N-1)/N (a ring all-reduce = reduce-scatter + all-gather, each
+(N-1)/N of the buffer); stage 3 moves 3Ψ·b·(N-1)/N (parameters are gathered twice, for forward and
+for backward, plus the gradient reduce-scatter). The (N-1)/N factor is the share of a buffer a rank
+receives in a ring collective; `comm.py` counts measured bytes the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from torch import nn
+
+from lightning_zero import estimate as est
+
+MODEL_STATE_RELATIVE_TOLERANCE = 0.05
+"""Issue 8's target: measured model-state bytes within 5% of the floor, plus one unit (below)."""
+
+COMM_RELATIVE_TOLERANCE = 0.01
+"""Issue 8's target: measured communication bytes within 1% of the floor. What is left over is
+per-parameter padding of shards (at most N-1 elements each) and small control tensors."""
+
+BENCH_SCHEME = est.SCHEMES["fp32"]
+"""Bytes per parameter of what the benchmark holds: fp32 weights and gradients and Adam's two fp32
+moments, for `fp32` and for `bf16-mixed` alike (autocast casts activations, not model states)."""
+
+PAPER_SCHEME = est.SCHEMES["mixed"]
+"""The paper's mixed-precision Adam (2 + 2 + 12 bytes), reported for reference only."""
+
+
+@dataclass(frozen=True)
+class StateFloor:
+    """The theoretical model-state bytes one rank holds, by kind and by where they live."""
+
+    parameters: int
+    """Weights (this rank's shard at stage 3)."""
+    gradients: int
+    """Gradients (this rank's shard from stage 2)."""
+    optimizer_state: int
+    """Adam's moments (and, in mixed precision, the fp32 master weights)."""
+    offloaded: int
+    """The part of the three terms above that lives in host memory with CPU offload (0 without)."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+def model_state_floor(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    scheme: est.PrecisionScheme = BENCH_SCHEME,
+) -> StateFloor:
+    """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP)."""
+    layout = est.Layout(est.Stage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
+    estimate = est.estimate(num_params, layout, scheme, est.Topology(devices=world_size))
+    # `estimate` reports host bytes per node (all its ranks together); one rank holds 1/N of them.
+    host = estimate.host
+    per_rank_host = est.StateBytes(
+        host.weights // world_size, host.gradients // world_size, host.optimizer // world_size
+    )
+    device = estimate.device
+    return StateFloor(
+        parameters=device.weights + per_rank_host.weights,
+        gradients=device.gradients + per_rank_host.gradients,
+        optimizer_state=device.optimizer + per_rank_host.optimizer,
+        offloaded=per_rank_host.total,
+    )
+
+
+def communication_volume(stage: int) -> int:
+    """Floor of the bytes moved per step, in units of Ψ·b·(N-1)/N: 2 up to stage 2, 3 at stage 3."""
+    return 3 if stage == 3 else 2
+
+
+def communication_floor(num_params: int, world_size: int, stage: int, element_bytes: int = 4) -> float:
+    """Bytes one rank receives per step at the floor: `communication_volume(stage)`·Ψ·b·(N-1)/N."""
+    share = Fraction(world_size - 1, world_size)
+    return float(communication_volume(stage) * num_params * element_bytes * share)
+
+
+def largest_unit_bytes(model: nn.Module, unit_class: type[nn.Module]) -> int:
+    """Bytes of the largest unit's own parameters: the biggest `unit_class` instance, or what the
+    root keeps outside all of them (embeddings, final norm). A stage-3 rank holds one or two such
+    units gathered on top of its shards, which is the "plus one unit" of the tolerance below."""
+    units = [m for m in model.modules() if isinstance(m, unit_class)]
+    in_units = {id(p) for m in units for p in m.parameters()}
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in units]
+    sizes.append(sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_units))
+    return max(sizes)
+
+
+def model_state_tolerance(floor_bytes: int, unit_bytes: int) -> int:
+    """How far measured model-state bytes may be from `floor_bytes` and still meet issue 8's target:
+    5% of the floor plus one unit (see `largest_unit_bytes`)."""
+    return int(MODEL_STATE_RELATIVE_TOLERANCE * floor_bytes) + unit_bytes

@@ -1,0 +1,82 @@
+"""The table of what the benchmark compares: each variant's name, family, and the ZeRO stage whose
+floor it is measured against. How each is built and stepped is `wrappers.py`."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class Family(str, enum.Enum):
+    """Who implements a variant; variants of one family share a wrapper."""
+
+    DDP = "torch DDP"
+    TORCH_ZERO = "torch ZeroRedundancyOptimizer"
+    FSDP2 = "torch FSDP2"
+    OURS = "lightning-zero"
+    DEEPSPEED = "DeepSpeed"
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One way of training the same model with data parallelism."""
+
+    name: str
+    """What `--variants` takes and the report shows."""
+    family: Family
+    stage: int
+    """0 (DDP) to 3: the ZeRO stage it corresponds to, whose memory and communication floors it is
+    compared with. For FSDP2 `reshard_after_forward=False` is ≈ stage 2 and `True` ≈ stage 3."""
+    description: str
+    """One line for the report."""
+    offload_optimizer: bool = False
+    """Ours: optimizer state (and its step) in host memory."""
+    offload_params: bool = False
+    """Ours, stage 3: parameter shards in host memory too."""
+
+    @property
+    def is_ours(self) -> bool:
+        return self.family is Family.OURS
+
+
+VARIANTS: tuple[VariantSpec, ...] = (
+    VariantSpec("ddp", Family.DDP, 0, "DistributedDataParallel, gradient_as_bucket_view=True"),
+    VariantSpec("torch_zero1", Family.TORCH_ZERO, 1, "DDP + ZeroRedundancyOptimizer, parameters_as_bucket_view=True"),
+    VariantSpec("fsdp2_z2", Family.FSDP2, 2, "fully_shard per Block and root, reshard_after_forward=False"),
+    VariantSpec("fsdp2_z3", Family.FSDP2, 3, "fully_shard per Block and root, reshard_after_forward=True"),
+    VariantSpec("zero1", Family.OURS, 1, "ZeroEngine stage 1"),
+    VariantSpec("zero2", Family.OURS, 2, "ZeroEngine stage 2"),
+    VariantSpec("zero3", Family.OURS, 3, "ZeroEngine stage 3, one unit per Block"),
+    VariantSpec("zero2_offload", Family.OURS, 2, "ZeroEngine stage 2, optimizer on the CPU", offload_optimizer=True),
+    VariantSpec(
+        "zero3_offload",
+        Family.OURS,
+        3,
+        "ZeroEngine stage 3, optimizer and parameter shards on the CPU",
+        offload_optimizer=True,
+        offload_params=True,
+    ),
+    VariantSpec("ds_zero1", Family.DEEPSPEED, 1, "DeepSpeed ZeRO stage 1, gradient_clipping=0"),
+    VariantSpec("ds_zero2", Family.DEEPSPEED, 2, "DeepSpeed ZeRO stage 2, gradient_clipping=0"),
+    VariantSpec("ds_zero3", Family.DEEPSPEED, 3, "DeepSpeed ZeRO stage 3, gradient_clipping=0"),
+)
+
+BY_NAME: dict[str, VariantSpec] = {v.name: v for v in VARIANTS}
+BASELINE = "ddp"
+"""The variant step times are divided by."""
+
+
+def select(names: Sequence[str]) -> tuple[VariantSpec, ...]:
+    """The named variants in the table's order (DDP first, so its time is there to compare with);
+    unknown names raise a `ValueError` listing the known ones."""
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; choose from: {', '.join(BY_NAME)}")
+    wanted = set(names)
+    return tuple(v for v in VARIANTS if v.name in wanted)
+
+
+def peers(spec: VariantSpec, among: Sequence[VariantSpec]) -> tuple[VariantSpec, ...]:
+    """The other implementations of the same stage (without offload) that ours should beat."""
+    return tuple(v for v in among if not v.is_ours and v.stage == spec.stage and v.family is not Family.DDP)
