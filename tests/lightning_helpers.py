@@ -189,3 +189,38 @@ def fit_gpt(strategy: Any, max_steps: int = 4, module_kwargs: Optional[dict] = N
     trainer = make_trainer(strategy, max_steps, callbacks=[recorder, *(callbacks or [])], **trainer_kwargs)
     trainer.fit(module, token_data(), token_data(8))
     return module, recorder.history, trainer
+
+
+class TwoOptimizerModule(L.LightningModule):
+    """Manual optimization with two optimizers over disjoint parameter sets, GAN-style: a
+    "generator" step then a "critic" step per batch, each toggling its optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3))
+        self.critic = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_g, opt_c = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        fake = self.generator(x)
+        loss_g = nn.functional.mse_loss(fake, y) - self.critic(fake).mean()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_c)
+        loss_c = self.critic(self.generator(x).detach()).mean() - self.critic(y).mean()
+        self.manual_backward(loss_c)
+        opt_c.step()
+        opt_c.zero_grad()
+        self.untoggle_optimizer(opt_c)
+
+    def configure_optimizers(self) -> Any:
+        return (
+            torch.optim.AdamW(self.generator.parameters(), lr=1e-2, weight_decay=0.1),
+            torch.optim.SGD(self.critic.parameters(), lr=1e-2, momentum=0.9),
+        )

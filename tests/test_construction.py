@@ -80,17 +80,6 @@ def test_lightning_cli_parses_name_and_class_path(tmp_path):
         LightningCLI(BoringModel, run=False, args=["--config", str(bad)])
 
 
-def test_loss_scaling_is_refused_until_supported():
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    from lightning_zero.precision import check_precision_supported, to_zero_precision
-
-    plugin = to_zero_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
-    with pytest.raises(ValueError, match="bf16-mixed"):
-        check_precision_supported(plugin)
-    check_precision_supported(to_zero_precision(MixedPrecision("bf16-mixed", "cpu")))
-
-
 def test_custom_precision_plugin_is_refused():
     from lightning.pytorch.plugins.precision import Precision
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from multiprocess import run_on_ranks
 
@@ -40,6 +41,12 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
             out[(label, name)] = diffs(reference, history)
             if label == "two_groups_steplr":
                 out[(label, name, "lr")] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+
+    # -- gradient norms: Lightning's helper under DDP == the strategy's helper under ZeRO
+    _, _, _ = fit_and_record("ddp", 2, callbacks=[ddp_norms := _GradNorms(lightning_helper=True)])
+    for name in ("zero1", "zero2", "zero3"):
+        fit_and_record(name, 2, callbacks=[zero_norms := _GradNorms(lightning_helper=False)])
+        out[("grad_norm", name)] = (ddp_norms.seen, zero_norms.seen)
 
     # -- stage 1 communicates nothing on micro-batches that only accumulate
     COLLECTIVE_STATS.reset()
@@ -94,6 +101,18 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
     _, history, _ = fit_and_record("zero2", 1)
     out["usable_after_errors"] = len(history)
     return out
+
+
+class _GradNorms(Callback):
+    def __init__(self, lightning_helper: bool) -> None:
+        self.lightning_helper = lightning_helper
+        self.seen: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        norms = grad_norm(pl_module, 2) if self.lightning_helper else trainer.strategy.grad_norm(2)
+        self.seen.append({k: v.item() for k, v in norms.items()})
 
 
 def _frozen_model():
@@ -177,3 +196,14 @@ def test_bad_input_raises_on_every_rank(results, label, expected):
     for r in results:
         assert r[("error", label)] is not None and expected in r[("error", label)], r[("error", label)]
         assert r["usable_after_errors"] == 1
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_grad_norm_helper_matches_lightnings_under_ddp(results, name):
+    for r in results:
+        ddp, zero = r[("grad_norm", name)]
+        assert len(ddp) == len(zero) == 2
+        for expected, got in zip(ddp, zero):
+            assert expected.keys() == got.keys()
+            for key in expected:
+                assert got[key] == pytest.approx(expected[key], rel=1e-5), key

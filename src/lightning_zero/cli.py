@@ -50,7 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _subcommands() -> tuple[Subcommand, ...]:
     """Every subcommand, in `--help` order; a function so that entries defined further down (or imported
     from their own modules) are looked up when `main` runs, not when this module is imported."""
-    return (ESTIMATE,)
+    from lightning_zero.bench.command import BENCH  # imported here: it imports this module
+
+    return (ESTIMATE, BENCH)
 
 
 # --- argument types: each raises ArgumentTypeError saying what is accepted --------------------------

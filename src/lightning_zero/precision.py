@@ -1,15 +1,20 @@
 """Precision plugins for sharded gradients.
 
-Lightning's precision plugins clip gradients on ``optimizer.param_groups`` — under ZeRO, this
-rank's gradient *shards*. Clipping by value is element-wise and needs nothing more; clipping by
-norm needs the norm over all shards, so the squared local norm is all-reduced first. The strategy
-swaps Lightning's plugins for these subclasses (see ``ZeroStrategy.precision_plugin``), so users
-pass ``Trainer(precision=...)`` as usual.
+Lightning's precision plugins look at ``optimizer.param_groups`` — under ZeRO, this rank's
+gradient *shards*. Two decisions there must be global rather than per shard:
+
+- clipping by norm needs the norm over all shards, so the squared local norm is all-reduced
+  first (clipping by value is element-wise and needs nothing);
+- loss scaling (``16-mixed``) must skip a step when *any* rank's shard overflowed, or the ranks
+  diverge: :class:`ZeroGradScaler` all-reduces the found-inf flag.
+
+The strategy swaps Lightning's plugins for these subclasses (see ``ZeroStrategy.precision_plugin``),
+so users pass ``Trainer(precision=...)`` as usual.
 """
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -30,6 +35,40 @@ def global_grad_norm(parameters: list[torch.Tensor], group: collectives.ProcessG
     return collectives.all_reduce(squared, group, op="sum").sqrt().reshape(())
 
 
+class ZeroGradScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` whose inf/NaN verdict is taken across all ranks (each sees only its shard),
+    so every rank skips the same steps and the scales never diverge."""
+
+    def __init__(self, *args: Any, group: collectives.ProcessGroup = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler) -> "ZeroGradScaler":
+        """The same settings and current state as ``scaler``."""
+        converted = cls(
+            scaler._device,
+            init_scale=scaler._init_scale,
+            growth_factor=scaler._growth_factor,
+            backoff_factor=scaler._backoff_factor,
+            growth_interval=scaler._growth_interval,
+            enabled=scaler._enabled,
+        )
+        if scaler._scale is not None:
+            converted.load_state_dict(scaler.state_dict())
+        return converted
+
+    def _unscale_grads_(self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # one flag, reduced once: a rank whose shard has no gradient on some device must still
+        # take part, so the collective count may not depend on the dict's length
+        flag = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        for value in per_device.values():
+            flag += value.to(flag.device)
+        collectives.all_reduce(flag, self.group, op="max")
+        return {device: flag.to(device) for device in per_device} or {flag.device: flag}
+
+
 class _ShardedNormClipping:
     """Mixin: ``clip_grad_by_norm`` over the global norm of the sharded gradients."""
 
@@ -48,7 +87,7 @@ class ZeroPrecision(_ShardedNormClipping, Precision):
 
 
 class ZeroMixedPrecision(_ShardedNormClipping, MixedPrecision):
-    """``bf16-mixed`` with sharded gradients."""
+    """``bf16-mixed``, and ``16-mixed`` with a :class:`ZeroGradScaler`, for sharded gradients."""
 
 
 class ZeroHalfPrecision(_ShardedNormClipping, HalfPrecision):
@@ -60,7 +99,8 @@ def to_zero_precision(plugin: Precision) -> Precision:
     if isinstance(plugin, _ShardedNormClipping):
         return plugin
     if type(plugin) is MixedPrecision:
-        return ZeroMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
+        scaler = None if plugin.scaler is None else ZeroGradScaler.like(plugin.scaler)
+        return ZeroMixedPrecision(plugin.precision, plugin.device, scaler)
     if type(plugin) is HalfPrecision:
         return ZeroHalfPrecision(plugin.precision)
     if type(plugin) is Precision:
@@ -72,11 +112,13 @@ def to_zero_precision(plugin: Precision) -> Precision:
 
 def check_precision_supported(plugin: Precision) -> None:
     """Refuse, before training, the combinations that would train incorrectly."""
-    if getattr(plugin, "scaler", None) is not None:
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and not isinstance(scaler, ZeroGradScaler):
         raise ValueError(
-            f"precision={plugin.precision!r} uses a GradScaler, whose inf/NaN check would run on each"
-            " rank's gradient shard separately and let the ranks diverge. lightning-zero does not"
-            " support loss scaling yet. HINT: use precision='bf16-mixed' (no loss scaling needed)."
+            f"precision={plugin.precision!r} uses a {type(scaler).__name__}, whose inf/NaN check would"
+            " run on each rank's gradient shard separately and let the ranks diverge. HINT: pass"
+            " `Trainer(precision='16-mixed')` and let the strategy choose its plugin, or give your"
+            " plugin a lightning_zero.precision.ZeroGradScaler."
         )
     if not isinstance(plugin, _ShardedNormClipping):
         raise ValueError(

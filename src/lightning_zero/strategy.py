@@ -334,6 +334,24 @@ class ZeroStrategy(DDPStrategy):
         self._engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     # ---- introspection -----------------------------------------------------------------------
+    def grad_norm(self, norm_type: Union[float, int, str] = 2.0) -> dict[str, torch.Tensor]:
+        """What ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` returns under DDP — the
+        norm of each parameter's full gradient and their total, keyed the same way — computed from
+        the gradient shards (Lightning's helper would see no gradients: ZeRO frees them). Call it on
+        every rank in ``on_before_optimizer_step``::
+
+            self.log_dict(self.trainer.strategy.grad_norm(2))
+        """
+        if self._engine is None:
+            raise RuntimeError("grad_norm() is available while `trainer.fit` runs (after setup).")
+        norm_type = float(norm_type)
+        norms = self._engine.grad_norms(norm_type)
+        total = norms.pop("total", None)
+        out = {f"grad_{norm_type}_norm/{name}": value for name, value in norms.items()}
+        if total is not None:
+            out[f"grad_{norm_type}_norm_total"] = total
+        return out
+
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
         if self._engine is None:

@@ -28,6 +28,7 @@ from fractions import Fraction
 from torch import nn
 
 from lightning_zero import estimate as est
+from lightning_zero.bench.variants import VariantSpec
 
 MODEL_STATE_RELATIVE_TOLERANCE = 0.05
 """Issue 8's target: measured model-state bytes within 5% of the floor, plus one unit (below)."""
@@ -113,3 +114,35 @@ def model_state_tolerance(floor_bytes: int, unit_bytes: int) -> int:
     """How far measured model-state bytes may be from `floor_bytes` and still meet issue 8's target:
     5% of the floor plus one unit (see `largest_unit_bytes`)."""
     return int(MODEL_STATE_RELATIVE_TOLERANCE * floor_bytes) + unit_bytes
+
+
+@dataclass(frozen=True)
+class VariantTheory:
+    """Everything a variant's measurements are compared with."""
+
+    model_state: StateFloor
+    """Per-rank model-state floor at the variant's stage (fp32 Adam, see `BENCH_SCHEME`)."""
+    model_state_tolerance_bytes: int
+    """`model_state_tolerance`: how far the measurement may be from the floor."""
+    paper_mixed_precision_bytes: int
+    """The same floor for the paper's mixed-precision Adam (16Ψ at stage 0), for reference."""
+    comm_volume_psi: int
+    """2 or 3: the floor of bytes moved per step in units of Ψ·b·(N-1)/N."""
+    comm_bytes_per_step: float
+    """`communication_floor`: bytes one rank receives per step."""
+
+
+def variant_theory(spec: VariantSpec, num_params: int, world_size: int, unit_bytes: int) -> VariantTheory:
+    """The floors for `spec` on Ψ = `num_params` parameters and N = `world_size` ranks; `unit_bytes`
+    is `largest_unit_bytes` of the model."""
+    floor = model_state_floor(num_params, world_size, spec.stage, spec.offload_optimizer, spec.offload_params)
+    paper = model_state_floor(
+        num_params, world_size, spec.stage, spec.offload_optimizer, spec.offload_params, scheme=PAPER_SCHEME
+    )
+    return VariantTheory(
+        model_state=floor,
+        model_state_tolerance_bytes=model_state_tolerance(floor.total, unit_bytes),
+        paper_mixed_precision_bytes=paper.total,
+        comm_volume_psi=communication_volume(spec.stage),
+        comm_bytes_per_step=communication_floor(num_params, world_size, spec.stage, BENCH_SCHEME.gradient_bytes),
+    )

@@ -95,13 +95,15 @@ class Bucket:
         for i, p in enumerate(self.params):
             grad = p.param.grad
             block = self._columns(send, i)
-            if grad is None:
+            # a shard switched off by `LightningModule.toggle_optimizer` (which sees the shards)
+            # gets no gradient, as its parameter would not under DDP
+            if grad is None or not p.shard.requires_grad:
                 block.zero_()
                 send[:, s + i].zero_()
             else:
                 copy_flat_into_rows(grad.detach().view(-1), block)
                 send[:, s + i].fill_(1)
-                p.param.grad = None  # the full-size gradient is released here
+            p.param.grad = None  # the full-size gradient is released here
         send[:, :s].mul_(1.0 / n)
         received = torch.empty(s + k, dtype=grad_dtype, device=self.device)  # (S + k,)
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)

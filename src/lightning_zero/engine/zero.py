@@ -180,6 +180,28 @@ class ZeroEngine:
         self.grad_sync.close()
         self.residency.release_to(device)
 
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+        """The ``norm_type``-norm of every parameter's full (reduced) gradient, by parameter name, and
+        of all of them (key ``"total"``), computed from the shards with one all-reduce. The numbers
+        ``lightning.pytorch.utilities.grad_norm`` gives under DDP; call it on every rank, between
+        backward and the optimizer step."""
+        norm_type = float(norm_type)
+        with_grad = [p for p in self.params if p.shard.grad is not None]  # the same on every rank
+        if not with_grad:
+            return {}
+        device = with_grad[0].shard.grad.device
+        if norm_type == float("inf"):
+            local = [p.shard.grad.detach().abs().amax() if p.owned_numel else torch.zeros((), device=device) for p in with_grad]
+            per_param = collectives.all_reduce(torch.stack(local).float(), self.group, op="max")
+            total = per_param.max()
+        else:
+            local = [p.shard.grad.detach().float().abs().pow(norm_type).sum() for p in with_grad]
+            powered = collectives.all_reduce(torch.stack(local), self.group, op="sum")
+            per_param, total = powered.pow(1.0 / norm_type), powered.sum().pow(1.0 / norm_type)
+        norms = {p.name: norm for p, norm in zip(with_grad, per_param)}
+        norms["total"] = total
+        return norms
+
     def memory_report(self) -> MemoryReport:
         def nbytes(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()

@@ -1,0 +1,17 @@
+"""`lightning-zero bench`: our ZeRO stages side by side with DDP, torch's ZeRO-1, FSDP2 and DeepSpeed
+on one model, one data stream and one machine, each next to the ZeRO paper's floors.
+
+    from lightning_zero.bench import BenchOptions, run_bench
+    result = run_bench(BenchOptions(devices=2, steps=5, variants=("ddp", "zero2")))
+
+Modules: `options` (what to run), `variants` (the table), `wrappers` (how each variant is built
+and stepped), `worker` (one process group per variant), `memory` and `comm` (what is measured and
+how), `theory` (the floors), `targets` (issue 8's targets and the notes), `results` (the figures),
+`report` (markdown, JSON, PNG), `command` (the console subcommand).
+"""
+
+from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.results import BenchResult, VariantResult
+from lightning_zero.bench.run import run_bench
+
+__all__ = ["BenchOptions", "BenchResult", "VariantResult", "run_bench"]

@@ -1,0 +1,123 @@
+"""The `lightning-zero bench` subcommand: its options, and printing where the report went."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lightning_zero.bench import variants
+from lightning_zero.bench.options import DEVICES, PRECISIONS, BenchOptions
+from lightning_zero.bench.run import run_bench
+from lightning_zero.cli import Subcommand, parse_count, positive_int
+
+_DEFAULTS = BenchOptions()
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps (0 or more)")
+    return value
+
+
+def _variant_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    try:
+        variants.select(names)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one variant")
+    return names
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `BenchOptions`, with its defaults."""
+    model = parser.add_argument_group("model (a GPT; --params picks the width for the other shape options)")
+    width = model.add_mutually_exclusive_group()
+    width.add_argument("--params", type=parse_count, metavar="N", help="target parameter count, e.g. 20M or 1.2e8")
+    width.add_argument("--n-embd", type=positive_int, default=_DEFAULTS.n_embd, metavar="C", help=f"width (default: {_DEFAULTS.n_embd})")
+    model.add_argument("--n-layer", type=positive_int, default=_DEFAULTS.n_layer, metavar="L", help=f"blocks (default: {_DEFAULTS.n_layer})")
+    model.add_argument("--n-head", type=positive_int, default=_DEFAULTS.n_head, metavar="H", help=f"heads (default: {_DEFAULTS.n_head})")
+    model.add_argument(
+        "--block-size", type=positive_int, default=_DEFAULTS.block_size, metavar="T", help=f"sequence length (default: {_DEFAULTS.block_size})"
+    )
+    training = parser.add_argument_group("run")
+    training.add_argument("--batch-size", type=positive_int, default=_DEFAULTS.batch_size, metavar="B", help=f"sequences per rank and step (default: {_DEFAULTS.batch_size})")
+    training.add_argument("--devices", type=positive_int, default=_DEFAULTS.devices, metavar="N", help=f"ranks, at least 2 (default: {_DEFAULTS.devices})")
+    training.add_argument("--device", choices=DEVICES, default=_DEFAULTS.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu")
+    training.add_argument("--warmup", type=_non_negative_int, default=_DEFAULTS.warmup, metavar="K", help=f"untimed steps first (default: {_DEFAULTS.warmup})")
+    training.add_argument("--steps", type=positive_int, default=_DEFAULTS.steps, metavar="K", help=f"timed steps, median reported (default: {_DEFAULTS.steps})")
+    training.add_argument(
+        "--variants",
+        type=_variant_list,
+        default=_DEFAULTS.variants,
+        metavar="A,B,...",
+        help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS) + " (default: all)",
+    )
+    training.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="default: fp32")
+    training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
+    training.add_argument(
+        "--bucket-size-mb", type=_positive_float, default=_DEFAULTS.bucket_size_mb, metavar="MB",
+        help=f"bucket size of every variant that has buckets (default: {_DEFAULTS.bucket_size_mb:g} MiB)",
+    )  # fmt: skip
+    training.add_argument("--seed", type=int, default=_DEFAULTS.seed, help=f"model and data seed (default: {_DEFAULTS.seed})")
+    training.add_argument(
+        "--timeout", type=_positive_float, default=_DEFAULTS.timeout_s, metavar="S",
+        help=f"seconds a variant may take before it is killed (default: {_DEFAULTS.timeout_s:g})",
+    )  # fmt: skip
+    training.add_argument("--out", type=Path, default=_DEFAULTS.out, metavar="DIR", help=f"report directory (default: ./{_DEFAULTS.out})")
+
+
+def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Build `BenchOptions` (its checks fail as usage errors), run, print the table and the files."""
+    try:
+        options = BenchOptions(
+            n_layer=args.n_layer,
+            n_embd=args.n_embd,
+            n_head=args.n_head,
+            block_size=args.block_size,
+            params=args.params,
+            batch_size=args.batch_size,
+            devices=args.devices,
+            warmup=args.warmup,
+            steps=args.steps,
+            variants=args.variants,
+            precision=args.precision,
+            fused=args.fused,
+            out=args.out,
+            device=args.device,
+            seed=args.seed,
+            bucket_size_mb=args.bucket_size_mb,
+            timeout_s=args.timeout,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # parser.error exits; this line only tells type checkers so
+    result = run_bench(options, progress=lambda line: print(line, flush=True))
+    print()
+    print(Path(result.files["markdown"]).read_text())
+    for kind, where in result.files.items():
+        print(f"{kind}: {where}")
+    return 0
+
+
+BENCH = Subcommand(
+    name="bench",
+    help="Measure memory, communication and speed of our ZeRO stages against DDP, torch ZeRO-1, FSDP2 and DeepSpeed.",
+    add_arguments=add_arguments,
+    run=run_command,
+)

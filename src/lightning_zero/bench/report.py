@@ -1,0 +1,295 @@
+"""Writing one run down: a markdown table for people, a JSON file with every figure, a PNG chart.
+
+Bytes are shown in decimal MB (10^6), the unit of the `estimate` subcommand and the ZeRO paper.
+The chart needs matplotlib (the `bench` extra); without it the run writes the rest and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.results import OK, BenchResult, VariantResult
+
+MARKDOWN_NAME, JSON_NAME, CHART_NAME, LOG_DIR_NAME = "bench.md", "bench.json", "bench.png", "logs"
+
+_TARGET_LABELS = {"model_state": "model state", "communication": "comm", "step_time": "time", "vs_peers": "vs peers"}
+
+DEFINITIONS = """\
+- **model state**: bytes of parameters, gradients and optimizer state one rank holds, counted by
+  storage (views once, padding included), at the point of the step where the sum is largest; the
+  worst rank. **floor**: the ZeRO paper's per-rank figure for the stage with fp32 Adam
+  (4 + 4 + 8 bytes per parameter: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N). Target: within 5% + one unit.
+- **peak**: CUDA max allocated, or peak RSS (VmHWM, reset after setup; the processes run with
+  MALLOC_MMAP_THRESHOLD_=131072 so freed buffers leave RSS); the worst rank. Includes activations,
+  buffers and the process itself, so it is not comparable with the floor.
+- **step**: median over timed steps of the slowest rank; **× DDP**: divided by DDP's in this run.
+- **calls, comm**: collectives of one step as seen by torch's dispatcher (`c10d::*` operators,
+  DDP's C++ reducer included); comm = bytes a rank receives in a ring: (N-1)/N of the buffer per
+  all-gather / reduce-scatter / broadcast, 2(N-1)/N per all-reduce. **floor**: 2Ψ·4 B·(N-1)/N up to
+  stage 2, 3Ψ·4 B·(N-1)/N at stage 3. Target: within 1%.
+- **missed**: issue 8's targets this variant misses (see the notes); speed targets are ours only."""
+
+
+# --- the environment ------------------------------------------------------------------------
+
+
+def _version(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_environment(options: BenchOptions) -> dict[str, Any]:
+    """Where the figures come from: versions, processor or GPU, and the world."""
+    gpus = (
+        [torch.cuda.get_device_name(i) for i in range(options.devices)]
+        if options.device == "cuda" and torch.cuda.is_available()
+        else None
+    )
+    cpus = os.cpu_count() or 1
+    return {
+        "torch": torch.__version__,
+        "lightning": _version("lightning"),
+        "lightning_zero": _version("lightning-zero"),
+        "deepspeed": _version("deepspeed"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": cpus,
+        "gpus": gpus,
+        "device": options.device,
+        "backend": "nccl" if options.device == "cuda" else "gloo",
+        "world_size": options.devices,
+        "threads_per_rank": max(1, cpus // options.devices) if options.device == "cpu" else torch.get_num_threads(),
+    }
+
+
+def command_line(options: BenchOptions) -> str:
+    """The `lightning-zero bench` command that reproduces `options`."""
+    defaults = BenchOptions()
+    parts = ["lightning-zero bench"]
+    if options.params is not None:
+        parts.append(f"--params {options.params}")
+    flags = [
+        ("n_layer", "--n-layer"),
+        ("n_head", "--n-head"),
+        ("block_size", "--block-size"),
+        ("batch_size", "--batch-size"),
+        ("devices", "--devices"),
+        ("warmup", "--warmup"),
+        ("steps", "--steps"),
+        ("precision", "--precision"),
+        ("device", "--device"),
+        ("seed", "--seed"),
+        ("bucket_size_mb", "--bucket-size-mb"),
+    ]
+    if options.params is None:
+        flags.insert(1, ("n_embd", "--n-embd"))
+    for name, flag in flags:
+        if getattr(options, name) != getattr(defaults, name):
+            parts.append(f"{flag} {getattr(options, name)}")
+    if options.variants != defaults.variants:
+        parts.append(f"--variants {','.join(options.variants)}")
+    if options.fused:
+        parts.append("--fused")
+    if options.out != defaults.out:
+        parts.append(f"--out {options.out}")
+    return " ".join(parts)
+
+
+# --- markdown -------------------------------------------------------------------------------
+
+
+def _mb(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "—"
+    value = nbytes / 1e6
+    return f"{value:,.1f}" if value >= 10 else f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
+
+
+def _pct(fraction: Optional[float]) -> str:
+    return "—" if fraction is None else f"{fraction:+.1%}"
+
+
+def _missed(result: VariantResult) -> str:
+    if result.status != OK:
+        return result.status
+    judged = {k: v for k, v in result.targets.items() if v is not None}
+    missed = [_TARGET_LABELS[k] for k, v in judged.items() if v is False]
+    return ", ".join(missed) if missed else "none"
+
+
+def _main_row(r: VariantResult) -> list[str]:
+    def number(value: Optional[float], fmt: str) -> str:
+        return "—" if value is None else format(value, fmt)
+
+    return [
+        f"`{r.name}`",
+        str(r.stage),
+        _mb(r.model_state_bytes),
+        _mb(r.theory.model_state.total),
+        _pct(r.model_state_vs_theory),
+        _mb(r.peak_memory_bytes),
+        number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.0f"),
+        number(r.step_time_ratio_to_ddp, ".2f"),
+        number(r.tokens_per_s, ",.0f"),
+        number(r.collective_calls_per_step, "d"),
+        _mb(r.comm_bytes_per_step),
+        _mb(r.theory.comm_bytes_per_step),
+        _pct(r.comm_vs_theory),
+        number(r.final_loss, ".4f"),
+        _missed(r),
+    ]
+
+
+def _state_row(r: VariantResult) -> list[str]:
+    floor = r.theory.model_state
+    kinds = r.model_state_by_kind or {}
+    where = ", ".join(f"{k} {_mb(v)}" for k, v in sorted((r.model_state_by_location or {}).items())) or "—"
+    engine = "—"
+    if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
+        report = r.ranks[0].engine_reports[r.model_state_phase]
+        engine = " / ".join(_mb(report.get(k)) for k in ("parameters", "gradients", "optimizer_state"))
+    return [
+        f"`{r.name}`",
+        r.model_state_phase or "—",
+        f"{_mb(kinds.get('parameters'))} / {_mb(floor.parameters)}",
+        f"{_mb(kinds.get('gradients'))} / {_mb(floor.gradients)}",
+        f"{_mb(kinds.get('optimizer_state'))} / {_mb(floor.optimizer_state)}",
+        where,
+        _mb(floor.offloaded) if floor.offloaded else "—",
+        engine,
+    ]
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
+    marks = {"l": ":--", "r": "--:"}
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def markdown(result: BenchResult) -> str:
+    """The report: setting, the main table, model states by kind, notes, definitions."""
+    env, model, opts = result.environment, result.model, result.options
+    psi = model["num_params"]
+    where = ", ".join(env["gpus"]) if env.get("gpus") else f"{env['cpu']}, {env['threads_per_rank']} thread(s) per rank"
+    lines = [
+        "# lightning-zero bench",
+        "",
+        f"`{result.options['command']}`",
+        "",
+        f"GPT {model['config']['n_layer']} layers × {model['config']['n_embd']} wide, "
+        f"{model['config']['n_head']} heads, Ψ = {psi:,} parameters; {opts['batch_size']} × "
+        f"{opts['block_size']} random byte tokens per rank; N = {env['world_size']} ranks on "
+        f"{env['device']} ({env['backend']}; {where}); {opts['precision']}; AdamW"
+        f"{' (fused)' if opts['fused'] else ''}; {opts['warmup']} warm-up + {opts['steps']} timed steps. "
+        f"torch {env['torch']}, lightning {env['lightning']}"
+        + (f", deepspeed {env['deepspeed']}" if env.get("deepspeed") else "")
+        + ".",
+        "",
+    ]
+    headers = [
+        "variant", "stage", "model state MB", "floor MB", "Δ", "peak MB", "step ms", "× DDP", "tokens/s",
+        "calls/step", "comm MB/step", "floor MB", "Δ", "loss", "missed",
+    ]  # fmt: skip
+    lines += _table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrl")
+    lines += ["", "Model states per rank, measured / floor (MB), where the total was largest:", ""]
+    state_headers = ["variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded", "engine's own report"]
+    ran = [r for r in result.variants if r.status == OK]
+    lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrr")
+    lines += ["", "## Notes", ""]
+    for r in result.variants:
+        for note in r.notes:
+            lines.append(f"- `{r.name}`: {note}")
+    lines += [f"- {note}" for note in result.notes]
+    if not any(r.notes for r in result.variants) and not result.notes:
+        lines.append("- none")
+    lines += ["", "## Definitions", "", DEFINITIONS, ""]
+    return "\n".join(lines)
+
+
+# --- JSON and chart ---------------------------------------------------------------------------
+
+
+def to_json(result: BenchResult) -> str:
+    """Every figure of `result` (dataclasses as objects, paths as strings)."""
+    return json.dumps(dataclasses.asdict(result), indent=2, default=str)
+
+
+def write_chart(result: BenchResult, path: Path) -> Optional[str]:
+    """Bars of model state, its floor and peak memory, and of step time, per variant that ran.
+    Returns None when written, otherwise why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        return f"matplotlib is not importable ({error}); install the `bench` extra for the chart"
+    ran = [r for r in result.variants if r.status == OK]
+    if not ran:
+        return "no variant ran"
+    names = [r.name for r in ran]
+    x = range(len(ran))
+    figure, (memory, time) = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(ran) + 3), 8), constrained_layout=True)
+    width = 0.27
+    series = [
+        ("model state", [r.model_state_bytes / 1e6 for r in ran]),
+        ("floor (fp32 Adam)", [r.theory.model_state.total / 1e6 for r in ran]),
+        ("peak memory", [r.peak_memory_bytes / 1e6 for r in ran]),
+    ]
+    for i, (label, values) in enumerate(series):
+        memory.bar([k + (i - 1) * width for k in x], values, width, label=label)
+    memory.set_ylabel("MB per rank")
+    memory.set_xticks(list(x), names, rotation=30, ha="right")
+    memory.legend()
+    memory.set_title(f"Memory per rank (N = {result.environment['world_size']}, Ψ = {result.model['num_params']:,})")
+    time.bar(list(x), [r.step_time_s * 1e3 for r in ran], color="tab:gray")
+    ddp = next((r for r in ran if r.name == "ddp"), None)
+    if ddp is not None:
+        time.axhline(ddp.step_time_s * 1e3, color="tab:red", linestyle="--", label="DDP")
+        time.legend()
+    time.set_ylabel("median step time (ms)")
+    time.set_xticks(list(x), names, rotation=30, ha="right")
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
+
+
+def write_all(result: BenchResult, out: Path) -> BenchResult:
+    """Write the chart, the markdown and the JSON into `out`; returns `result` with `files` set."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"markdown": str(out / MARKDOWN_NAME), "json": str(out / JSON_NAME), "logs": str(out / LOG_DIR_NAME)}
+    chart_problem = write_chart(result, out / CHART_NAME)
+    notes = result.notes
+    if chart_problem is None:
+        files["png"] = str(out / CHART_NAME)
+    else:
+        files["png"] = f"not written: {chart_problem}"
+        notes = notes + (f"No chart: {chart_problem}.",)
+    result = dataclasses.replace(result, files=files, notes=notes)
+    (out / MARKDOWN_NAME).write_text(markdown(result))
+    (out / JSON_NAME).write_text(to_json(result) + "\n")
+    return result

@@ -1,0 +1,190 @@
+"""The benchmark's figures: what each rank measured, and one summary per variant.
+
+Every field of `VariantResult` exists for every variant, whether it ran or not (`None` where a
+figure could not be measured), so the JSON has one schema; `asdict` gives it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from lightning_zero.bench.comm import CommCount
+from lightning_zero.bench.memory import HeldBytes
+from lightning_zero.bench.theory import VariantTheory
+from lightning_zero.bench.variants import VariantSpec
+
+OK, UNAVAILABLE, FAILED = "ok", "unavailable", "failed"
+"""A variant's status: it ran; it cannot run in this installation; it broke (the reason says how)."""
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """What one rank measured for one variant."""
+
+    rank: int
+    step_times_s: tuple[float, ...]
+    """Wall time of each timed step on this rank."""
+    losses: tuple[float, ...]
+    """The loss of every step: warm-up, timed, then the instrumented one."""
+    resting_memory_bytes: int
+    """Memory in use right after setup (RSS on CPU, allocated on CUDA): the start of the peak."""
+    peak_memory_bytes: int
+    """Peak over the warm-up and timed steps (see `memory.py`, [Note: peak memory])."""
+    peak_memory_meaning: str
+    """How `peak_memory_bytes` was read."""
+    model_state: HeldBytes
+    """Model-state bytes at the phase of the instrumented step where they were largest."""
+    model_state_phase: str
+    """That phase (see `wrappers.PHASES`)."""
+    phases: dict[str, HeldBytes]
+    """Model-state bytes at every phase of the instrumented step."""
+    engine_reports: dict[str, dict[str, Any]]
+    """Ours only: the engine's own `memory_report()` at every phase, to cross-check `phases`."""
+    collectives: CommCount
+    """Collectives of the instrumented step (see `comm.py`, [Note: what is counted])."""
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """One variant's summary over its ranks, next to its theory; see the report for definitions."""
+
+    name: str
+    family: str
+    stage: int
+    description: str
+    status: str
+    """`OK`, `UNAVAILABLE` or `FAILED`."""
+    reason: Optional[str]
+    """Why it is unavailable or failed; None when it ran."""
+    theory: VariantTheory
+    model_state_bytes: Optional[int]
+    """Largest over ranks of the per-rank model-state bytes."""
+    model_state_by_kind: Optional[dict[str, int]]
+    """That rank's bytes of parameters, gradients and optimizer state."""
+    model_state_by_location: Optional[dict[str, int]]
+    """That rank's bytes by device type."""
+    model_state_phase: Optional[str]
+    model_state_vs_theory: Optional[float]
+    """measured / floor - 1."""
+    peak_memory_bytes: Optional[int]
+    """Largest over ranks of the peak memory."""
+    resting_memory_bytes: Optional[int]
+    """Largest over ranks of the memory in use after setup."""
+    step_time_s: Optional[float]
+    """Median over timed steps of the slowest rank's step time."""
+    step_time_ratio_to_ddp: Optional[float]
+    """`step_time_s` / DDP's, measured in the same run (None without DDP)."""
+    tokens_per_s: Optional[float]
+    """Tokens of all ranks per `step_time_s`."""
+    collective_calls_per_step: Optional[int]
+    """Largest over ranks of the collectives issued in one step."""
+    collective_calls_by_kind: Optional[dict[str, int]]
+    comm_bytes_per_step: Optional[float]
+    """Largest over ranks of the ring bytes received in one step."""
+    comm_buffer_bytes_per_step: Optional[int]
+    """Largest over ranks of the full-buffer bytes of one step's collectives."""
+    comm_vs_theory: Optional[float]
+    """comm_bytes_per_step / floor - 1."""
+    final_loss: Optional[float]
+    """Rank 0's loss at the last step (same data, seed and optimizer everywhere, so it should agree
+    with DDP's up to reduction order)."""
+    losses: Optional[tuple[float, ...]]
+    """Rank 0's loss at every step."""
+    targets: dict[str, Optional[bool]]
+    """Issue 8's targets, met or not (None: not applicable); filled in by `targets.judge`."""
+    notes: tuple[str, ...]
+    """Targets missed and anything else a reader must know about these figures."""
+    ranks: tuple[RankMeasurement, ...]
+
+
+def summarize(
+    spec: VariantSpec, theory: VariantTheory, ranks: Sequence[RankMeasurement], tokens_per_step: int
+) -> VariantResult:
+    """A ran variant's summary: memory as the worst rank, time as the median of per-step maxima."""
+    worst_state = max(ranks, key=lambda r: r.model_state.total)
+    held = worst_state.model_state
+    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks))]
+    step_time = statistics.median(per_step)
+    busiest = max(ranks, key=lambda r: r.collectives.total_wire_bytes)
+    comm = busiest.collectives.total_wire_bytes
+    return VariantResult(
+        name=spec.name,
+        family=spec.family.value,
+        stage=spec.stage,
+        description=spec.description,
+        status=OK,
+        reason=None,
+        theory=theory,
+        model_state_bytes=held.total,
+        model_state_by_kind={"parameters": held.parameters, "gradients": held.gradients, "optimizer_state": held.optimizer_state},
+        model_state_by_location=dict(held.by_location),
+        model_state_phase=worst_state.model_state_phase,
+        model_state_vs_theory=held.total / theory.model_state.total - 1,
+        peak_memory_bytes=max(r.peak_memory_bytes for r in ranks),
+        resting_memory_bytes=max(r.resting_memory_bytes for r in ranks),
+        step_time_s=step_time,
+        step_time_ratio_to_ddp=None,
+        tokens_per_s=tokens_per_step / step_time if step_time > 0 else None,
+        collective_calls_per_step=max(r.collectives.total_calls for r in ranks),
+        collective_calls_by_kind=dict(busiest.collectives.calls),
+        comm_bytes_per_step=comm,
+        comm_buffer_bytes_per_step=max(r.collectives.total_buffer_bytes for r in ranks),
+        comm_vs_theory=comm / theory.comm_bytes_per_step - 1 if theory.comm_bytes_per_step else None,
+        final_loss=ranks[0].losses[-1] if ranks[0].losses else None,
+        losses=ranks[0].losses,
+        targets={},
+        notes=(),
+        ranks=tuple(ranks),
+    )
+
+
+def not_run(spec: VariantSpec, theory: VariantTheory, status: str, reason: str) -> VariantResult:
+    """A variant that did not produce figures: every measured field None, the theory still given."""
+    return VariantResult(
+        name=spec.name,
+        family=spec.family.value,
+        stage=spec.stage,
+        description=spec.description,
+        status=status,
+        reason=reason,
+        theory=theory,
+        model_state_bytes=None,
+        model_state_by_kind=None,
+        model_state_by_location=None,
+        model_state_phase=None,
+        model_state_vs_theory=None,
+        peak_memory_bytes=None,
+        resting_memory_bytes=None,
+        step_time_s=None,
+        step_time_ratio_to_ddp=None,
+        tokens_per_s=None,
+        collective_calls_per_step=None,
+        collective_calls_by_kind=None,
+        comm_bytes_per_step=None,
+        comm_buffer_bytes_per_step=None,
+        comm_vs_theory=None,
+        final_loss=None,
+        losses=None,
+        targets={},
+        notes=(),
+        ranks=(),
+    )
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One run: where and how it ran, and every variant's result."""
+
+    environment: dict[str, Any]
+    """Versions, processor or GPU, world size, threads per rank."""
+    options: dict[str, Any]
+    """The `BenchOptions`, as given."""
+    model: dict[str, Any]
+    """The GPT shape, Ψ, and the largest unit's bytes (for the tolerance)."""
+    variants: tuple[VariantResult, ...]
+    notes: tuple[str, ...]
+    """Notes about the whole run (targets missed are also in each variant's notes)."""
+    files: dict[str, str]
+    """What was written: markdown, json, png (or why not), logs."""

@@ -1,0 +1,61 @@
+"""`run_bench`: every selected variant, one process group after another, then the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from lightning_zero.bench import report, targets, theory, variants, worker
+from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
+from lightning_zero.bench.results import OK, BenchResult, VariantResult, not_run, summarize
+from lightning_zero.models.gpt import GPT, Block
+
+
+def _say_nothing(line: str) -> None:
+    """The default progress callback: silence."""
+
+
+def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_nothing) -> BenchResult:
+    """Run the benchmark `options` describes, write its report into `options.out` and return it.
+
+    `progress` receives one line as each variant starts and ends (the command line passes `print`).
+    """
+    if options.device == "cuda" and torch.cuda.device_count() < options.devices:
+        raise ValueError(
+            f"--device cuda needs {options.devices} GPUs (one per rank), {torch.cuda.device_count()} visible."
+        )
+    config = model_config(options)
+    psi = num_parameters(config)
+    with torch.device("meta"):
+        unit_bytes = theory.largest_unit_bytes(GPT(config), Block)
+    specs = variants.select(options.variants)
+    log_dir = options.out / report.LOG_DIR_NAME
+    results: list[VariantResult] = []
+    for index, spec in enumerate(specs, start=1):
+        expected = theory.variant_theory(spec, psi, options.devices, unit_bytes)
+        progress(f"[{index}/{len(specs)}] {spec.name}: {spec.description} ...")
+        run = worker.run_variant(spec, options, config, log_dir)
+        if run.status == OK:
+            result = summarize(spec, expected, run.ranks, options.tokens_per_step)
+            progress(
+                f"      model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
+                f"step {result.step_time_s * 1e3:,.0f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step"
+            )
+        else:
+            result = not_run(spec, expected, run.status, run.reason or "")
+            progress(f"      {run.status}: {run.reason}")
+        results.append(result)
+    judged, notes = targets.judge(results, options)
+    options_record = {k: str(v) if k == "out" else v for k, v in dataclasses.asdict(options).items()}
+    options_record["command"] = report.command_line(options)
+    bench = BenchResult(
+        environment=report.describe_environment(options),
+        options=options_record,
+        model={"config": dataclasses.asdict(config), "num_params": psi, "largest_unit_bytes": unit_bytes},
+        variants=judged,
+        notes=notes,
+        files={},
+    )
+    return report.write_all(bench, options.out)

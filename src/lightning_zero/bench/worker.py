@@ -1,0 +1,259 @@
+"""One variant, one fresh process group: spawn N ranks, train, measure, report back.
+
+Each variant gets its own processes so nothing leaks between them (allocator state, peak RSS, CUDA
+caches, hooks, DeepSpeed's globals). Every rank of every variant:
+1. builds the same model: `torch.manual_seed(seed)` then `GPT(config)`, so all variants start from
+   identical weights;
+2. draws the same data: random byte tokens (uniform over the 256-symbol vocabulary) from a
+   generator seeded with `seed + 1 + rank`, so ranks see different samples and every variant sees
+   the same ones. Random tokens need no files, cost nothing to make, and a language model cannot
+   learn them, which keeps the loss near ln(256) ≈ 5.55 and comparable across variants;
+3. makes the same optimizer: `ADAMW` below, `fused` as asked;
+4. runs `warmup` untimed steps, `steps` timed ones, then one instrumented step in which collectives
+   are counted and model state is measured at each phase (instrumentation costs time, so it is kept
+   out of the timed steps; every step moves the same bytes, so one is representative).
+
+Output of the processes (DeepSpeed's logs, warnings) goes to one log file per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.bench.comm import CollectiveCounter
+from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes
+from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
+from lightning_zero.bench.variants import VariantSpec
+from lightning_zero.bench.wrappers import Setup, VariantUnavailable, autocast_for, build
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+"""nanoGPT's AdamW settings, for every variant: one parameter group, decay on every parameter."""
+
+CHILD_ENVIRONMENT = {
+    # glibc: allocations of 128 KiB and more are mmap'ed and unmapped on free, so peak RSS shows
+    # what sharding frees (with the default, freed heap stays resident); see memory.py.
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+}
+CPU_CHILD_ENVIRONMENT = {
+    "DS_ACCELERATOR": "cpu",  # DeepSpeed would otherwise look for a GPU
+}
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
+"""How long a collective may block before torch fails it (a hung variant fails, it does not hang)."""
+
+
+@dataclass(frozen=True)
+class VariantRun:
+    """What the processes of one variant reported."""
+
+    status: str
+    """`OK`, `UNAVAILABLE` or `FAILED`."""
+    reason: Optional[str]
+    ranks: tuple[RankMeasurement, ...]
+
+
+@dataclass(frozen=True)
+class _Task:
+    """Everything a rank process needs (pickled into it)."""
+
+    spec: VariantSpec
+    options: BenchOptions
+    config: GPTConfig
+    port: int
+    log_dir: Path
+
+    def log_path(self, rank: int) -> Path:
+        return self.log_dir / f"{self.spec.name}-rank{rank}.log"
+
+
+def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log_dir: Path) -> VariantRun:
+    """Run `spec` on `options.devices` fresh processes and collect their measurements."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    task = _Task(spec, options, config, _free_port(), log_dir)
+    context = multiprocessing.get_context("spawn")
+    reports = context.Queue()
+    processes = [context.Process(target=_rank_main, args=(rank, task, reports)) for rank in range(options.devices)]
+    with _environment(CHILD_ENVIRONMENT | (CPU_CHILD_ENVIRONMENT if options.device == "cpu" else {})):
+        for process in processes:
+            process.start()
+    collected: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + options.timeout_s
+    try:
+        while len(collected) < options.devices:
+            try:
+                rank, status, payload = reports.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                missing = sorted(set(range(options.devices)) - set(collected))
+                return VariantRun(FAILED, f"ranks {missing} did not finish within {options.timeout_s:.0f} s; see {log_dir}", ())
+            collected[rank] = (status, payload)
+            if status != OK:
+                break  # the other ranks may be blocked in a collective: stop them below
+    finally:
+        for process in processes:
+            process.join(timeout=10 if len(collected) == options.devices else 2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    for wanted in (UNAVAILABLE, FAILED):
+        reasons = [str(payload) for status, payload in collected.values() if status == wanted]
+        if reasons:
+            return VariantRun(wanted, reasons[0], ())
+    return VariantRun(OK, None, tuple(collected[r][1] for r in range(options.devices)))  # type: ignore[misc]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set `values` in os.environ while child processes start (they copy it), then restore it."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _redirect_output(path: Path) -> None:
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+
+
+def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None:
+    """A rank process: join the group, measure, put `(rank, status, payload)` on `reports`."""
+    _redirect_output(task.log_path(rank))
+    options = task.options
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(task.port),
+        WORLD_SIZE=str(options.devices),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(options.devices),
+        LOCAL_SIZE=str(options.devices),  # DeepSpeed's name for it
+    )
+    try:
+        if options.device == "cuda":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.devices))  # ranks share the cores
+        backend = "nccl" if options.device == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=options.devices, timeout=PROCESS_GROUP_TIMEOUT)
+        reports.put((rank, OK, measure_rank(rank, task.spec, options, task.config)))
+    except VariantUnavailable as error:
+        reports.put((rank, UNAVAILABLE, str(error)))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, with the log for details
+        traceback.print_exc()
+        reports.put((rank, FAILED, f"{type(error).__name__}: {error} (see {task.log_path(rank)})"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTConfig) -> RankMeasurement:
+    """Build the variant on this rank, train it, and return what was measured (see the module doc)."""
+    device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(options.seed)
+    model = GPT(config).to(device)
+    batches = _batches(options, rank, device, count=options.warmup + options.steps + 1)
+    optimizer_kwargs = dict(ADAMW, fused=options.fused)
+    setup = Setup(
+        make_optimizer=partial(torch.optim.AdamW, **optimizer_kwargs),
+        optimizer_class=torch.optim.AdamW,
+        optimizer_kwargs=optimizer_kwargs,
+        autocast=autocast_for(options.precision, device),
+        device=device,
+        bucket_size_mb=options.bucket_size_mb,
+        batch_size=options.batch_size,
+    )
+    wrapped = build(spec, model, setup)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    peak = PeakMemory(device)
+    synchronize()
+    peak_meaning = peak.reset()
+    resting = peak.current()
+    losses = []
+    for x, y in batches[: options.warmup]:
+        losses.append(wrapped.step(x, y))
+    dist.barrier()
+    step_times = []
+    for x, y in batches[options.warmup : options.warmup + options.steps]:
+        start = time.perf_counter()
+        losses.append(wrapped.step(x, y))
+        synchronize()
+        step_times.append(time.perf_counter() - start)
+    peak_bytes = peak.peak()
+
+    phases: dict[str, HeldBytes] = {}
+    engine_reports: dict[str, dict] = {}
+    counter = CollectiveCounter(options.devices)
+
+    def probe(phase: str) -> None:
+        counter.recording = False
+        synchronize()
+        phases[phase] = held_bytes(wrapped.state_tensors())
+        report = wrapped.engine_report()
+        if report is not None:
+            engine_reports[phase] = report
+        counter.recording = True
+
+    x, y = batches[-1]
+    with counter:
+        losses.append(wrapped.step(x, y, probe))
+        synchronize()
+    wrapped.close()
+    largest = max(phases, key=lambda phase: phases[phase].total)
+    return RankMeasurement(
+        rank=rank,
+        step_times_s=tuple(step_times),
+        losses=tuple(float(loss) for loss in losses),
+        resting_memory_bytes=resting,
+        peak_memory_bytes=peak_bytes,
+        peak_memory_meaning=peak_meaning,
+        model_state=phases[largest],
+        model_state_phase=largest,
+        phases=phases,
+        engine_reports=engine_reports,
+        collectives=counter.result(),
+    )
+
+
+def _batches(options: BenchOptions, rank: int, device: torch.device, count: int) -> list[tuple[Tensor, Tensor]]:
+    """`count` (inputs, targets) pairs of random byte tokens, (B, T) each, targets shifted by one."""
+    generator = torch.Generator().manual_seed(options.seed + 1 + rank)
+    tokens = torch.randint(0, 256, (count, options.batch_size, options.block_size + 1), generator=generator)
+    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
