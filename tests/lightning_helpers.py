@@ -181,13 +181,20 @@ def token_data(n: int = 32, length: int = 17, batch_size: int = 2) -> DataLoader
     return DataLoader(TensorDataset(torch.randint(0, 256, (n, length), generator=g)), batch_size=batch_size)
 
 
-def fit_gpt(strategy: Any, max_steps: int = 4, module_kwargs: Optional[dict] = None, callbacks: Optional[list] = None, **trainer_kwargs: Any):
+def fit_gpt(
+    strategy: Any,
+    max_steps: int = 4,
+    module_kwargs: Optional[dict] = None,
+    callbacks: Optional[list] = None,
+    ckpt_path: Optional[str] = None,
+    **trainer_kwargs: Any,
+):
     """Fit a freshly seeded GPTModule; returns (module, weights after each step, trainer)."""
     L.seed_everything(0, verbose=False)
     module = GPTModule(**(module_kwargs or {}))
     recorder = WeightRecorder()
     trainer = make_trainer(strategy, max_steps, callbacks=[recorder, *(callbacks or [])], **trainer_kwargs)
-    trainer.fit(module, token_data(), token_data(8))
+    trainer.fit(module, token_data(), token_data(8), ckpt_path=ckpt_path)
     return module, recorder.history, trainer
 
 

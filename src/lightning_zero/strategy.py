@@ -39,6 +39,8 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": True},
+    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
 }
 """Names registered in Lightning's ``StrategyRegistry`` by ``import lightning_zero``."""
 
@@ -61,6 +63,10 @@ class ZeroStrategy(DDPStrategy):
         min_unit_params: stage 3: candidate units with fewer parameters stay in their parent's unit.
         prefetch_units: stage 3: units gathered ahead of the one computing (0 disables); at most
             root + 1 + ``prefetch_units`` units are gathered at once.
+        offload_optimizer: keep optimizer state and fp32 master chunks in host memory and step the
+            optimizer there (any stage).
+        offload_params: stage 3: also keep the parameter chunks in host memory between uses
+            (needs ``offload_optimizer``).
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``.
         cluster_environment: set by the Trainer; how ranks find each other.
@@ -79,6 +85,8 @@ class ZeroStrategy(DDPStrategy):
         unit_classes: Optional[list[str]] = None,
         min_unit_params: int = 0,
         prefetch_units: int = 1,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -93,6 +101,8 @@ class ZeroStrategy(DDPStrategy):
             unit_classes=unit_classes,
             min_unit_params=min_unit_params,
             prefetch_units=prefetch_units,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
         )
         super().__init__(
             accelerator=accelerator,
@@ -364,7 +374,7 @@ class ZeroStrategy(DDPStrategy):
         for name, init_params in STRATEGY_NAMES.items():
             if name not in strategy_registry:  # importing twice is harmless
                 strategy_registry.register(
-                    name, cls, description=f"ZeRO stage {init_params['stage']} ({cls.__name__})", **init_params
+                    name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params
                 )
 
 

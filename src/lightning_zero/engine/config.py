@@ -45,6 +45,15 @@ class ZeroConfig:
     """Stage 3: how many units ahead to gather while the current one computes (0 disables). At most
     the root unit + 1 + ``prefetch_units`` units are gathered at once."""
 
+    offload_optimizer: bool = False
+    """Keep the optimizer state and fp32 master chunks in host memory (pinned on CUDA) and step
+    the optimizer there; gradient chunks are copied to the host as each bucket's reduce-scatter
+    finishes, updated chunks copied back for the all-gather."""
+
+    offload_params: bool = False
+    """Stage 3: also keep the parameter chunks at rest in host memory, copied to the device only
+    for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those chunks)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ZeroStage}:
             raise ValueError(
@@ -62,6 +71,20 @@ class ZeroConfig:
                     f"`unit_classes` must be a list of module class names such as ['Block'], got {self.unit_classes!r}."
                 )
             object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        for name in ("offload_optimizer", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.offload_params and self.stage != ZeroStage.PARAMETERS:
+            raise ValueError(
+                f"`offload_params=True` needs stage 3 (got stage {self.stage}): only stage 3 keeps parameter"
+                " chunks, at stages 1-2 every rank holds the full parameters on its device. Use"
+                " `offload_optimizer=True` to move the optimizer state to the host at any stage."
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                "`offload_params=True` keeps the parameter chunks in host memory, and those chunks are"
+                " what the optimizer steps, so it needs `offload_optimizer=True` as well."
+            )
         for name in ("min_unit_params", "prefetch_units"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

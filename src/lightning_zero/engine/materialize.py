@@ -32,9 +32,15 @@ def build_units(
     group: collectives.ProcessGroup,
     unit_classes: Sequence[str] = (),
     min_unit_params: int = 0,
+    host: Optional[torch.device] = None,
+    keep_device_chunks: bool = False,
 ) -> list[Unit]:
     """Materialize (if on meta), move, broadcast from rank 0 and shard ``module``'s parameters,
-    unit by unit; buffers are moved and broadcast too. Returns the units, root first."""
+    unit by unit; buffers are moved and broadcast too. Returns the units, root first.
+
+    ``host``: where the chunks the optimizer steps live (None: on ``device``);
+    ``keep_device_chunks``: also keep a device copy of each chunk to gather from (see ShardedParam).
+    """
     rank, world_size = collectives.rank(group), collectives.world_size(group)
     plans = plan_units(module, unit_classes, min_unit_params)
     by_name = {plan.name: i for i, plan in enumerate(plans)}
@@ -48,7 +54,8 @@ def build_units(
         # (tied ones included) lies inside it. None: the walk is over.
         while open_units and (module_name is None or not _is_within(module_name, plans[open_units[-1]].name)):
             unit = open_units.pop()
-            sharded[unit] = _shard_unit(module, plans[unit].param_names, rank, world_size, group)
+            names = plans[unit].param_names
+            sharded[unit] = _shard_unit(module, names, rank, world_size, group, host, keep_device_chunks)
 
     for module_name, m in module.named_modules():
         close_units_not_containing(module_name)
@@ -69,10 +76,21 @@ def _is_within(module_name: str, unit_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
 
 
-def _shard_unit(root: nn.Module, names: Sequence[str], rank: int, world_size: int, group: collectives.ProcessGroup) -> list[ShardedParam]:
+def _shard_unit(
+    root: nn.Module,
+    names: Sequence[str],
+    rank: int,
+    world_size: int,
+    group: collectives.ProcessGroup,
+    host: Optional[torch.device],
+    keep_device_chunks: bool,
+) -> list[ShardedParam]:
     params = [root.get_parameter(name) for name in names]
     collectives.broadcast_tensors_([p.data for p in params], src=0, group=group)  # as DDP does
-    shards = [ShardedParam(name, p, rank, world_size, keep_full=False) for name, p in zip(names, params)]
+    shards = [
+        ShardedParam(name, p, rank, world_size, keep_full=False, host=host, keep_device_chunk=keep_device_chunks)
+        for name, p in zip(names, params)
+    ]
     for shard in shards:
         shard.free_unsharded()
     return shards

@@ -27,6 +27,10 @@ from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.unit import UnitState
 
 
+HOST = torch.device("cpu")
+"""Where offloaded state lives."""
+
+
 class ParameterResidency(abc.ABC):
     """The sharded parameters, the buckets their gradients are reduced in, and the step hooks."""
 
@@ -70,8 +74,9 @@ class ReplicatedParameters(ParameterResidency):
         self, module: nn.Module, optimizer_of: dict[int, int], config: ZeroConfig, group: collectives.ProcessGroup
     ) -> None:
         rank, world_size = collectives.rank(group), collectives.world_size(group)
+        host = HOST if config.offload_optimizer else None
         self.params = [
-            ShardedParam(name, p, rank, world_size, keep_full=True)
+            ShardedParam(name, p, rank, world_size, keep_full=True, host=host)
             for name, p in module.named_parameters()
             if id(p) in optimizer_of
         ]
@@ -115,7 +120,15 @@ class ShardedParameters(ParameterResidency):
 
     def __init__(self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device) -> None:
         gather_group = collectives.new_group_like(group)  # see GatherSchedule's docstring
-        self.units = build_units(module, device, gather_group, config.unit_classes, config.min_unit_params)
+        self.units = build_units(
+            module,
+            device,
+            gather_group,
+            config.unit_classes,
+            config.min_unit_params,
+            host=HOST if config.offload_optimizer else None,
+            keep_device_chunks=config.offload_optimizer and not config.offload_params,
+        )
         self.params = [p for unit in self.units for p in unit.params]
         self.grad_buckets = []
         for unit in reversed(self.units):  # backward runs the units in reverse
@@ -135,6 +148,8 @@ class ShardedParameters(ParameterResidency):
         self.schedule.end_step()
 
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        for p in optimizer_params:
+            p.refresh_device_chunk()
         self.schedule.refresh_gathered()
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:

@@ -137,3 +137,4 @@ def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], 
             state[index][key] = value
     optimizer.load_state_dict({"state": state, "param_groups": full_state_dict["param_groups"]})
 
+

@@ -25,7 +25,16 @@ class ShardedParam:
     parameter's full data lives only while its unit is gathered; see [Note: stage-3 storage].
     """
 
-    def __init__(self, name: str, param: nn.Parameter, rank: int, world_size: int, keep_full: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        rank: int,
+        world_size: int,
+        keep_full: bool = True,
+        host: Optional[torch.device] = None,
+        keep_device_chunk: bool = False,
+    ) -> None:
         if not param.is_contiguous():
             # sharding works on the flat view; this happens at setup only
             param.data = param.data.contiguous()
@@ -33,14 +42,22 @@ class ShardedParam:
         self.param = param
         self.rank = rank
         self.shape = param.shape
+        self.device = param.device  # where the full parameter is computed with
         self.layout = ChunkLayout(param.numel(), world_size)
         self.keeps_full = keep_full
         self.holds_master_copy = param.dtype in _HALF_DTYPES
         self._unsharded: Optional[Tensor] = None  # stage 3: the full tensor whose storage is freed at rest
         chunk = self._owned_chunk()
-        aliases_param = keep_full and not self.holds_master_copy
-        shard_data = chunk.detach() if aliases_param else chunk.detach().to(self.master_dtype, copy=True)
+        self.aliases_param = keep_full and not self.holds_master_copy and host is None
+        if self.aliases_param:
+            shard_data = chunk.detach()
+        else:
+            shard_data = _copy_to(chunk.detach(), host or chunk.device, self.master_dtype)
         self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
+        self.offloaded = host is not None
+        # stage 3 with only the optimizer offloaded: the chunk the all-gather sends stays on the
+        # device in the parameter dtype, refreshed from the host after each step
+        self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
         self._storage_ptr = param.data_ptr()
 
     @property
@@ -69,7 +86,12 @@ class ShardedParam:
 
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
-        out.copy_(self.shard.detach())
+        out.copy_(self.device_chunk if self.device_chunk is not None else self.shard.detach())
+
+    def refresh_device_chunk(self) -> None:
+        """After the optimizer stepped the host shard: bring the update to the device copy."""
+        if self.device_chunk is not None:
+            self.device_chunk.copy_(self.shard.detach())
 
     def load_full_value(self, full: Tensor) -> None:
         """Take this rank's chunk of ``full`` (the whole parameter, e.g. from a checkpoint)."""
@@ -78,6 +100,7 @@ class ShardedParam:
         start, end = self.layout.owned_range(self.rank)
         with torch.no_grad():
             self.shard.copy_(full.detach().reshape(-1)[start:end])
+            self.refresh_device_chunk()
             if self.keeps_full:
                 self.param.copy_(full)
 
@@ -93,10 +116,12 @@ class ShardedParam:
             )
 
     def sync_master_from_param(self) -> None:
-        """Refresh the fp32 master chunk from the full parameter (after its weights were edited)."""
-        if self.holds_master_copy or not self.keeps_full:
+        """Refresh the optimizer's chunk from the full parameter (after its weights were edited)."""
+        if not self.aliases_param:
             with torch.no_grad():
                 self.shard.copy_(self._owned_chunk())
+                if self.device_chunk is not None:
+                    self.device_chunk.copy_(self._owned_chunk())
 
     # ---- stage 3: full data only while gathered -------------------------------------------
     # [Note: stage-3 storage]
@@ -112,7 +137,7 @@ class ShardedParam:
         if self.keeps_full:
             return self.param.detach().view(-1)
         if self._unsharded is None:
-            self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.shard.device)
+            self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.device)
         else:
             storage = self._unsharded.untyped_storage()
             if storage.nbytes() == 0:
@@ -131,7 +156,7 @@ class ShardedParam:
 
     def free_unsharded(self) -> None:
         """Back to rest: release the full data (see [Note: stage-3 storage])."""
-        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.param.device)
+        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.device)
         if self._unsharded is not None:
             self._unsharded.untyped_storage().resize_(0)
 
@@ -139,3 +164,12 @@ class ShardedParam:
         if not state:
             return 0
         return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
+
+
+def _copy_to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A copy on ``device``; pinned when it is host memory feeding a CUDA device, so the copies
+    between them can run asynchronously."""
+    pin = device.type == "cpu" and tensor.device.type == "cuda"
+    out = torch.empty(tensor.shape, dtype=dtype, device=device, pin_memory=pin)
+    out.copy_(tensor)
+    return out

@@ -17,6 +17,7 @@ strategy or a plain training loop can call them the same way::
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Any, Mapping, Optional, Sequence
@@ -39,19 +40,48 @@ from lightning_zero.engine.sharded_param import ShardedParam
 
 
 @dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of model state this rank holds right now, by kind."""
+class StateBytes:
+    """Bytes of model state in one place, by kind."""
 
-    parameters: int
-    """Parameter data: full tensors where they exist now, plus stage 3's fp32 chunks at rest."""
-    gradients: int
-    """Full-size ``param.grad`` tensors plus this rank's gradient shards."""
-    optimizer_state: int
-    """Optimizer state tensors plus fp32 master copies, both for this rank's shards only."""
+    parameters: int = 0
+    """Weights: full tensors where they exist now, and chunks that are the only copy of a weight."""
+    gradients: int = 0
+    """Full-size ``param.grad`` tensors and gradient chunks."""
+    optimizer_state: int = 0
+    """Optimizer state tensors and fp32 master chunks (the ZeRO paper counts both as optimizer state)."""
+    buffers: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state this rank holds right now, on its compute device and in host memory.
+
+    Offloaded state counts as host memory by where the engine keeps it, also on a CPU-only
+    machine where device and host are the same memory, so offload's effect stays visible.
+    """
+
+    device: StateBytes
+    host: StateBytes
+
+    @property
+    def parameters(self) -> int:
+        return self.device.parameters + self.host.parameters
+
+    @property
+    def gradients(self) -> int:
+        return self.device.gradients + self.host.gradients
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.device.optimizer_state + self.host.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.device.total + self.host.total
 
 
 class ZeroEngine:
@@ -71,6 +101,7 @@ class ZeroEngine:
     ) -> None:
         self.config = config
         self.group = group
+        self.module = module
         self.optimizers = list(optimizers)
         optimizer_of = _optimizer_index_of_params(module, self.optimizers)
 
@@ -206,17 +237,21 @@ class ZeroEngine:
         def nbytes(t: Optional[torch.Tensor]) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        module_params = {id(p.param): p.param for p in self.params}
-        chunk_is_the_weight = [p for p in self.params if not p.keeps_full and not p.holds_master_copy]
-        parameters = sum(nbytes(p) for p in module_params.values()) + sum(nbytes(p.shard) for p in chunk_is_the_weight)
-        gradients = sum(nbytes(sp.param.grad) + nbytes(sp.shard.grad) for sp in self.params)
-        optimizer_state = sum(
-            sp.optimizer_state_bytes(opt.state.get(sp.shard))
-            for opt, params in zip(self.optimizers, self._params_of_optimizer)
-            for sp in params
-        )
-        masters = sum(nbytes(sp.shard) for sp in self.params if sp.holds_master_copy)
-        return MemoryReport(parameters, gradients, optimizer_state + masters)
+        counts = {"device": Counter(), "host": Counter()}
+        for sp in self.params:
+            chunk_place = "host" if sp.offloaded else "device"
+            counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
+            counts["device"]["gradients"] += nbytes(sp.param.grad)
+            counts[chunk_place]["gradients"] += nbytes(sp.shard.grad)
+            if not sp.aliases_param:
+                only_copy = not sp.keeps_full and not sp.holds_master_copy and sp.device_chunk is None
+                counts[chunk_place]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
+        for opt, params in zip(self.optimizers, self._params_of_optimizer):
+            for sp in params:
+                place = "host" if sp.offloaded else "device"
+                counts[place]["optimizer_state"] += sp.optimizer_state_bytes(opt.state.get(sp.shard))
+        counts["device"]["buffers"] += sum(nbytes(b) for b in self.module.buffers())
+        return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]))
 
     def close(self) -> None:
         """Remove every hook."""
