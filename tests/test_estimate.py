@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_zero import estimate as est
+from lightning_zero import model_count
 from lightning_zero.cli import main, parse_count, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,16 +134,22 @@ def test_meta_count_of_example_gpt_matches_the_real_model():
     every_reference = sum(p.numel() for _, p in real.named_parameters(remove_duplicate=False))
     assert every_reference - real_count == 256 * 32
 
-    counted = est.count_parameters(f"{GPT_FILE}:GPT", {"config": shape})
+    counted = model_count.count_parameters(f"{GPT_FILE}:GPT", {"config": shape})
     assert counted == real_count == real.num_parameters()
     as_json = '{"config": {"block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}}'
-    assert est.count_parameters("lightning_zero.models.gpt:GPT", as_json) == real_count
+    assert model_count.count_parameters("lightning_zero.models.gpt:GPT", as_json) == real_count
 
 
 def test_meta_count_allocates_nothing():
     # 10^10 fp32 parameters would need 40 GB if they were real.
-    assert est.count_parameters("torch.nn:Linear", {"in_features": 100_000, "out_features": 100_000}) == 10**10 + 10**5
+    assert model_count.count_parameters("torch.nn:Linear", {"in_features": 100_000, "out_features": 100_000}) == 10**10 + 10**5
     assert torch.empty(0).device.type == "cpu"  # the meta device context does not leak
+
+
+def test_counter_is_still_reachable_from_the_estimate_module():
+    # It lived in `estimate` before it had a module of its own.
+    assert est.count_parameters is model_count.count_parameters
+    assert est.ModelSpecError is model_count.ModelSpecError
 
 
 @pytest.mark.parametrize(
@@ -160,8 +167,8 @@ def test_meta_count_allocates_nothing():
     ],
 )
 def test_bad_model_specs_say_what_is_wrong(spec, init_args, message):
-    with pytest.raises(est.ModelSpecError, match=message):
-        est.count_parameters(spec, init_args)
+    with pytest.raises(model_count.ModelSpecError, match=message):
+        model_count.count_parameters(spec, init_args)
 
 
 # --- the command line -------------------------------------------------------------------------------
@@ -184,7 +191,7 @@ def test_cli_counts_a_model(capsys):
     args = ["estimate", "--model", f"{GPT_FILE}:GPT", "--init-args", init_args]
     assert main(args + ["--devices", "2", "--precision", "fp32"]) == 0
     out = capsys.readouterr().out
-    expected = est.count_parameters(f"{GPT_FILE}:GPT", {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2}})
+    expected = model_count.count_parameters(f"{GPT_FILE}:GPT", {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2}})
     assert f"Model states of {expected:,} parameters, precision fp32" in out
 
 

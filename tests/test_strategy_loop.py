@@ -13,10 +13,15 @@ from lightning.pytorch.callbacks import Callback
 from multiprocess import run_on_ranks
 
 STEPS = 4
+RESUME_CASES = [
+    ("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "ddp"),
+    ("ddp", "zero2_full"), ("zero1", "zero2_full"), ("zero3", "zero2_full"), ("ddp", "zero3_full"), ("zero2", "zero3_full"),
+    ("zero1", "zero2_sharded"), ("zero2", "zero2_sharded"), ("zero3", "zero2_sharded"),
+]
 
 
 def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
-    import lightning_zero  # noqa: F401 - registers the strategy names
+    import lightning_zero
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_helpers import fit_and_record, max_abs_diff
 
@@ -53,20 +58,24 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
     fit_and_record("zero1", 2, accumulate_grad_batches=2)
     out["zero1_accumulate_calls"] = dict(COLLECTIVE_STATS.calls)
 
-    # -- checkpoints: ours hold DDP's format, so runs resume across DDP, zero1 and zero2
-    def checkpointed_run(name: str) -> tuple[list, str]:
-        dirpath = os.path.join(tmpdir, name)
+    # -- checkpoints. state_dict_type="full" writes DDP's format; the default sharded directories
+    # hold the same state; each kind resumes under every strategy as DDP resumes from its own
+    def checkpointed_run(label: str, strategy) -> tuple[list, str]:
+        dirpath = os.path.join(tmpdir, label)
         ckpt = ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1)
-        _, history, _ = fit_and_record(name, 6, data_size=16, callbacks=[ckpt], enable_checkpointing=True)
+        _, history, _ = fit_and_record(strategy, 6, data_size=16, callbacks=[ckpt], enable_checkpointing=True)
         return history, os.path.join(dirpath, "epoch=0-step=2.ckpt")  # 16 samples / 2 ranks / 4 = 2 steps per epoch
 
-    ddp_history, ddp_ckpt = checkpointed_run("ddp")
-    zero2_history, zero2_ckpt = checkpointed_run("zero2")
-    zero3_history, zero3_ckpt = checkpointed_run("zero3")
-    out["ckpt_uninterrupted_zero2"] = diffs(ddp_history, zero2_history)
-    out["ckpt_uninterrupted_zero3"] = diffs(ddp_history, zero3_history)
+    ddp_history, ddp_ckpt = checkpointed_run("ddp", "ddp")
+    full = {}
+    for stage in (2, 3):
+        history, full[stage] = checkpointed_run(f"zero{stage}_full", lightning_zero.ZeroStrategy(stage=stage, state_dict_type="full"))
+        out[f"ckpt_uninterrupted_zero{stage}"] = diffs(ddp_history, history)
+    sharded_history, sharded_ckpt = checkpointed_run("zero2_sharded", "zero2")
+    out["ckpt_uninterrupted_sharded"] = diffs(ddp_history, sharded_history)
+    out["sharded_is_directory"] = os.path.isdir(sharded_ckpt)
     if rank == 0:
-        saved = [torch.load(p, weights_only=False) for p in (ddp_ckpt, zero2_ckpt, zero3_ckpt)]
+        saved = [torch.load(p, weights_only=False) for p in (ddp_ckpt, full[2], full[3])]
         states = [s["optimizer_states"][0]["state"] for s in saved]
         for name, other, ckpt in (("zero2", states[1], saved[1]), ("zero3", states[2], saved[2])):
             out[("ckpt_optimizer_state_diff", name)] = max(
@@ -79,12 +88,10 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
     # the reference is DDP resumed from DDP's checkpoint, so Lightning's own resume semantics
     # (e.g. how it re-enters an epoch) are the same on both sides
     _, reference, _ = fit_and_record("ddp", 6, data_size=16, ckpt_path=ddp_ckpt)
-    for resumed_name, ckpt in (
-        ("zero1", ddp_ckpt), ("zero2", ddp_ckpt), ("zero3", ddp_ckpt),
-        ("ddp", zero2_ckpt), ("zero1", zero2_ckpt), ("zero3", zero2_ckpt), ("ddp", zero3_ckpt), ("zero2", zero3_ckpt),
-    ):
-        _, history, _ = fit_and_record(resumed_name, 6, data_size=16, ckpt_path=ckpt)
-        out[("resume", resumed_name, os.path.basename(os.path.dirname(ckpt)))] = diffs(reference, history)
+    sources = {"ddp": ddp_ckpt, "zero2_full": full[2], "zero3_full": full[3], "zero2_sharded": sharded_ckpt}
+    for resumed_name, saved_by in RESUME_CASES:
+        _, history, _ = fit_and_record(resumed_name, 6, data_size=16, ckpt_path=sources[saved_by])
+        out[("resume", resumed_name, saved_by)] = diffs(reference, history)
 
     # -- bad input fails on every rank, with a message, and leaves the ranks usable
     for label, kwargs in {
@@ -166,7 +173,7 @@ def test_param_groups_and_scheduler(results):
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_checkpoint_matches_ddp_format_and_values(results, name):
+def test_full_checkpoint_matches_ddp_format_and_values(results, name):
     assert results[0][("ckpt_optimizer_state_keys_equal", name)]
     assert results[0][("ckpt_optimizer_state_diff", name)] == 0.0
     assert results[0][("ckpt_weights_diff", name)] == 0.0
@@ -174,10 +181,13 @@ def test_checkpoint_matches_ddp_format_and_values(results, name):
         assert r[f"ckpt_uninterrupted_{name}"] == [0.0] * 6
 
 
-@pytest.mark.parametrize(
-    "resumed,saved_by",
-    [("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "ddp"), ("ddp", "zero2"), ("zero1", "zero2"), ("zero3", "zero2"), ("ddp", "zero3"), ("zero2", "zero3")],
-)
+def test_sharded_checkpoint_is_a_directory_and_changes_nothing(results):
+    for r in results:
+        assert r["sharded_is_directory"]
+        assert r["ckpt_uninterrupted_sharded"] == [0.0] * 6
+
+
+@pytest.mark.parametrize("resumed,saved_by", RESUME_CASES)
 def test_resume_across_strategies_is_exact(results, resumed, saved_by):
     for r in results:
         assert r[("resume", resumed, saved_by)] == [0.0] * 4

@@ -3,7 +3,8 @@
 Each subcommand is a `Subcommand`: a name, a line of help, a function that adds its arguments and a
 function that runs it. `main` only dispatches, so `convert` and `bench` can live in their own modules
 and join by adding their `Subcommand` to `_subcommands()`. `estimate`'s command-line layer is here
-because it is small; the arithmetic it presents is `lightning_zero.estimate`.
+because it is small; the arithmetic it presents is `lightning_zero.estimate`, and `--model` is
+counted by `lightning_zero.model_count`.
 
 Bad input exits with status 2 and an argparse-style message, as argparse itself does.
 """
@@ -18,6 +19,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
 from lightning_zero import estimate as est
+from lightning_zero import model_count
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,8 @@ def _count_model(spec: str, init_args: Optional[str], parser: argparse.ArgumentP
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return est.count_parameters(spec, init_args)
-    except est.ModelSpecError as error:
+        return model_count.count_parameters(spec, init_args)
+    except model_count.ModelSpecError as error:
         parser.error(f"--model: {error}")
         raise  # parser.error exits; this line only tells type checkers so
 

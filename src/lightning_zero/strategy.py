@@ -12,15 +12,18 @@ this class only connects Lightning's hooks to the engine (``lightning_zero.engin
 
 from __future__ import annotations
 
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from pathlib import Path
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -31,6 +34,18 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.atomic import commit, temporary_sibling
+from lightning_zero.checkpoint.manifest import Manifest
+from lightning_zero.checkpoint.sharded import (
+    CheckpointGroup,
+    build_manifest,
+    load_model,
+    load_optimizer,
+    model_tensors,
+    optimizer_shards,
+    read_meta,
+    write_directory,
+)
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
 from lightning_zero.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.precision import ZeroPrecision, check_precision_supported, to_zero_precision
@@ -67,6 +82,11 @@ class ZeroStrategy(DDPStrategy):
             optimizer there (any stage).
         offload_params: stage 3: also keep the parameter chunks in host memory between uses
             (needs ``offload_optimizer``).
+        state_dict_type: "sharded" (default): ``trainer.save_checkpoint(path)`` writes a directory
+            in which every rank writes its own chunks in parallel; it reloads at any world size and
+            stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
+            Lightning's usual format (full weights and DDP-format optimizer state, gathered onto
+            rank 0 one unit at a time), readable by ``torch.load`` / ``load_from_checkpoint``.
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``.
         cluster_environment: set by the Trainer; how ranks find each other.
@@ -87,6 +107,7 @@ class ZeroStrategy(DDPStrategy):
         prefetch_units: int = 1,
         offload_optimizer: bool = False,
         offload_params: bool = False,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -114,8 +135,13 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method="popen",
         )
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
+        self.state_dict_type = state_dict_type
         self._engine: Optional[ZeroEngine] = None
         self._failed = False
+        self._checkpoint_group = CheckpointGroup()
+        self._restored_from_directory = False
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -170,8 +196,8 @@ class ZeroStrategy(DDPStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        # stage 3 loads weights into the shards, which exist only after setup
-        return self.shards_parameters
+        # checkpoints load into the shards, which exist only after setup
+        return True
 
     @contextmanager
     @override
@@ -307,24 +333,86 @@ class ZeroStrategy(DDPStrategy):
         return output
 
     # ---- checkpoints -------------------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights; at stage 3 gathered one unit at a time and kept on rank 0 only (the rank
-        that writes the checkpoint)."""
-        if self._engine is None or not self.shards_parameters:
-            return super().lightning_module_state_dict()
-        return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
+    @property
+    def _saves_directory(self) -> bool:
+        return self.state_dict_type == "sharded" and self._engine is not None
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state, in the same format as DDP's (a collective on all ranks)."""
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: this rank's chunks (no communication). Full: the whole weights, at stage 3
+        gathered one unit at a time and kept on rank 0 only (the rank that writes the file)."""
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        if self._saves_directory:
+            return model_tensors(self.lightning_module, self._engine, self._checkpoint_group.mesh)
+        if self.shards_parameters:
+            return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Any:
+        """Sharded: this rank's chunks of the state. Full: the state in DDP's format, on rank 0."""
         optimizer = _unwrap(optimizer)
         if self._engine is None:
             return optimizer.state_dict()
-        return self._engine.full_optimizer_state_dict(optimizer)
+        if self._saves_directory:
+            index = [id(o) for o in self.optimizers].index(id(optimizer))
+            return optimizer_shards(self._engine, optimizer, index, self._checkpoint_group.mesh)
+        return self._engine.full_optimizer_state_dict(optimizer, keep=self.is_global_zero)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Write ``filepath`` (a directory when sharded, else a file) so that it appears only once
+        complete: an interrupted save leaves the previous checkpoint there untouched."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
+        path = Path(self.broadcast(str(filepath)))
+        temporary = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:8]))
+        if self._saves_directory:
+            optimizers = checkpoint.get("optimizer_states", [])
+            tensors = dict(checkpoint["state_dict"])
+            for shards in optimizers:
+                tensors.update(shards.tensors)
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["lightning_zero_optimizers"] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
+            manifest = build_manifest(self.lightning_module, self._engine, self.stage, self.world_size, optimizers)
+            write_directory(temporary, tensors, meta, manifest, self._checkpoint_group)
+        elif self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, temporary)
+        self.barrier("lightning_zero.save_checkpoint")
+        if self.is_global_zero:
+            commit(temporary, path)
+        self.barrier("lightning_zero.save_checkpoint.commit")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory is read straight into the shards (any world size, any stage); a
+        file — ours with ``state_dict_type="full"``, or one written by DDP — the usual way."""
+        path = Path(checkpoint_path)
+        self._restored_from_directory = path.is_dir()
+        if not path.is_dir():
+            if not path.exists():
+                raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+            try:
+                return super().load_checkpoint(path, weights_only)
+            except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
+                raise ValueError(f"Checkpoint {str(path)!r} is truncated or corrupted ({type(err).__name__}: {err}).") from err
+        manifest = Manifest.read(path)
+        meta = read_meta(path)
+        module = self.lightning_module
+        load_model(path, manifest, module, self._engine, self._checkpoint_group, strict=module.strict_loading)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._engine is not None:
+            for index, optimizer in enumerate(self.optimizers):
+                load_optimizer(path, manifest, meta, self._engine, optimizer, index, self._checkpoint_group)
+        # what Lightning restores next (loops, schedulers, precision, callbacks) is in `meta`;
+        # the weights and optimizer states are already in place
+        return {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._restored_from_directory:
+            return  # done in load_checkpoint
         if self._engine is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
@@ -339,6 +427,8 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._restored_from_directory:
+            return  # done in load_checkpoint
         if self._engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         self._engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)

@@ -88,10 +88,11 @@ def _sharded_keys(state: dict[str, Any], param: ShardedParam) -> list[str]:
 
 
 def gather_full_state_dict(
-    optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup
+    optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup, keep: bool = True
 ) -> dict[str, Any]:
     """The optimizer's ``state_dict`` as an unsharded optimizer would have it (same format as
-    under DDP), assembled on every rank. A collective: every rank must call it."""
+    under DDP). A collective: every rank must call it; ranks with ``keep=False`` take part but
+    drop each gathered tensor at once and return an empty dict."""
     state_dict = optimizer.state_dict()
     n = collectives.world_size(group)
     full_state: dict[int, dict[str, Any]] = {}
@@ -106,11 +107,12 @@ def gather_full_state_dict(
             padded[: local.numel()].copy_(local)
             gathered = torch.empty(n * c, dtype=local.dtype, device=local.device)
             collectives.start_all_gather(gathered, padded, group).wait()
-            full = torch.empty(param.layout.numel, dtype=local.dtype, device=local.device)
-            copy_rows_into_flat(gathered.view(n, c), full)
-            state[key] = full.view(param.shape)
+            if keep:
+                full = torch.empty(param.layout.numel, dtype=local.dtype, device="cpu")
+                copy_rows_into_flat(gathered.view(n, c), full)
+                state[key] = full.view(param.shape)
         full_state[index] = state
-    return {"state": full_state, "param_groups": state_dict["param_groups"]}
+    return {"state": full_state, "param_groups": state_dict["param_groups"]} if keep else {}
 
 
 def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], params: Sequence[ShardedParam]) -> None:

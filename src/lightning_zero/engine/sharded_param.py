@@ -104,6 +104,14 @@ class ShardedParam:
             if self.keeps_full:
                 self.param.copy_(full)
 
+    def load_chunk(self, chunk: Tensor) -> None:
+        """Take this rank's chunk (stage 3; e.g. read from a sharded checkpoint)."""
+        if chunk.numel() != self.owned_numel:
+            raise ValueError(f"parameter {self.name!r}: expected {self.owned_numel} elements for this rank, got {chunk.numel()}")
+        with torch.no_grad():
+            self.shard.copy_(chunk.reshape(self.shard.shape))
+            self.refresh_device_chunk()
+
     # ---- stages 1-2: the full parameter is the module's -----------------------------------
     def check_storage_unchanged(self) -> None:
         """Fail loudly when the parameter's storage was replaced after setup, e.g. by

@@ -144,9 +144,10 @@ class ZeroEngine:
         self.residency.end_step()
 
     # ---- state -----------------------------------------------------------------------------
-    def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``optimizer.state_dict()`` as if unsharded; a collective, call on every rank."""
-        return gather_full_state_dict(optimizer, self._params_of(optimizer), self.group)
+    def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
+        (``keep=False``: take part, return nothing)."""
+        return gather_full_state_dict(optimizer, self._params_of(optimizer), self.group, keep)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         load_full_state_dict(optimizer, state_dict, self._params_of(optimizer))

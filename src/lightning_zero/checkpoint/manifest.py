@@ -1,0 +1,73 @@
+"""The manifest of a sharded checkpoint directory: what it holds, written last.
+
+A directory counts as a complete checkpoint only with a readable manifest; saves also happen in a
+temporary directory renamed into place once complete (``atomic.py``), so an interrupted save is
+never found under the checkpoint's name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Union
+
+FORMAT = "lightning-zero/sharded/1"
+MANIFEST_NAME = "lightning_zero.json"
+META_NAME = "meta.pt"
+"""Everything of the Lightning checkpoint that is not a tensor shard (loops, callbacks, LR
+schedulers, precision state, hyperparameters, optimizer hyperparameters), written by rank 0."""
+
+PathLike = Union[str, os.PathLike]
+
+
+@dataclass
+class Manifest:
+    stage: int
+    world_size: int
+    params: dict[str, list[int]]
+    """Each parameter's name and full shape; stored flat, chunked like ``torch.chunk``."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """``state_dict`` keys that are another parameter (tied weights) → that parameter's name."""
+    buffers: list[str] = field(default_factory=list)
+    optimizers: list[dict[str, dict[str, str]]] = field(default_factory=list)
+    """Per optimizer: parameter name → {state key: "sharded" | "tensor" | "value"}."""
+    optimizer_params: list[list[list[str]]] = field(default_factory=list)
+    """Per optimizer, per param group: the parameter names, in order."""
+    format: str = FORMAT
+
+    def write(self, directory: PathLike) -> None:
+        path = Path(directory) / MANIFEST_NAME
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def read(cls, directory: PathLike) -> "Manifest":
+        directory = Path(directory)
+        if not directory.exists():
+            raise FileNotFoundError(f"Checkpoint {str(directory)!r} does not exist.")
+        path = directory / MANIFEST_NAME
+        if not path.is_file():
+            raise ValueError(
+                f"{str(directory)!r} is not a lightning-zero sharded checkpoint: it has no {MANIFEST_NAME}."
+                " A sharded checkpoint directory gets it as the last step of a complete save; an"
+                " interrupted save leaves a '*.tmp-*' directory instead, never this name."
+            )
+        try:
+            data = json.loads(path.read_text())
+            manifest = cls(**data)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"The checkpoint manifest {str(path)!r} is corrupted: {err}") from err
+        if manifest.format != FORMAT:
+            raise ValueError(
+                f"{str(directory)!r} was written in format {manifest.format!r}; this version of"
+                f" lightning-zero reads {FORMAT!r}."
+            )
+        return manifest
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / MANIFEST_NAME).is_file()

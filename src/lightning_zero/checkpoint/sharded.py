@@ -1,0 +1,317 @@
+"""Sharded checkpoint directories, written and read with ``torch.distributed.checkpoint`` (DCP).
+
+Layout of ``<path>/``::
+
+    .metadata, __<rank>_0.distcp   DCP: every rank writes its own chunks, in parallel
+    meta.pt                        rank 0: the rest of the Lightning checkpoint
+    lightning_zero.json            the manifest, written last (see manifest.py)
+
+DCP keys (flat, "/"-separated so that parameter names keep their dots)::
+
+    model/<param>                  1-D DTensor sharded like torch.chunk over the ranks: the flat
+                                   parameter, each rank holding its chunk (our exact layout)
+    model/<param>                  or a plain tensor, for a parameter no rank shards (stages 1-2:
+                                   one in no optimizer); identical on every rank, stored once
+    buffer/<state_dict key>        plain tensor
+    optim/<i>/<param>/<state key>  1-D DTensor for per-element state (Adam's moments), plain
+                                   tensor for the rest (a step count)
+
+Why DTensor: plain tensors saved under one key by every rank are deduplicated by DCP as if
+replicated, silently keeping rank 0's chunk only. A DTensor tells DCP which slice each rank
+holds, so a checkpoint loads at any world size and any stage: loading asks for the slices the
+new layout needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.manifest import META_NAME, Manifest, PathLike
+from lightning_zero.engine import ZeroEngine
+from lightning_zero.engine.sharded_optimizer import STEP_KEY
+from lightning_zero.engine.sharded_param import ShardedParam
+
+SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
+
+
+class CheckpointGroup:
+    """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
+    chunks are staged on the CPU, whatever backend training uses. Created on first use (a
+    collective call, made by every rank at the same save or load)."""
+
+    def __init__(self) -> None:
+        self._group: Optional[dist.ProcessGroup] = None
+        self._mesh: Optional[DeviceMesh] = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            self._group = (
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            )
+        return self._group
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+        return self._mesh
+
+
+def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
+    """This rank's chunk as a slice of the flat parameter (``torch.chunk`` layout, as ours)."""
+    local = local.detach().reshape(-1).to("cpu")
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+# ---- what is saved ------------------------------------------------------------------------------
+def _param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str], list[str]]:
+    """(first name of each parameter by id, aliases: other state_dict key -> first name, buffer keys)."""
+    first = {id(p): name for name, p in module.named_parameters()}
+    aliases, buffers = {}, []
+    for key, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            if first[id(t)] != key:
+                aliases[key] = first[id(t)]
+        else:
+            buffers.append(key)
+    return first, aliases, buffers
+
+
+def model_tensors(module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh) -> dict[str, Tensor]:
+    """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers."""
+    sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
+    first, _, buffers = _param_names(module)
+    tensors: dict[str, Tensor] = {}
+    for name, p in module.named_parameters():
+        sp = sharded.get(id(p))
+        if sp is not None:
+            tensors[f"model/{name}"] = _flat_dtensor(_weight_chunk(sp), sp.layout.numel, mesh)
+        else:
+            tensors[f"model/{name}"] = p.detach().reshape(-1).to("cpu")
+    state = module.state_dict(keep_vars=True)
+    for key in buffers:
+        tensors[f"buffer/{key}"] = state[key].detach().to("cpu")
+    return tensors
+
+
+def _weight_chunk(sp: ShardedParam) -> Tensor:
+    # the optimizer's chunk is the most precise copy of the weight (fp32 master where the
+    # parameter is half precision), so converted checkpoints get full-precision weights
+    return sp.shard
+
+
+@dataclass
+class OptimizerShards:
+    """One optimizer's state as DCP entries, plus what is not a tensor (kept in meta.pt)."""
+
+    tensors: dict[str, Tensor]
+    layout: dict[str, dict[str, str]]
+    values: dict[str, dict[str, Any]]
+    param_groups: list[dict[str, Any]]
+    """Hyperparameters of each group, with the names of its parameters under "params"."""
+
+
+def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> OptimizerShards:
+    params = engine._params_of(optimizer)
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    layout: dict[str, dict[str, str]] = {}
+    values: dict[str, dict[str, Any]] = {}
+    for position, sp in enumerate(params):
+        for key, value in state_dict["state"].get(position, {}).items():
+            entry = f"optim/{index}/{sp.name}/{key}"
+            if key != STEP_KEY and isinstance(value, Tensor) and value.shape == sp.shard.shape:
+                tensors[entry] = _flat_dtensor(value, sp.layout.numel, mesh)
+                layout.setdefault(sp.name, {})[key] = SHARDED
+            elif isinstance(value, Tensor):
+                tensors[entry] = value.detach().to("cpu")
+                layout.setdefault(sp.name, {})[key] = TENSOR
+            else:
+                values.setdefault(sp.name, {})[key] = value
+                layout.setdefault(sp.name, {})[key] = VALUE
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [params[i].name for i in group["params"]]}
+        for group in state_dict["param_groups"]
+    ]
+    return OptimizerShards(tensors, layout, values, groups)
+
+
+def build_manifest(
+    module: nn.Module, engine: Optional[ZeroEngine], stage: int, world_size: int, optimizers: Sequence[OptimizerShards]
+) -> Manifest:
+    _, aliases, buffers = _param_names(module)
+    return Manifest(
+        stage=stage,
+        world_size=world_size,
+        params=true_shapes(module, engine),
+        aliases=aliases,
+        buffers=buffers,
+        optimizers=[o.layout for o in optimizers],
+        optimizer_params=[[g["params"] for g in o.param_groups] for o in optimizers],
+    )
+
+
+def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, list[int]]:
+    """Every parameter's full shape (at stage 3 a parameter at rest is an empty placeholder)."""
+    sharded = {id(sp.param): sp.shape for sp in engine.params} if engine is not None else {}
+    return {name: list(sharded.get(id(p), p.shape)) for name, p in module.named_parameters()}
+
+
+def write_directory(directory: PathLike, tensors: dict[str, Tensor], meta: dict[str, Any], manifest: Manifest, group: CheckpointGroup) -> None:
+    """Every rank writes its chunks into ``directory``; rank 0 then writes meta.pt and, last, the manifest."""
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True), process_group=group.group)
+    if dist.get_rank() == 0:
+        torch.save(meta, Path(directory) / META_NAME)
+        manifest.write(directory)
+
+
+# ---- what is loaded -----------------------------------------------------------------------------
+def read_meta(directory: PathLike) -> dict[str, Any]:
+    path = Path(directory) / META_NAME
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise ValueError(f"Checkpoint {str(directory)!r} has no {META_NAME}: it is incomplete.") from None
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
+        raise ValueError(f"{str(path)!r} is truncated or corrupted ({type(err).__name__}: {err}).") from err
+
+
+def check_model_matches(manifest: Manifest, expected: dict[str, list[int]], directory: PathLike, strict: bool) -> None:
+    """Names and shapes of the checkpoint against the model's, with every difference named."""
+    missing = sorted(set(expected) - set(manifest.params))
+    unexpected = sorted(set(manifest.params) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(manifest.params) if expected[n] != manifest.params[n])
+    problems = []
+    if wrong:
+        problems.append("shapes differ for " + ", ".join(f"{n} (checkpoint {manifest.params[n]}, model {expected[n]})" for n in wrong[:5]))
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {missing[:10]}")
+    if strict and unexpected:
+        problems.append(f"not in the model: {unexpected[:10]}")
+    if problems:
+        raise ValueError(f"Checkpoint {str(directory)!r} does not match the model: " + "; ".join(problems) + ".")
+
+
+def load_model(
+    directory: PathLike, manifest: Manifest, module: nn.Module, engine: Optional[ZeroEngine], group: CheckpointGroup, strict: bool
+) -> None:
+    """Read each parameter as this rank needs it — its chunk where the engine shards it, else the
+    whole tensor — and the buffers."""
+    check_model_matches(manifest, true_shapes(module, engine), directory, strict)
+    sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
+    metadata = _metadata(directory)
+    targets: dict[str, Tensor] = {}
+    for name, p in module.named_parameters():
+        key = f"model/{name}"
+        if key not in metadata:
+            continue
+        dtype = metadata[key].properties.dtype
+        sp = sharded.get(id(p))
+        if sp is not None and not sp.keeps_full:
+            targets[key] = _flat_dtensor(torch.empty(sp.owned_numel, dtype=dtype), sp.layout.numel, group.mesh)
+        else:
+            targets[key] = torch.empty(manifest.params[name], dtype=dtype).reshape(-1)
+    state = module.state_dict(keep_vars=True)
+    for key in manifest.buffers:
+        if key in state and f"buffer/{key}" in metadata:
+            targets[f"buffer/{key}"] = torch.empty(state[key].shape, dtype=metadata[f"buffer/{key}"].properties.dtype)
+    _dcp_load(targets, directory, group)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            key = f"model/{name}"
+            if key not in targets:
+                continue
+            sp = sharded.get(id(p))
+            if isinstance(targets[key], DTensor):
+                sp.load_chunk(targets[key].to_local())
+            else:
+                full = targets[key].view(manifest.params[name])
+                if sp is not None:
+                    sp.load_full_value(full)
+                else:
+                    p.copy_(full)
+        for key in manifest.buffers:
+            if f"buffer/{key}" in targets:
+                state[key].copy_(targets[f"buffer/{key}"])
+
+
+def load_optimizer(
+    directory: PathLike, manifest: Manifest, meta: dict[str, Any], engine: ZeroEngine, optimizer: Optimizer, index: int, group: CheckpointGroup
+) -> None:
+    """Rebuild ``optimizer``'s state for this rank's chunks, matching parameters by name."""
+    if index >= len(manifest.optimizers):
+        raise ValueError(
+            f"Checkpoint {str(directory)!r} holds state for {len(manifest.optimizers)} optimizers, but"
+            f" `configure_optimizers` returned more."
+        )
+    params = engine._params_of(optimizer)
+    saved_groups = meta["lightning_zero_optimizers"][index]["param_groups"]
+    current_groups = [[params[i].name for i in g["params"]] for g in optimizer.state_dict()["param_groups"]]
+    if [sorted(g["params"]) for g in saved_groups] != [sorted(g) for g in current_groups]:
+        raise ValueError(
+            f"Optimizer #{index} groups its parameters differently from the checkpoint's: checkpoint"
+            f" {[len(g['params']) for g in saved_groups]} parameters per group, now"
+            f" {[len(g) for g in current_groups]}."
+        )
+    metadata = _metadata(directory)
+    layout, values = manifest.optimizers[index], meta["lightning_zero_optimizers"][index]["values"]
+    targets: dict[str, Tensor] = {}
+    for sp in params:
+        for key, kind in layout.get(sp.name, {}).items():
+            entry = f"optim/{index}/{sp.name}/{key}"
+            if kind == SHARDED:
+                local = torch.empty(sp.owned_numel, dtype=metadata[entry].properties.dtype)
+                targets[entry] = _flat_dtensor(local, sp.layout.numel, group.mesh)
+            elif kind == TENSOR:
+                targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
+    _dcp_load(targets, directory, group)
+    state: dict[int, dict[str, Any]] = {}
+    for position, sp in enumerate(params):
+        entries = {}
+        for key, kind in layout.get(sp.name, {}).items():
+            entry = f"optim/{index}/{sp.name}/{key}"
+            if kind == SHARDED:
+                entries[key] = targets[entry].to_local().clone()
+            elif kind == TENSOR:
+                entries[key] = targets[entry]
+            else:
+                entries[key] = values[sp.name][key]
+        if entries:
+            state[position] = entries
+    position_of = {sp.name: i for i, sp in enumerate(params)}
+    groups = [
+        {**{k: v for k, v in saved.items() if k != "params"}, "params": [position_of[name] for name in current]}
+        for saved, current in zip(saved_groups, current_groups)
+    ]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _metadata(directory: PathLike) -> dict[str, Any]:
+    try:
+        return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"Checkpoint {str(directory)!r}: its DCP metadata cannot be read ({type(err).__name__}: {err}).") from err
+
+
+def _dcp_load(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup]) -> None:
+    try:
+        if group is None:
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+        else:
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), process_group=group.group)
+    except Exception as err:  # noqa: BLE001 - DCP wraps file errors in CheckpointException
+        raise ValueError(
+            f"Checkpoint {str(directory)!r} could not be read: a shard file is missing, truncated or"
+            f" corrupted ({type(err).__name__}: {str(err)[:500]})."
+        ) from err

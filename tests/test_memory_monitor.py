@@ -1,0 +1,156 @@
+"""ZeroMemoryMonitor: each rank's model-state bytes by kind and place reach the Trainer's logger, next to
+the estimator's prediction, and agree with it where the two count the same thing."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero
+from lightning_zero import estimate as est
+from lightning_zero import model_count
+from lightning_zero.memory_monitor import PRECISION_SCHEMES, ZeroMemoryMonitor, estimate_per_rank
+from lightning_zero.models.gpt import GPT, GPTConfig
+from multiprocess import run_on_ranks
+
+GPT_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
+STRATEGIES = ("zero3", "zero3_offload")
+WORLD_SIZE = 2
+STEPS = 2
+KEY = "memory/rank{rank}/{place}/{kind}_bytes"
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT(GPTConfig(**GPT_SHAPE))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch  # (B, T), (B, T)
+        _, loss = self.model(inputs, targets)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _token_windows() -> DataLoader:
+    tokens = torch.randint(0, 256, (16, GPT_SHAPE["block_size"] + 1), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+
+
+def _fit(strategy: str, log_dir: str, devices: int) -> ZeroMemoryMonitor:
+    monitor = ZeroMemoryMonitor(every_n_steps=1, unit="bytes")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=CSVLogger(log_dir, name=strategy, version=0),
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(TinyGPT(), _token_windows())
+    return monitor
+
+
+def _monitored_runs(rank: int, world_size: int, log_dir: str) -> dict[str, dict[str, float]]:
+    return {strategy: _fit(strategy, log_dir, world_size).latest for strategy in STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[list[dict[str, dict[str, float]]], Path]:
+    log_dir = tmp_path_factory.mktemp("memory_monitor")
+    results = run_on_ranks(_monitored_runs, str(log_dir), world_size=WORLD_SIZE, init_process_group=False)
+    return results, log_dir
+
+
+def _predicted(layout: est.Layout) -> est.MemoryEstimate:
+    num_params = model_count.count_parameters("lightning_zero.models.gpt:GPT", {"config": GPT_SHAPE})
+    return est.estimate(num_params, layout, est.SCHEMES["fp32"], est.Topology(devices=WORLD_SIZE))
+
+
+def test_stage3_parameter_bytes_match_the_estimator(runs):
+    results, _ = runs
+    predicted = _predicted(est.Layout(est.Stage.PARAMETERS)).device
+    for latest in results:  # every rank holds every rank's values
+        metrics = latest["zero3"]
+        for rank in range(WORLD_SIZE):
+            logged = {kind: metrics[KEY.format(rank=rank, place="device", kind=kind)] for kind in ("parameters", "gradients", "optimizer_state")}
+            # Chunks are padded per parameter, and Adam's step counters are unpriced: a fraction of a percent here.
+            assert logged["parameters"] == pytest.approx(predicted.weights, rel=0.03)
+            assert logged["gradients"] == pytest.approx(predicted.gradients, rel=0.03)
+            assert logged["optimizer_state"] == pytest.approx(predicted.optimizer, rel=0.03)
+            assert metrics[KEY.format(rank=rank, place="host", kind="optimizer_state")] == 0
+        # The monitor's own estimate columns are the estimator's figures for this layout.
+        assert metrics["memory/estimate/device/parameters_bytes"] == predicted.weights
+        assert metrics["memory/estimate/device/optimizer_state_bytes"] == predicted.optimizer
+
+
+def test_offloaded_run_logs_optimizer_state_on_host_only(runs):
+    results, _ = runs
+    layout = est.Layout(est.Stage.PARAMETERS, offload_optimizer=True, offload_params=True)
+    host_share = _predicted(layout).host.optimizer // WORLD_SIZE  # the estimator's host bytes are per node
+    metrics = results[0]["zero3_offload"]
+    for rank in range(WORLD_SIZE):
+        assert metrics[KEY.format(rank=rank, place="device", kind="optimizer_state")] == 0
+        assert metrics[KEY.format(rank=rank, place="host", kind="optimizer_state")] == pytest.approx(host_share, rel=0.03)
+        assert metrics[KEY.format(rank=rank, place="device", kind="parameters")] == 0
+        assert metrics[KEY.format(rank=rank, place="host", kind="parameters")] > 0
+    assert metrics["memory/estimate/host/optimizer_state_bytes"] == host_share
+    assert metrics["memory/estimate/device/optimizer_state_bytes"] == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_values_reach_the_logger(runs, strategy):
+    results, log_dir = runs
+    with open(log_dir / strategy / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get(KEY.format(rank=1, place="device", kind="gradients"))]
+    assert [int(row["step"]) for row in rows] == list(range(1, STEPS + 1))  # every step, once
+    latest = results[0][strategy]
+    assert {key: float(rows[-1][key]) for key in latest} == latest
+
+
+def test_no_op_with_one_warning_under_another_strategy(tmp_path):
+    monitor = ZeroMemoryMonitor(every_n_steps=1)
+    trainer_args = dict(accelerator="cpu", devices=1, max_steps=1, callbacks=[monitor], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, logger=CSVLogger(tmp_path))
+    with pytest.warns(UserWarning, match="ZeroMemoryMonitor does nothing under SingleDeviceStrategy"):
+        L.Trainer(**trainer_args).fit(TinyGPT(), _token_windows())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_args).fit(TinyGPT(), _token_windows())
+    assert not [w for w in caught if "ZeroMemoryMonitor" in str(w.message)]
+    assert monitor.latest == {}
+
+
+def test_estimate_per_rank_maps_precision_and_splits_host_bytes():
+    strategy = lightning_zero.ZeroStrategy(stage=2, offload_optimizer=True)
+    psi, devices, nodes = 1_000_000, 4, 2
+    fp32 = estimate_per_rank(psi, strategy, "32-true", devices, nodes)
+    assert fp32 is not None
+    # stage 2 over 8 ranks: full fp32 weights, 1/8 of the gradients here, 1/8 of the moments on the host
+    assert fp32.device == est.StateBytes(weights=4 * psi, gradients=4 * psi // 8, optimizer=0)
+    assert fp32.host == est.StateBytes(optimizer=8 * psi // 8)
+    # autocast keeps fp32 model states; true half precision adds the engine's fp32 master chunk
+    assert estimate_per_rank(psi, strategy, "bf16-mixed", devices, nodes) == fp32
+    bf16 = estimate_per_rank(psi, strategy, "bf16-true", devices, nodes)
+    assert bf16 is not None and bf16.host.optimizer == 12 * psi // 8
+    assert PRECISION_SCHEMES["64-true"].total_bytes == 32
+    assert estimate_per_rank(psi, strategy, "transformer-engine", devices, nodes) is None
+
+
+def test_rejects_bad_options():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        ZeroMemoryMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match="bytes, KB, MB, GB"):
+        ZeroMemoryMonitor(unit="MiB")  # type: ignore[arg-type]
