@@ -8,6 +8,11 @@
 
 The defaults (a 1.8M-parameter model, 400 steps) are sized for a 2-core CPU: in about 2.5 minutes
 validation loss falls from 5.3 nats per byte untrained (ln 256 = 5.55 is a uniform guess) to about 1.85.
+
+Everything lands in the logger's directory (`lightning_logs/version_N/` by default): the metrics (train and
+validation loss, perplexity and, under a ZeRO strategy, each rank's model-state memory beside
+`lightning-zero estimate`'s prediction, from `ZeroMemoryMonitor`) and the checkpoints Lightning's default
+`ModelCheckpoint` saves after each validation (`checkpoints/`, resumable with `--ckpt_path`).
 """
 
 import math
@@ -26,6 +31,7 @@ from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.text import Perplexity  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
+from lightning_zero.memory_monitor import ZeroMemoryMonitor  # noqa: E402
 from lightning_zero.models.gpt import GPT, GPTConfig  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 
@@ -136,10 +142,13 @@ class GPTLightningModule(L.LightningModule):
 
 
 class GPTCLI(LightningCLI):
-    """LightningCLI with the one argument model and data must agree on set once."""
+    """LightningCLI with the one argument model and data must agree on set once, and a memory monitor."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.block_size", "model.block_size")
+        # Always on, and configurable like the model: `--memory_monitor.every_n_steps=50`, `--memory_monitor.unit=KB`
+        # or a `memory_monitor:` section in YAML. Under DDP it warns once that it has nothing to measure.
+        parser.add_lightning_class_args(ZeroMemoryMonitor, "memory_monitor")
 
 
 def main() -> None:

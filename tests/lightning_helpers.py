@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -70,7 +71,7 @@ class WeightRecorder(Callback):
 def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None, **kwargs: Any) -> L.Trainer:
     options = dict(
         accelerator="cpu",
-        devices=2,
+        devices=int(os.environ.get("WORLD_SIZE", 2)),  # the ranks run_on_ranks started
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -64,6 +65,7 @@ def run_on_ranks(
     world_size: int = 2,
     init_process_group: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
+    tolerate_deaths: bool = False,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
     per-rank results in rank order. A rank's exception is re-raised here with its traceback; a
@@ -71,6 +73,9 @@ def run_on_ranks(
 
     ``fn`` must be importable (a module-level function). With ``init_process_group=False`` the
     function (e.g. a Lightning Trainer) creates the process group itself.
+
+    ``tolerate_deaths=True`` is for fault tests: once a rank exits without a result (killed), the
+    others are stopped too and every missing result is None.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -85,13 +90,23 @@ def run_on_ranks(
     try:
         import queue
 
+        deadline = time.monotonic() + timeout
         while len(collected) < world_size:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s (hang?)"
-                ) from None
+                died = [r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None]
+                if tolerate_deaths and died:
+                    time.sleep(2.0)  # let surviving ranks report what they finished
+                    while not results.empty():
+                        rank, status, payload = results.get()
+                        collected[rank] = (status, payload)
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(collected))} did not finish within {timeout}s (hang?)"
+                    ) from None
+                continue
             collected[rank] = (status, payload)
             if status == "error":
                 break
@@ -102,7 +117,14 @@ def run_on_ranks(
                 p.kill()
                 p.join()
     errors = {r: payload for r, (status, payload) in collected.items() if status == "error"}
+    if tolerate_deaths:
+        # a survivor's error is a consequence of the death: it is returned as its traceback text
+        outcomes: list[Any] = []
+        for r in range(world_size):
+            status, payload = collected.get(r, ("missing", None))
+            outcomes.append(None if status == "missing" else payload if status == "error" else pickle.loads(payload))
+        return outcomes
     if errors:
         rank, tb = sorted(errors.items())[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
-    return [pickle.loads(collected[r][1]) for r in range(world_size)]
+    return [pickle.loads(collected[r][1]) if r in collected else None for r in range(world_size)]

@@ -1,4 +1,5 @@
-"""The GPT example end to end (a short `fit` in two processes) and its data module's determinism."""
+"""The GPT example end to end under every config in configs/ and under a strategy named on the command
+line (a short `fit` in two processes each), and its data module's determinism."""
 
 import csv
 import os
@@ -9,11 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.model_count import count_parameters
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
-# Small enough that the run is dominated by process start-up (~10 s on 2 cores), big enough that every
-# part runs: 2 blocks (two stage-3 units besides the root), the tied head, a validation pass mid-training.
+# Small enough that a run is dominated by process start-up (~7 s on 2 cores), big enough that every part
+# runs: 2 blocks (two stage-3 units besides the root), the tied head, a validation pass and a checkpoint
+# after step 2, and a memory measurement at every step.
 TINY = [
     "--model.n_layer=2",
     "--model.n_head=2",
@@ -26,28 +31,64 @@ TINY = [
     "--trainer.limit_val_batches=2",
     "--trainer.devices=2",
     "--trainer.accelerator=cpu",
+    "--memory_monitor.every_n_steps=1",
 ]
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
-def test_train_gpt_fit(tmp_path, strategy):
+def _fit(tmp_path: Path, *args: str) -> list[dict[str, str]]:
+    """Run `train_gpt.py fit` with `args` and TINY; return the rows of its metrics.csv."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [
         sys.executable,
         str(EXAMPLES / "train_gpt.py"),
         "fit",
+        *args,
         *TINY,
-        f"--trainer.strategy={strategy}",
-        f"--trainer.default_root_dir={tmp_path}",
+        # CSV explicitly: Lightning's default logger is TensorBoard where it is installed
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={tmp_path}",
     ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
 
-    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as metrics:
-        val_losses = [float(row["val_loss"]) for row in csv.DictReader(metrics) if row["val_loss"]]
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert list((run_dir / "checkpoints").iterdir()), "the default ModelCheckpoint saved nothing"
+    with open(run_dir / "metrics.csv") as metrics:
+        rows = list(csv.DictReader(metrics))
+    val_losses = [float(row["val_loss"]) for row in rows if row.get("val_loss")]
     assert val_losses, "validation never ran"
     # An untrained byte-level model predicts about uniformly: ln(256) = 5.55 nats per byte.
     assert all(4.0 < loss < 6.5 for loss in val_losses), val_losses
+    return rows
+
+
+def _assert_memory_matches_estimate(rows: list[dict[str, str]]) -> None:
+    """ZeroMemoryMonitor logged both ranks' model states, and where the weights live (sharded or not, on
+    the device or the host) is what the estimator predicts for the strategy the config names."""
+    logged = [row for row in rows if row.get("memory/rank1/total_MB")]
+    assert logged, "ZeroMemoryMonitor logged nothing: not a ZeroStrategy?"
+    last = {key: float(value) for key, value in logged[-1].items() if key.startswith("memory/") and value}
+    for rank in (0, 1):
+        assert last[f"memory/rank{rank}/total_MB"] > 0
+        for place in ("device", "host"):
+            predicted = last[f"memory/estimate/{place}/parameters_MB"]
+            assert last[f"memory/rank{rank}/{place}/parameters_MB"] == pytest.approx(predicted, rel=0.03), place
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.stem)
+def test_train_gpt_with_each_config(tmp_path, config):
+    _assert_memory_matches_estimate(_fit(tmp_path, f"--config={config}"))
+
+
+def test_train_gpt_with_strategy_named_on_the_command_line(tmp_path):
+    rows = _fit(tmp_path, "--trainer.strategy=zero3")
+    _assert_memory_matches_estimate(rows)
+    # Stage 3 it is: each of the 2 ranks holds half of the fp32 weights.
+    shape = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}  # TINY's
+    num_params = count_parameters("lightning_zero.models.gpt:GPT", {"config": shape})
+    key = "memory/rank0/device/parameters_MB"
+    logged = [float(row[key]) for row in rows if row.get(key)]
+    assert logged and logged[-1] == pytest.approx(4 * num_params / 2 / 1e6, rel=0.03)
 
 
 def test_stdlib_corpus_is_deterministic_and_byte_level(monkeypatch):

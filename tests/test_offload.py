@@ -21,6 +21,15 @@ VARIANTS = {
 }
 
 
+RESUMES = [
+    ("zero2", "offloaded_full"),
+    ("zero3", "offloaded_sharded"),
+    ("zero2", "offloaded_sharded"),
+    ("zero2_offload", "plain_sharded"),
+    ("zero3_offload", "plain_sharded"),
+]
+
+
 class _Report(Callback):
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         self.report = trainer.strategy.memory_report()
@@ -42,14 +51,21 @@ def _offload_cases(rank: int, world_size: int, tmpdir: str) -> dict:
             if precision == "32-true":
                 out[(label, "report")] = report.report
 
-    # checkpoints: saved offloaded, resumed without; saved without, resumed offloaded
-    dirpath = os.path.join(tmpdir, "offloaded")
-    fit_gpt("zero3_offload", 2, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)], enable_checkpointing=True)
-    ckpt = os.path.join(dirpath, "last.ckpt")
-    _, reference, _ = fit_gpt("ddp", 4, ckpt_path=ckpt)
-    for name in ("zero2", "zero3", "zero2_offload", "zero3_offload"):
-        _, history, _ = fit_gpt(name, 4, ckpt_path=ckpt)
-        out[("resume", name)] = [max_abs_diff(a, b) for a, b in zip(reference, history)]
+    # checkpoints: saved offloaded, resumed without; saved without, resumed offloaded. The
+    # reference is DDP resumed from the same state in its own (full) format.
+    saved = {}
+    for label, strategy in (
+        ("offloaded_full", lightning_zero.ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, state_dict_type="full")),
+        ("offloaded_sharded", "zero3_offload"),
+        ("plain_sharded", "zero3"),
+    ):
+        dirpath = os.path.join(tmpdir, label)
+        fit_gpt(strategy, 2, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)], enable_checkpointing=True)
+        saved[label] = os.path.join(dirpath, "last.ckpt")
+    _, reference, _ = fit_gpt("ddp", 4, ckpt_path=saved["offloaded_full"])
+    for name, source in RESUMES:
+        _, history, _ = fit_gpt(name, 4, ckpt_path=saved[source])
+        out[("resume", name, source)] = [max_abs_diff(a, b) for a, b in zip(reference, history)]
     return out
 
 
@@ -79,10 +95,10 @@ def test_location_report(results):
     assert all_offloaded.device.optimizer_state == 0 and all_offloaded.device.gradients == 0
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3", "zero2_offload", "zero3_offload"])
-def test_checkpoints_cross_offload(results, name):
+@pytest.mark.parametrize("name,source", RESUMES)
+def test_checkpoints_cross_offload(results, name, source):
     for r in results:
-        assert r[("resume", name)] == [0.0, 0.0]  # steps 3 and 4, after resuming at step 2
+        assert r[("resume", name, source)] == [0.0, 0.0]  # steps 3 and 4, after resuming at step 2
 
 
 @pytest.mark.parametrize("stage", [1, 2])

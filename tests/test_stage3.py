@@ -223,7 +223,7 @@ def test_model_summary_shows_true_sizes(results):
     total, trainable, table = results[0][("tied", "probe")]["summary"]
     assert total == results[0][("tied", "probe")]["total_numel"] > 0
     assert trainable == total
-    assert "Params per device" in table
+    assert "Params per Device" in table
 
 
 def test_summon_full_params(results):

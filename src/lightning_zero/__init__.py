@@ -6,9 +6,20 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage
+from lightning_zero.checkpoint import convert_checkpoint
+from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage
 from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.memory_monitor import ZeroMemoryMonitor  # noqa: E402 - imports the strategy module
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MemoryReport", "ZeroConfig", "ZeroEngine", "ZeroStage", "ZeroStrategy"]
+__all__ = [
+    "MemoryReport",
+    "StateBytes",
+    "ZeroConfig",
+    "ZeroEngine",
+    "ZeroStage",
+    "ZeroStrategy",
+    "ZeroMemoryMonitor",
+    "convert_checkpoint",
+]

@@ -19,6 +19,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
 from lightning_zero import estimate as est
+from lightning_zero.checkpoint import convert
 from lightning_zero import model_count
 
 
@@ -54,7 +55,7 @@ def _subcommands() -> tuple[Subcommand, ...]:
     from their own modules) are looked up when `main` runs, not when this module is imported."""
     from lightning_zero.bench.command import BENCH  # imported here: it imports this module
 
-    return (ESTIMATE, BENCH)
+    return (ESTIMATE, CONVERT, BENCH)
 
 
 # --- argument types: each raises ArgumentTypeError saying what is accepted --------------------------
@@ -283,6 +284,13 @@ ESTIMATE = Subcommand(
     help="Model-state memory per device and per node for DDP and ZeRO stages 1-3, with and without offload.",
     add_arguments=_add_estimate_arguments,
     run=_run_estimate,
+)
+
+CONVERT = Subcommand(
+    name="convert",
+    help="Turn a sharded checkpoint directory into one plain Lightning checkpoint file (no GPUs needed).",
+    add_arguments=convert.add_arguments,
+    run=convert.run,
 )
 
 

@@ -134,13 +134,13 @@ class ZeroMemoryMonitor(Callback):
         self.latest: dict[str, float] = {}
         self._estimate: Optional[RankEstimate] = None
         self._active = False
-        self._warned = False
-        self._last_logged_step = -1
+        self._warned: set[str] = set()
+        self._last_step = 0
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         self._active = isinstance(strategy, ZeroStrategy) and strategy.engine is not None
-        self._last_logged_step = -1
+        self._last_step = trainer.global_step  # not 0 when resuming
         if not self._active:
             self._warn_once(
                 f"ZeroMemoryMonitor does nothing under {type(strategy).__name__}: it reads the memory report"
@@ -163,17 +163,21 @@ class ZeroMemoryMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        # Only after a batch that stepped the optimizer (not between the micro-batches of gradient
+        # accumulation, nor before the first step): then gradients and optimizer state both exist.
+        stepped, self._last_step = step != self._last_step, step
         interval = self.every_n_steps or trainer.log_every_n_steps
-        # global_step stays put over the micro-batches of gradient accumulation: measure once per step
-        if not self._active or step == self._last_logged_step or step % interval:
+        if not self._active or not stepped or step % interval:
             return
-        self._last_logged_step = step
         assert isinstance(trainer.strategy, ZeroStrategy)
         per_rank = self._gather(trainer, trainer.strategy.memory_report(), pl_module.device)
         self.latest = self._metrics(per_rank)
         if trainer.is_global_zero:
+            # The step Lightning's own logging (and its DeviceStatsMonitor) gives this batch, so these
+            # values share a row with `train_loss` in tabular loggers.
+            logged_step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for logger in trainer.loggers:
-                logger.log_metrics(self.latest, step=step)
+                logger.log_metrics(self.latest, step=logged_step)
 
     def _gather(self, trainer: Trainer, report: MemoryReport, device: torch.device) -> list[list[int]]:
         """Every rank's report as rows of ``PLACES`` x ``KINDS`` byte counts, in rank order."""
@@ -201,6 +205,7 @@ class ZeroMemoryMonitor(Callback):
         return metrics
 
     def _warn_once(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+        """Warn about each problem once per callback, not at every `fit` the callback is reused in."""
+        if message not in self._warned:
+            self._warned.add(message)
             rank_zero_warn(message)

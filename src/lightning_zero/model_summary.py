@@ -2,7 +2,7 @@
 
 At stage 3 a parameter at rest is an empty placeholder, so Lightning's summary (which sums
 ``p.numel()``) would report 0 parameters — what DeepSpeed users saw (Lightning issue #18514). This
-summary counts each parameter's full size, adds a "Params per device" column (the chunk this rank
+summary counts each parameter's full size, adds a "Params per Device" column (the chunk this rank
 keeps), and gathers the model for the optional ``example_input_array`` forward.
 """
 
@@ -49,7 +49,7 @@ class ZeroModelSummary(ModelSummary):
         if len(arrays[0][1]) > len(column):  # Lightning appended a row for parameters outside layers
             column.append("-")
         position = [name for name, _ in arrays].index("Params") + 1
-        arrays.insert(position, ("Params per device", column))
+        arrays.insert(position, ("Params per Device", column))
         return arrays
 
     def _forward_example_input(self) -> None:

@@ -139,6 +139,9 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
         self.state_dict_type = state_dict_type
         self._engine: Optional[ZeroEngine] = None
+        # after `fit`: the finished run's engine, hooks removed, kept so that
+        # `trainer.save_checkpoint` still finds the optimizer's shards
+        self._finished: Optional[ZeroEngine] = None
         self._failed = False
         self._checkpoint_group = CheckpointGroup()
         self._restored_from_directory = False
@@ -175,6 +178,7 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._close_engine()
+        self._finished = None
         if self.shards_parameters:
             if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
                 self.setup_optimizers(trainer)
@@ -248,6 +252,7 @@ class ZeroStrategy(DDPStrategy):
                 # stage 3: the module leaves with full parameters (on the CPU, where Lightning's
                 # teardown moves it anyway), gathered one unit at a time
                 self._engine.release_parameters(torch.device("cpu"))
+                self._finished = self._engine
             self._engine = None
         self._failed = False
         super().teardown()
@@ -334,31 +339,35 @@ class ZeroStrategy(DDPStrategy):
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
+    def _state_engine(self) -> Optional[ZeroEngine]:
+        """The engine holding the optimizer's shards: the running one, or the finished run's."""
+        return self._engine if self._engine is not None else self._finished
+
+    @property
     def _saves_directory(self) -> bool:
-        return self.state_dict_type == "sharded" and self._engine is not None
+        return self.state_dict_type == "sharded" and self._state_engine is not None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded: this rank's chunks (no communication). Full: the whole weights, at stage 3
         gathered one unit at a time and kept on rank 0 only (the rank that writes the file)."""
-        if self._engine is None:
-            return super().lightning_module_state_dict()
         if self._saves_directory:
-            return model_tensors(self.lightning_module, self._engine, self._checkpoint_group.mesh)
-        if self.shards_parameters:
+            return model_tensors(self.lightning_module, self._state_engine, self._checkpoint_group.mesh)
+        if self._engine is not None and self.shards_parameters:
             return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
-        return super().lightning_module_state_dict()
+        return super().lightning_module_state_dict()  # full parameters on every rank
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> Any:
         """Sharded: this rank's chunks of the state. Full: the state in DDP's format, on rank 0."""
         optimizer = _unwrap(optimizer)
-        if self._engine is None:
+        engine = self._state_engine
+        if engine is None:
             return optimizer.state_dict()
         if self._saves_directory:
             index = [id(o) for o in self.optimizers].index(id(optimizer))
-            return optimizer_shards(self._engine, optimizer, index, self._checkpoint_group.mesh)
-        return self._engine.full_optimizer_state_dict(optimizer, keep=self.is_global_zero)
+            return optimizer_shards(engine, optimizer, index, self._checkpoint_group.mesh)
+        return engine.full_optimizer_state_dict(optimizer, keep=self.is_global_zero)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -375,7 +384,7 @@ class ZeroStrategy(DDPStrategy):
                 tensors.update(shards.tensors)
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta["lightning_zero_optimizers"] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
-            manifest = build_manifest(self.lightning_module, self._engine, self.stage, self.world_size, optimizers)
+            manifest = build_manifest(self.lightning_module, self._state_engine, self.stage, self.world_size, optimizers)
             write_directory(temporary, tensors, meta, manifest, self._checkpoint_group)
         elif self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, temporary)

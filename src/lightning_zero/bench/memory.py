@@ -19,11 +19,13 @@ On CUDA: `torch.cuda.max_memory_allocated`, reset after setup. On CPU: the peak 
 4.0+; where that fails, the peak since the process started, and the result says so). glibc keeps
 freed heap memory mapped, which hides sharding in RSS; the benchmark therefore starts its processes
 with `MALLOC_MMAP_THRESHOLD_=131072` (see `worker.py`), so buffers of 128 KiB and more are mmap'ed
-and returned to the system when freed.
+and returned to the system when freed; each rank also sets the same threshold with `mallopt`
+(`small_mmap_threshold`), which holds even where the variable did not reach the process.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -105,6 +107,21 @@ def module_and_optimizer_tensors(
 
 
 # --- peak memory ---------------------------------------------------------------------------------
+
+MMAP_THRESHOLD_BYTES = 131072
+"""128 KiB, glibc's default starting threshold, made fixed: glibc otherwise raises it (up to 32 MiB)
+after the first large free, and from then on keeps freed tensors resident."""
+_M_MMAP_THRESHOLD = -3  # the mallopt parameter number, from glibc's <malloc.h>
+
+
+def small_mmap_threshold() -> bool:
+    """Fix glibc's mmap threshold at `MMAP_THRESHOLD_BYTES` for this process (what the
+    `MALLOC_MMAP_THRESHOLD_` variable does at start-up); False where libc is not glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"

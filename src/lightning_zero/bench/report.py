@@ -163,6 +163,15 @@ def _main_row(r: VariantResult) -> list[str]:
     ]
 
 
+def _engine_kind(report: dict[str, Any], kind: str) -> Optional[int]:
+    """One kind's bytes from the engine's report, flat (`{"gradients": n}`) or split by location
+    (`{"device": {"gradients": n}, "host": {...}}`), summed over locations."""
+    if isinstance(report.get(kind), int):
+        return report[kind]
+    parts = [part[kind] for part in report.values() if isinstance(part, dict) and isinstance(part.get(kind), int)]
+    return sum(parts) if parts else None
+
+
 def _state_row(r: VariantResult) -> list[str]:
     floor = r.theory.model_state
     kinds = r.model_state_by_kind or {}
@@ -170,7 +179,7 @@ def _state_row(r: VariantResult) -> list[str]:
     engine = "—"
     if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
         report = r.ranks[0].engine_reports[r.model_state_phase]
-        engine = " / ".join(_mb(report.get(k)) for k in ("parameters", "gradients", "optimizer_state"))
+        engine = " / ".join(_mb(_engine_kind(report, k)) for k in ("parameters", "gradients", "optimizer_state"))
     return [
         f"`{r.name}`",
         r.model_state_phase or "—",
@@ -239,8 +248,9 @@ def to_json(result: BenchResult) -> str:
 
 
 def write_chart(result: BenchResult, path: Path) -> Optional[str]:
-    """Bars of model state, its floor and peak memory, and of step time, per variant that ran.
-    Returns None when written, otherwise why not."""
+    """Three panels per variant that ran: model state next to its floor; peak memory, with the part
+    already in use after setup shaded; median step time against DDP's. Returns None when written,
+    otherwise why not."""
     try:
         import matplotlib
 
@@ -252,27 +262,28 @@ def write_chart(result: BenchResult, path: Path) -> Optional[str]:
     if not ran:
         return "no variant ran"
     names = [r.name for r in ran]
-    x = range(len(ran))
-    figure, (memory, time) = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(ran) + 3), 8), constrained_layout=True)
-    width = 0.27
-    series = [
-        ("model state", [r.model_state_bytes / 1e6 for r in ran]),
-        ("floor (fp32 Adam)", [r.theory.model_state.total / 1e6 for r in ran]),
-        ("peak memory", [r.peak_memory_bytes / 1e6 for r in ran]),
-    ]
-    for i, (label, values) in enumerate(series):
-        memory.bar([k + (i - 1) * width for k in x], values, width, label=label)
-    memory.set_ylabel("MB per rank")
-    memory.set_xticks(list(x), names, rotation=30, ha="right")
-    memory.legend()
-    memory.set_title(f"Memory per rank (N = {result.environment['world_size']}, Ψ = {result.model['num_params']:,})")
-    time.bar(list(x), [r.step_time_s * 1e3 for r in ran], color="tab:gray")
+    x = list(range(len(ran)))
+    figure, (state, peak, time) = plt.subplots(
+        3, 1, figsize=(max(8.0, 0.9 * len(ran) + 3), 11), constrained_layout=True
+    )
+    width = 0.4
+    state.bar([k - width / 2 for k in x], [r.model_state_bytes / 1e6 for r in ran], width, label="measured")
+    state.bar([k + width / 2 for k in x], [r.theory.model_state.total / 1e6 for r in ran], width, label="floor (fp32 Adam)")
+    state.set_ylabel("model state, MB per rank")
+    state.legend()
+    state.set_title(f"N = {result.environment['world_size']} ranks, Ψ = {result.model['num_params']:,} parameters")
+    peak.bar(x, [r.peak_memory_bytes / 1e6 for r in ran], color="tab:green", label="peak")
+    peak.bar(x, [r.resting_memory_bytes / 1e6 for r in ran], color="tab:gray", alpha=0.5, label="in use after setup")
+    peak.set_ylabel("peak memory, MB per rank")
+    peak.legend()
+    time.bar(x, [r.step_time_s * 1e3 for r in ran], color="tab:purple")
     ddp = next((r for r in ran if r.name == "ddp"), None)
     if ddp is not None:
         time.axhline(ddp.step_time_s * 1e3, color="tab:red", linestyle="--", label="DDP")
         time.legend()
-    time.set_ylabel("median step time (ms)")
-    time.set_xticks(list(x), names, rotation=30, ha="right")
+    time.set_ylabel("median step time, ms")
+    for axes in (state, peak, time):
+        axes.set_xticks(x, names, rotation=30, ha="right")
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return None

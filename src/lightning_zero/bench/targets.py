@@ -67,7 +67,8 @@ def _judge_one(
     if not targets["model_state"]:
         notes.append(
             f"{missed}model state {_mb(result.model_state_bytes)} vs floor {_mb(floor)} "
-            f"({off_by / floor:+.1%}; tolerance ±{_mb(theory.model_state_tolerance_bytes)})"
+            f"({off_by / floor:+.1%}; tolerance ±{_mb(theory.model_state_tolerance_bytes)}); "
+            f"off by kind: {_kind_deltas(result)}"
         )
 
     comm_floor = theory.comm_bytes_per_step
@@ -75,7 +76,8 @@ def _judge_one(
     if not targets["communication"]:
         notes.append(
             f"{missed}communication {_mb(result.comm_bytes_per_step)}/step vs floor {_mb(comm_floor)} "
-            f"({theory.comm_volume_psi}Ψ; {result.comm_vs_theory:+.1%}, tolerance ±{COMM_RELATIVE_TOLERANCE:.0%})"
+            f"({theory.comm_volume_psi}Ψ; {result.comm_vs_theory:+.1%}, tolerance ±{COMM_RELATIVE_TOLERANCE:.0%});"
+            f" calls: {_calls(result.collective_calls_by_kind or {})}"
         )
 
     if ours and not spec.offload_optimizer and result.step_time_ratio_to_ddp is not None:
@@ -123,6 +125,21 @@ def _run_notes(results: Sequence[VariantResult], ddp_time: Optional[float], opti
     if missed:
         notes.append(f"Ours missing at least one target: {', '.join(missed)} (see their notes).")
     return tuple(notes)
+
+
+def _kind_deltas(result: VariantResult) -> str:
+    """Measured minus floor for each kind, e.g. "parameters +14.49 MB, gradients +0.00 MB"."""
+    floor = result.theory.model_state
+    measured = result.model_state_by_kind or {}
+    return ", ".join(
+        f"{kind.replace('_', ' ')} {'+' if measured.get(kind, 0) >= getattr(floor, kind) else '-'}"
+        f"{_mb(abs(measured.get(kind, 0) - getattr(floor, kind)))}"
+        for kind in ("parameters", "gradients", "optimizer_state")
+    )
+
+
+def _calls(by_kind: dict[str, int]) -> str:
+    return ", ".join(f"{kind} ×{count}" for kind, count in sorted(by_kind.items())) or "none"
 
 
 def _mb(nbytes: float) -> str:

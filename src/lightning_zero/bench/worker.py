@@ -1,7 +1,13 @@
-"""One variant, one fresh process group: spawn N ranks, train, measure, report back.
+"""One variant, one fresh process group: start N ranks, train, measure, report back.
 
 Each variant gets its own processes so nothing leaks between them (allocator state, peak RSS, CUDA
-caches, hooks, DeepSpeed's globals). Every rank of every variant:
+caches, hooks, DeepSpeed's globals). They are forked from multiprocessing's *forkserver*, a clean
+process that imported torch and this package once: a rank then starts in a fraction of a second
+instead of spending ~3 s importing torch and Lightning, which is most of a small run. They are
+never forked from the caller, whose threads or CUDA state would not survive a fork. The forkserver
+is started with `CHILD_ENVIRONMENT` in its environment, which the ranks inherit.
+
+Every rank of every variant:
 1. builds the same model: `torch.manual_seed(seed)` then `GPT(config)`, so all variants start from
    identical weights;
 2. draws the same data: random byte tokens (uniform over the 256-symbol vocabulary) from a
@@ -37,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.bench.comm import CollectiveCounter
-from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes
+from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES, HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
@@ -50,7 +56,7 @@ ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 CHILD_ENVIRONMENT = {
     # glibc: allocations of 128 KiB and more are mmap'ed and unmapped on free, so peak RSS shows
     # what sharding frees (with the default, freed heap stays resident); see memory.py.
-    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
 }
 CPU_CHILD_ENVIRONMENT = {
     "DS_ACCELERATOR": "cpu",  # DeepSpeed would otherwise look for a GPU
@@ -88,10 +94,14 @@ def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log
     """Run `spec` on `options.devices` fresh processes and collect their measurements."""
     log_dir.mkdir(parents=True, exist_ok=True)
     task = _Task(spec, options, config, _free_port(), log_dir)
-    context = multiprocessing.get_context("spawn")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # imported once by the server, inherited by every rank
+    else:  # Windows: every rank imports everything itself
+        context = multiprocessing.get_context("spawn")
     reports = context.Queue()
     processes = [context.Process(target=_rank_main, args=(rank, task, reports)) for rank in range(options.devices)]
-    with _environment(CHILD_ENVIRONMENT | (CPU_CHILD_ENVIRONMENT if options.device == "cpu" else {})):
+    with _environment(CHILD_ENVIRONMENT):
         for process in processes:
             process.start()
     collected: dict[int, tuple[str, object]] = {}
@@ -99,10 +109,15 @@ def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log
     try:
         while len(collected) < options.devices:
             try:
-                rank, status, payload = reports.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, payload = reports.get(timeout=_POLL_S)
             except queue.Empty:
-                missing = sorted(set(range(options.devices)) - set(collected))
-                return VariantRun(FAILED, f"ranks {missing} did not finish within {options.timeout_s:.0f} s; see {log_dir}", ())
+                problem = _silent_failure(processes, collected, deadline, options.timeout_s)
+                if problem is None:
+                    continue
+                try:  # a report written just before the exit may still be in the pipe
+                    rank, status, payload = reports.get(timeout=2 * _POLL_S)
+                except queue.Empty:
+                    return VariantRun(FAILED, f"{problem}; see {log_dir}", ())
             collected[rank] = (status, payload)
             if status != OK:
                 break  # the other ranks may be blocked in a collective: stop them below
@@ -119,6 +134,24 @@ def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log
     return VariantRun(OK, None, tuple(collected[r][1] for r in range(options.devices)))  # type: ignore[misc]
 
 
+_POLL_S = 1.0
+"""How often the parent looks for ranks that died without reporting (a crash, a kill)."""
+
+
+def _silent_failure(
+    processes: list, collected: dict[int, tuple[str, object]], deadline: float, timeout_s: float
+) -> Optional[str]:
+    """Why waiting longer is pointless — a rank exited without reporting, or time is up — or None."""
+    for rank, process in enumerate(processes):
+        # a rank that reported may still be flushing the queue; only a silent exit is a failure
+        if rank not in collected and process.exitcode is not None:
+            return f"rank {rank} exited with code {process.exitcode} before reporting"
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(processes))) - set(collected))
+        return f"ranks {missing} did not finish within {timeout_s:.0f} s"
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +160,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set `values` in os.environ while child processes start (they copy it), then restore it."""
+    """Set `values` in os.environ while rank processes start, then restore it. The forkserver, started
+    by the first start, copies the environment then; the ranks forked from it inherit that copy."""
     saved = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:
@@ -160,6 +194,8 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
         LOCAL_WORLD_SIZE=str(options.devices),
         LOCAL_SIZE=str(options.devices),  # DeepSpeed's name for it
     )
+    if options.device == "cpu":
+        os.environ.update(CPU_CHILD_ENVIRONMENT)
     try:
         if options.device == "cuda":
             torch.cuda.set_device(rank)
@@ -183,6 +219,7 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
 def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTConfig) -> RankMeasurement:
     """Build the variant on this rank, train it, and return what was measured (see the module doc)."""
     device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
+    threshold_fixed = device.type != "cpu" or small_mmap_threshold()  # before the model is allocated
     torch.manual_seed(options.seed)
     model = GPT(config).to(device)
     batches = _batches(options, rank, device, count=options.warmup + options.steps + 1)
@@ -205,6 +242,8 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     peak = PeakMemory(device)
     synchronize()
     peak_meaning = peak.reset()
+    if not threshold_fixed:
+        peak_meaning += " (glibc's mmap threshold could not be fixed: freed memory may stay resident)"
     resting = peak.current()
     losses = []
     for x, y in batches[: options.warmup]:

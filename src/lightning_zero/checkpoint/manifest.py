@@ -35,6 +35,9 @@ class Manifest:
     """Per optimizer: parameter name → {state key: "sharded" | "tensor" | "value"}."""
     optimizer_params: list[list[list[str]]] = field(default_factory=list)
     """Per optimizer, per param group: the parameter names, in order."""
+    files: dict[str, int] = field(default_factory=dict)
+    """Every other file of the directory and its size in bytes, checked on reading so that a
+    truncated or missing shard is named instead of read as garbage."""
     format: str = FORMAT
 
     def write(self, directory: PathLike) -> None:
@@ -66,7 +69,20 @@ class Manifest:
                 f"{str(directory)!r} was written in format {manifest.format!r}; this version of"
                 f" lightning-zero reads {FORMAT!r}."
             )
+        for name, size in manifest.files.items():
+            found = directory / name
+            if not found.is_file():
+                raise ValueError(f"Checkpoint {str(directory)!r} is incomplete: {name} is missing.")
+            if found.stat().st_size != size:
+                raise ValueError(
+                    f"Checkpoint {str(directory)!r} is damaged: {name} is truncated or corrupted"
+                    f" ({found.stat().st_size} bytes, written as {size})."
+                )
         return manifest
+
+    def record_files(self, directory: PathLike) -> None:
+        """Note the size of every file now in ``directory`` (all but the manifest itself)."""
+        self.files = {p.name: p.stat().st_size for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST_NAME}
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:

@@ -171,8 +171,9 @@ def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, li
 def write_directory(directory: PathLike, tensors: dict[str, Tensor], meta: dict[str, Any], manifest: Manifest, group: CheckpointGroup) -> None:
     """Every rank writes its chunks into ``directory``; rank 0 then writes meta.pt and, last, the manifest."""
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True), process_group=group.group)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # DCP's save returns once every rank's shards and .metadata are written
         torch.save(meta, Path(directory) / META_NAME)
+        manifest.record_files(directory)
         manifest.write(directory)
 
 
