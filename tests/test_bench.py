@@ -179,9 +179,12 @@ def test_held_bytes_counts_each_storage_once() -> None:
     weight = torch.nn.Parameter(torch.zeros(1000))
     weight.grad = torch.zeros(1000)
     moment = torch.zeros(1000)
-    held = memory.held_bytes(
-        memory.StateTensors(parameters=(weight, weight[:500]), gradients=(weight.grad,), optimizer_state=(moment, weight[10:]))
+    tensors = memory.StateTensors(
+        parameters=(weight, weight[:500]),  # a view: its storage is the weight's
+        gradients=(weight.grad,),
+        optimizer_state=(moment, weight[10:]),  # already counted as a parameter
     )
+    held = memory.held_bytes(tensors)
     assert (held.parameters, held.gradients, held.optimizer_state) == (4000, 4000, 4000)
     assert held.by_location == {"cpu": 12000}
 
@@ -193,7 +196,6 @@ def test_a_config_without_offload_makes_the_variant_unavailable() -> None:
         bucket_size_mb: float = 25.0
 
     setup = wrappers.Setup(
-        make_optimizer=torch.optim.AdamW,
         optimizer_class=torch.optim.AdamW,
         optimizer_kwargs={},
         autocast=wrappers.autocast_for("fp32", torch.device("cpu")),

@@ -137,11 +137,11 @@ def test_mismatched_model_is_refused_on_every_rank(resharded):
 
 # ---- faults ----------------------------------------------------------------------------------------------
 def _killed_mid_save(rank: int, world_size: int, root: str) -> dict:
-    import lightning_zero.strategy as strategy_module
+    import lightning_zero.checkpoint.directory as directory_module
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_helpers import fit_and_record
 
-    real_write, calls = strategy_module.write_directory, []
+    real_write, calls = directory_module.write_directory, []
 
     def write_then_die(directory, *args, **kwargs):
         calls.append(directory)
@@ -149,7 +149,7 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict:
             os._exit(17)  # a rank lost mid-save, while rank 0 is writing its shard
         return real_write(directory, *args, **kwargs)
 
-    strategy_module.write_directory = write_then_die
+    directory_module.write_directory = write_then_die
     ckpt = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_last=True)
     fit_and_record("zero2", 4, callbacks=[ckpt], enable_checkpointing=True)
     return "finished"

@@ -6,8 +6,8 @@ this class only connects Lightning's hooks to the engine (``lightning_zero.engin
 - ``setup``: broadcast rank 0's weights (as DDP does), build the optimizers, shard them;
 - ``post_backward``: finish the gradient reduce-scatters;
 - ``optimizer_step``: after the step, all-gather the updated shards into the parameters;
-- ``optimizer_state`` / ``load_optimizer_state_dict``: full (unsharded) optimizer state in
-  checkpoints, interchangeable with DDP's.
+- checkpoints: sharded directories by default (``lightning_zero.checkpoint``), or one file in
+  DDP's format with ``state_dict_type="full"``; both load at any stage and world size.
 """
 
 from __future__ import annotations
@@ -35,17 +35,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
-from lightning_zero.checkpoint.manifest import Manifest
-from lightning_zero.checkpoint.sharded import (
-    CheckpointGroup,
-    build_manifest,
-    load_model,
-    load_optimizer,
-    model_tensors,
-    optimizer_shards,
-    read_meta,
-    write_directory,
-)
+from lightning_zero.checkpoint.directory import load_directory, save_directory
+from lightning_zero.checkpoint.sharded import CheckpointGroup, model_tensors, optimizer_shards
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
 from lightning_zero.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.precision import ZeroPrecision, check_precision_supported, to_zero_precision
@@ -378,14 +369,8 @@ class ZeroStrategy(DDPStrategy):
         path = Path(self.broadcast(str(filepath)))
         temporary = temporary_sibling(path, self.broadcast(uuid.uuid4().hex[:8]))
         if self._saves_directory:
-            optimizers = checkpoint.get("optimizer_states", [])
-            tensors = dict(checkpoint["state_dict"])
-            for shards in optimizers:
-                tensors.update(shards.tensors)
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            meta["lightning_zero_optimizers"] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
-            manifest = build_manifest(self.lightning_module, self._state_engine, self.stage, self.world_size, optimizers)
-            write_directory(temporary, tensors, meta, manifest, self._checkpoint_group)
+            engine, group = self._state_engine, self._checkpoint_group
+            save_directory(temporary, checkpoint, self.lightning_module, engine, self.stage, self.world_size, group)
         elif self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, temporary)
         self.barrier("lightning_zero.save_checkpoint")
@@ -406,17 +391,12 @@ class ZeroStrategy(DDPStrategy):
                 return super().load_checkpoint(path, weights_only)
             except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
                 raise ValueError(f"Checkpoint {str(path)!r} is truncated or corrupted ({type(err).__name__}: {err}).") from err
-        manifest = Manifest.read(path)
-        meta = read_meta(path)
         module = self.lightning_module
-        load_model(path, manifest, module, self._engine, self._checkpoint_group, strict=module.strict_loading)
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._engine is not None:
-            for index, optimizer in enumerate(self.optimizers):
-                load_optimizer(path, manifest, meta, self._engine, optimizer, index, self._checkpoint_group)
-        # what Lightning restores next (loops, schedulers, precision, callbacks) is in `meta`;
-        # the weights and optimizer states are already in place
-        return {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = self.optimizers if fitting else []
+        # the weights and optimizer states go straight into the shards; Lightning restores the
+        # rest (loops, schedulers, precision, callbacks) from what this returns
+        return load_directory(path, module, self._engine, optimizers, module.strict_loading, self._checkpoint_group)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

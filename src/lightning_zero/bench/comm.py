@@ -83,13 +83,17 @@ class CommCount:
     """Collectives one rank issued in one step, by kind; see [Note: what is counted]."""
 
     calls: dict[str, int]
+    """Collectives issued, by kind ("all_gather", "reduce_scatter", ...; "other:NAME" for an unknown operator)."""
     buffer_bytes: dict[str, int]
     """Full-buffer bytes, summed per kind."""
     wire_bytes: dict[str, float]
     """Bytes received per rank in a ring algorithm, summed per kind."""
     total_calls: int
+    """Sum of `calls`."""
     total_buffer_bytes: int
+    """Sum of `buffer_bytes`."""
     total_wire_bytes: float
+    """Sum of `wire_bytes`: what is compared with the floor."""
 
 
 class CollectiveCounter(TorchDispatchMode):

@@ -46,40 +46,56 @@ def _positive_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `BenchOptions`, with its defaults."""
+    d = _DEFAULTS
     model = parser.add_argument_group("model (a GPT; --params picks the width for the other shape options)")
     width = model.add_mutually_exclusive_group()
     width.add_argument("--params", type=parse_count, metavar="N", help="target parameter count, e.g. 20M or 1.2e8")
-    width.add_argument("--n-embd", type=positive_int, default=_DEFAULTS.n_embd, metavar="C", help=f"width (default: {_DEFAULTS.n_embd})")
-    model.add_argument("--n-layer", type=positive_int, default=_DEFAULTS.n_layer, metavar="L", help=f"blocks (default: {_DEFAULTS.n_layer})")
-    model.add_argument("--n-head", type=positive_int, default=_DEFAULTS.n_head, metavar="H", help=f"heads (default: {_DEFAULTS.n_head})")
+    width.add_argument("--n-embd", type=positive_int, default=d.n_embd, metavar="C", help=f"width ({d.n_embd})")
+    model.add_argument("--n-layer", type=positive_int, default=d.n_layer, metavar="L", help=f"blocks ({d.n_layer})")
+    model.add_argument("--n-head", type=positive_int, default=d.n_head, metavar="H", help=f"heads ({d.n_head})")
     model.add_argument(
-        "--block-size", type=positive_int, default=_DEFAULTS.block_size, metavar="T", help=f"sequence length (default: {_DEFAULTS.block_size})"
-    )
+        "--block-size", type=positive_int, default=d.block_size, metavar="T",
+        help=f"sequence length (default: {d.block_size})",
+    )  # fmt: skip
+
     training = parser.add_argument_group("run")
-    training.add_argument("--batch-size", type=positive_int, default=_DEFAULTS.batch_size, metavar="B", help=f"sequences per rank and step (default: {_DEFAULTS.batch_size})")
-    training.add_argument("--devices", type=positive_int, default=_DEFAULTS.devices, metavar="N", help=f"ranks, at least 2 (default: {_DEFAULTS.devices})")
-    training.add_argument("--device", choices=DEVICES, default=_DEFAULTS.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu")
-    training.add_argument("--warmup", type=_non_negative_int, default=_DEFAULTS.warmup, metavar="K", help=f"untimed steps first (default: {_DEFAULTS.warmup})")
-    training.add_argument("--steps", type=positive_int, default=_DEFAULTS.steps, metavar="K", help=f"timed steps, median reported (default: {_DEFAULTS.steps})")
+    training.add_argument(
+        "--batch-size", type=positive_int, default=d.batch_size, metavar="B",
+        help=f"sequences per rank and step (default: {d.batch_size})",
+    )  # fmt: skip
+    training.add_argument(
+        "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks, at least 2 (default: {d.devices})"
+    )
+    training.add_argument(
+        "--device", choices=DEVICES, default=d.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu"
+    )
+    training.add_argument(
+        "--warmup", type=_non_negative_int, default=d.warmup, metavar="K", help=f"untimed steps first ({d.warmup})"
+    )
+    training.add_argument(
+        "--steps", type=positive_int, default=d.steps, metavar="K", help=f"timed steps, median reported ({d.steps})"
+    )
     training.add_argument(
         "--variants",
         type=_variant_list,
-        default=_DEFAULTS.variants,
+        default=d.variants,
         metavar="A,B,...",
         help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS) + " (default: all)",
     )
-    training.add_argument("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="default: fp32")
+    training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
     training.add_argument(
-        "--bucket-size-mb", type=_positive_float, default=_DEFAULTS.bucket_size_mb, metavar="MB",
-        help=f"bucket size of every variant that has buckets (default: {_DEFAULTS.bucket_size_mb:g} MiB)",
+        "--bucket-size-mb", type=_positive_float, default=d.bucket_size_mb, metavar="MB",
+        help=f"bucket size of every variant that has buckets (default: {d.bucket_size_mb:g} MiB)",
     )  # fmt: skip
-    training.add_argument("--seed", type=int, default=_DEFAULTS.seed, help=f"model and data seed (default: {_DEFAULTS.seed})")
+    training.add_argument("--seed", type=int, default=d.seed, help=f"model and data seed (default: {d.seed})")
     training.add_argument(
-        "--timeout", type=_positive_float, default=_DEFAULTS.timeout_s, metavar="S",
-        help=f"seconds a variant may take before it is killed (default: {_DEFAULTS.timeout_s:g})",
+        "--timeout", type=_positive_float, default=d.timeout_s, metavar="S",
+        help=f"seconds a variant may take before it is killed (default: {d.timeout_s:g})",
     )  # fmt: skip
-    training.add_argument("--out", type=Path, default=_DEFAULTS.out, metavar="DIR", help=f"report directory (default: ./{_DEFAULTS.out})")
+    training.add_argument(
+        "--out", type=Path, default=d.out, metavar="DIR", help=f"report directory (default: ./{d.out})"
+    )
 
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -42,8 +42,11 @@ class StateTensors:
     """The tensors a variant holds as model state, by kind (duplicates and views are fine)."""
 
     parameters: tuple[Tensor, ...] = ()
+    """Weights: the module's, and the shards or copies stepped in their place."""
     gradients: tuple[Tensor, ...] = ()
+    """Gradients, full or sharded."""
     optimizer_state: tuple[Tensor, ...] = ()
+    """Optimizer state tensors and master copies."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,13 @@ class HeldBytes:
     """Model-state bytes held by one rank at one moment; see [Note: counting model-state bytes]."""
 
     parameters: int
+    """Bytes of weights (full, gathered or sharded, whatever is held now)."""
     gradients: int
+    """Bytes of gradients."""
     optimizer_state: int
+    """Bytes of optimizer state (moments, step counters, master copies)."""
     total: int
+    """The sum of the three."""
     by_location: dict[str, int] = field(default_factory=dict)
     """Total bytes by device type, e.g. {"cpu": ..., "cuda": ...}."""
 
@@ -143,6 +150,7 @@ class PeakMemory:
     """How peak memory is read on this device; see [Note: peak memory]."""
 
     device: torch.device
+    """The rank's device: CUDA figures for a GPU, the process's RSS for the CPU."""
 
     def reset(self) -> str:
         """Start a new peak now; returns what the peak will mean, for the report."""

@@ -21,6 +21,8 @@ from lightning_zero.bench.results import OK, BenchResult, VariantResult
 
 MARKDOWN_NAME, JSON_NAME, CHART_NAME, LOG_DIR_NAME = "bench.md", "bench.json", "bench.png", "logs"
 
+_PRECISION_WORDS = {"fp32": "fp32", "bf16-mixed": "bf16-mixed (autocast; weights, gradients, moments fp32)"}
+
 _TARGET_LABELS = {"model_state": "model state", "communication": "comm", "step_time": "time", "vs_peers": "vs peers"}
 
 DEFINITIONS = """\
@@ -82,7 +84,16 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "backend": "nccl" if options.device == "cuda" else "gloo",
         "world_size": options.devices,
         "threads_per_rank": max(1, cpus // options.devices) if options.device == "cpu" else torch.get_num_threads(),
+        "load_average_1min": _load_average(),
     }
+
+
+def _load_average() -> Optional[float]:
+    """The 1-minute load average: how busy the machine already was (step times need it idle)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def command_line(options: BenchOptions) -> str:
@@ -212,7 +223,7 @@ def markdown(result: BenchResult) -> str:
         f"GPT {model['config']['n_layer']} layers × {model['config']['n_embd']} wide, "
         f"{model['config']['n_head']} heads, Ψ = {psi:,} parameters; {opts['batch_size']} × "
         f"{opts['block_size']} random byte tokens per rank; N = {env['world_size']} ranks on "
-        f"{env['device']} ({env['backend']}; {where}); {opts['precision']}; AdamW"
+        f"{env['device']} ({env['backend']}; {where}); {_PRECISION_WORDS[opts['precision']]}; AdamW"
         f"{' (fused)' if opts['fused'] else ''}; {opts['warmup']} warm-up + {opts['steps']} timed steps. "
         f"torch {env['torch']}, lightning {env['lightning']}"
         + (f", deepspeed {env['deepspeed']}" if env.get("deepspeed") else "")
@@ -225,7 +236,10 @@ def markdown(result: BenchResult) -> str:
     ]  # fmt: skip
     lines += _table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrl")
     lines += ["", "Model states per rank, measured / floor (MB), where the total was largest:", ""]
-    state_headers = ["variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded", "engine's own report"]
+    state_headers = [
+        "variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded",
+        "engine's own report",
+    ]  # fmt: skip
     ran = [r for r in result.variants if r.status == OK]
     lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrr")
     lines += ["", "## Notes", ""]
@@ -268,7 +282,8 @@ def write_chart(result: BenchResult, path: Path) -> Optional[str]:
     )
     width = 0.4
     state.bar([k - width / 2 for k in x], [r.model_state_bytes / 1e6 for r in ran], width, label="measured")
-    state.bar([k + width / 2 for k in x], [r.theory.model_state.total / 1e6 for r in ran], width, label="floor (fp32 Adam)")
+    floors = [r.theory.model_state.total / 1e6 for r in ran]
+    state.bar([k + width / 2 for k in x], floors, width, label="floor (fp32 Adam)")
     state.set_ylabel("model state, MB per rank")
     state.legend()
     state.set_title(f"N = {result.environment['world_size']} ranks, Ψ = {result.model['num_params']:,} parameters")

@@ -24,6 +24,7 @@ class RankMeasurement:
     """What one rank measured for one variant."""
 
     rank: int
+    """The rank that measured."""
     step_times_s: tuple[float, ...]
     """Wall time of each timed step on this rank."""
     losses: tuple[float, ...]
@@ -51,14 +52,19 @@ class VariantResult:
     """One variant's summary over its ranks, next to its theory; see the report for definitions."""
 
     name: str
+    """`variants.VariantSpec.name`."""
     family: str
+    """Who implements it (`variants.Family` value)."""
     stage: int
+    """The ZeRO stage it is compared with (0 = DDP)."""
     description: str
+    """How it is configured, in one line."""
     status: str
     """`OK`, `UNAVAILABLE` or `FAILED`."""
     reason: Optional[str]
     """Why it is unavailable or failed; None when it ran."""
     theory: VariantTheory
+    """The floors and tolerances it is compared with (given whether or not it ran)."""
     model_state_bytes: Optional[int]
     """Largest over ranks of the per-rank model-state bytes."""
     model_state_by_kind: Optional[dict[str, int]]
@@ -66,6 +72,7 @@ class VariantResult:
     model_state_by_location: Optional[dict[str, int]]
     """That rank's bytes by device type."""
     model_state_phase: Optional[str]
+    """The phase of the step at which that rank held the most (`wrappers.PHASES`)."""
     model_state_vs_theory: Optional[float]
     """measured / floor - 1."""
     peak_memory_bytes: Optional[int]
@@ -81,6 +88,7 @@ class VariantResult:
     collective_calls_per_step: Optional[int]
     """Largest over ranks of the collectives issued in one step."""
     collective_calls_by_kind: Optional[dict[str, int]]
+    """That busiest rank's calls by kind."""
     comm_bytes_per_step: Optional[float]
     """Largest over ranks of the ring bytes received in one step."""
     comm_buffer_bytes_per_step: Optional[int]
@@ -97,6 +105,7 @@ class VariantResult:
     notes: tuple[str, ...]
     """Targets missed and anything else a reader must know about these figures."""
     ranks: tuple[RankMeasurement, ...]
+    """Every rank's own figures."""
 
 
 def summarize(
@@ -118,7 +127,11 @@ def summarize(
         reason=None,
         theory=theory,
         model_state_bytes=held.total,
-        model_state_by_kind={"parameters": held.parameters, "gradients": held.gradients, "optimizer_state": held.optimizer_state},
+        model_state_by_kind={
+            "parameters": held.parameters,
+            "gradients": held.gradients,
+            "optimizer_state": held.optimizer_state,
+        },
         model_state_by_location=dict(held.by_location),
         model_state_phase=worst_state.model_state_phase,
         model_state_vs_theory=held.total / theory.model_state.total - 1,
@@ -184,6 +197,7 @@ class BenchResult:
     model: dict[str, Any]
     """The GPT shape, Ψ, and the largest unit's bytes (for the tolerance)."""
     variants: tuple[VariantResult, ...]
+    """One per variant asked for, in the table's order."""
     notes: tuple[str, ...]
     """Notes about the whole run (targets missed are also in each variant's notes)."""
     files: dict[str, str]

@@ -26,6 +26,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
         raise ValueError(
             f"--device cuda needs {options.devices} GPUs (one per rank), {torch.cuda.device_count()} visible."
         )
+    environment = report.describe_environment(options)  # now, before our own processes load the machine
     config = model_config(options)
     psi = num_parameters(config)
     with torch.device("meta"):
@@ -47,11 +48,11 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
             result = not_run(spec, expected, run.status, run.reason or "")
             progress(f"      {run.status}: {run.reason}")
         results.append(result)
-    judged, notes = targets.judge(results, options)
+    judged, notes = targets.judge(results, options, environment["load_average_1min"])
     options_record = {k: str(v) if k == "out" else v for k, v in dataclasses.asdict(options).items()}
     options_record["command"] = report.command_line(options)
     bench = BenchResult(
-        environment=report.describe_environment(options),
+        environment=environment,
         options=options_record,
         model={"config": dataclasses.asdict(config), "num_params": psi, "largest_unit_bytes": unit_bytes},
         variants=judged,

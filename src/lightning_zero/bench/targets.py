@@ -15,6 +15,8 @@ gradient clipping), and its other figures are not a like-for-like comparison.
 from __future__ import annotations
 
 import dataclasses
+import os
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_zero.bench.options import BenchOptions
@@ -30,85 +32,144 @@ LOSS_TOLERANCE = {"fp32": 1e-4, "bf16-mixed": 1e-2}
 only by reduction order (~1e-6 after a few steps); bf16 autocast rounds activations to 8 bits of
 mantissa, whose error depends on the order of accumulation."""
 
+BUSY_LOAD_PER_CORE = 0.5
+"""A 1-minute load average above this many runnable processes per core, before the run's own start,
+means the ranks will share their cores with someone else (on CPU, each rank wants a core)."""
+
 MIN_STEPS_FOR_TIMING = 5
 """Fewer timed steps than this and the median is mostly noise: said so in the notes."""
 
 
-def judge(results: Sequence[VariantResult], options: BenchOptions) -> tuple[tuple[VariantResult, ...], tuple[str, ...]]:
-    """`results` with `step_time_ratio_to_ddp`, `targets` and `notes` filled in, and the run's notes."""
+TARGETS = ("model_state", "communication", "step_time", "vs_peers")
+"""The keys of `VariantResult.targets`."""
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """One target: met or not (None: not judged), and the note that says how far off it is."""
+
+    met: Optional[bool]
+    """True, False, or None where the target does not apply."""
+    note: Optional[str] = None
+    """How far off, when missed."""
+
+
+def judge(
+    results: Sequence[VariantResult], options: BenchOptions, load_before: Optional[float] = None
+) -> tuple[tuple[VariantResult, ...], tuple[str, ...]]:
+    """`results` with `step_time_ratio_to_ddp`, `targets` and `notes` filled in, and the run's notes.
+    `load_before` is the machine's 1-minute load average when the run started."""
     by_name = {r.name: r for r in results}
     ddp = by_name.get(BASELINE)
     ddp_time = ddp.step_time_s if ddp is not None and ddp.status == OK else None
     ddp_loss = ddp.final_loss if ddp is not None and ddp.status == OK else None
+    with_ratios = [
+        dataclasses.replace(r, step_time_ratio_to_ddp=r.step_time_s / ddp_time if ddp_time and r.step_time_s else None)
+        for r in results
+    ]
+    ran = {r.name: r for r in with_ratios if r.status == OK}
     judged = []
-    for result in results:
-        ratio = result.step_time_s / ddp_time if ddp_time and result.step_time_s is not None else None
-        result = dataclasses.replace(result, step_time_ratio_to_ddp=ratio)
-        targets, notes = _judge_one(result, by_name, ddp_loss, options.precision)
+    for result in with_ratios:
+        if result.status != OK:
+            note = f"{result.status}: {result.reason}"
+            judged.append(dataclasses.replace(result, targets=dict.fromkeys(TARGETS), notes=(note,)))
+            continue
+        verdicts = {
+            "model_state": _model_state(result),
+            "communication": _communication(result),
+            "step_time": _step_time(result),
+            "vs_peers": _vs_peers(result, ran),
+        }
+        notes = [v.note for v in verdicts.values() if v.note is not None]
+        loss_note = _loss(result, ddp_loss, options.precision)
+        if loss_note is not None:
+            notes.append(loss_note)
+        targets = {name: verdict.met for name, verdict in verdicts.items()}
         judged.append(dataclasses.replace(result, targets=targets, notes=tuple(notes)))
-    return tuple(judged), _run_notes(judged, ddp_time, options)
+    return tuple(judged), _run_notes(judged, ddp_time, options, load_before)
 
 
-def _judge_one(
-    result: VariantResult, by_name: dict[str, VariantResult], ddp_loss: Optional[float], precision: str
-) -> tuple[dict[str, Optional[bool]], list[str]]:
-    targets: dict[str, Optional[bool]] = {"model_state": None, "communication": None, "step_time": None, "vs_peers": None}
-    if result.status != OK:
-        return targets, [f"{result.status}: {result.reason}"]
-    spec = BY_NAME[result.name]
-    ours = spec.is_ours
-    notes: list[str] = []
-    missed = "MISSED target: " if ours else ""
+def _missed(result: VariantResult) -> str:
+    """How a note about a missed target begins: a flag for ours, plain information for baselines."""
+    return "MISSED target: " if BY_NAME[result.name].is_ours else ""
+
+
+def _model_state(result: VariantResult) -> _Verdict:
     theory = result.theory
-
     floor = theory.model_state.total
     off_by = result.model_state_bytes - floor
-    targets["model_state"] = abs(off_by) <= theory.model_state_tolerance_bytes
-    if not targets["model_state"]:
-        notes.append(
-            f"{missed}model state {_mb(result.model_state_bytes)} vs floor {_mb(floor)} "
-            f"({off_by / floor:+.1%}; tolerance ±{_mb(theory.model_state_tolerance_bytes)}); "
-            f"off by kind: {_kind_deltas(result)}"
-        )
-
-    comm_floor = theory.comm_bytes_per_step
-    targets["communication"] = abs(result.comm_vs_theory) <= COMM_RELATIVE_TOLERANCE
-    if not targets["communication"]:
-        notes.append(
-            f"{missed}communication {_mb(result.comm_bytes_per_step)}/step vs floor {_mb(comm_floor)} "
-            f"({theory.comm_volume_psi}Ψ; {result.comm_vs_theory:+.1%}, tolerance ±{COMM_RELATIVE_TOLERANCE:.0%});"
-            f" calls: {_calls(result.collective_calls_by_kind or {})}"
-        )
-
-    if ours and not spec.offload_optimizer and result.step_time_ratio_to_ddp is not None:
-        limit = STEP_TIME_TARGETS[spec.stage]
-        targets["step_time"] = result.step_time_ratio_to_ddp <= limit
-        if not targets["step_time"]:
-            notes.append(f"MISSED target: step time {result.step_time_ratio_to_ddp:.2f}x DDP (target ≤ {limit:.2f}x)")
-
-    if ours and not spec.offload_optimizer:
-        rivals = [by_name[p.name] for p in peers(spec, [BY_NAME[n] for n in by_name]) if by_name[p.name].status == OK]
-        if rivals:
-            slower_than = [r for r in rivals if result.step_time_s >= r.step_time_s]
-            targets["vs_peers"] = not slower_than
-            for rival in slower_than:
-                notes.append(
-                    f"MISSED target: not faster than {rival.name} "
-                    f"({_ms(result.step_time_s)} vs {_ms(rival.step_time_s)} per step)"
-                )
-
-    if ddp_loss is not None and result.final_loss is not None:
-        relative = abs(result.final_loss - ddp_loss) / abs(ddp_loss)
-        if relative > LOSS_TOLERANCE[precision]:
-            notes.append(
-                f"final loss {result.final_loss:.6f} differs from DDP's {ddp_loss:.6f} by {relative:.1e} "
-                "(relative): it did not train the same model"
-            )
-    return targets, notes
+    if abs(off_by) <= theory.model_state_tolerance_bytes:
+        return _Verdict(True)
+    return _Verdict(
+        False,
+        f"{_missed(result)}model state {_mb(result.model_state_bytes)} vs floor {_mb(floor)} "
+        f"({off_by / floor:+.1%}; tolerance ±{_mb(theory.model_state_tolerance_bytes)}); "
+        f"off by kind: {_kind_deltas(result)}",
+    )
 
 
-def _run_notes(results: Sequence[VariantResult], ddp_time: Optional[float], options: BenchOptions) -> tuple[str, ...]:
+def _communication(result: VariantResult) -> _Verdict:
+    if abs(result.comm_vs_theory) <= COMM_RELATIVE_TOLERANCE:
+        return _Verdict(True)
+    theory = result.theory
+    return _Verdict(
+        False,
+        f"{_missed(result)}communication {_mb(result.comm_bytes_per_step)}/step vs floor "
+        f"{_mb(theory.comm_bytes_per_step)} ({theory.comm_volume_psi}Ψ; {result.comm_vs_theory:+.1%}, "
+        f"tolerance ±{COMM_RELATIVE_TOLERANCE:.0%}); calls: {_calls(result.collective_calls_by_kind or {})}",
+    )
+
+
+def _step_time(result: VariantResult) -> _Verdict:
+    """Ours without offload, against DDP (offload trades time for memory and has no target)."""
+    spec = BY_NAME[result.name]
+    if not spec.is_ours or spec.offload_optimizer or result.step_time_ratio_to_ddp is None:
+        return _Verdict(None)
+    limit = STEP_TIME_TARGETS[spec.stage]
+    if result.step_time_ratio_to_ddp <= limit:
+        return _Verdict(True)
+    ratio = result.step_time_ratio_to_ddp
+    return _Verdict(False, f"MISSED target: step time {ratio:.2f}x DDP (target ≤ {limit:.2f}x)")
+
+
+def _vs_peers(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
+    """Ours without offload, against the other implementations of its stage that ran."""
+    spec = BY_NAME[result.name]
+    if not spec.is_ours or spec.offload_optimizer:
+        return _Verdict(None)
+    rivals = [ran[p.name] for p in peers(spec, [BY_NAME[name] for name in ran])]
+    if not rivals:
+        return _Verdict(None)
+    faster = [r for r in rivals if r.step_time_s <= result.step_time_s]
+    if not faster:
+        return _Verdict(True)
+    times = ", ".join(f"{r.name} {_ms(r.step_time_s)}" for r in faster)
+    return _Verdict(False, f"MISSED target: not faster than {times} (ours {_ms(result.step_time_s)} per step)")
+
+
+def _loss(result: VariantResult, ddp_loss: Optional[float], precision: str) -> Optional[str]:
+    """A note when the final loss is not DDP's: the variant trained something else."""
+    if ddp_loss is None or result.final_loss is None:
+        return None
+    relative = abs(result.final_loss - ddp_loss) / abs(ddp_loss)
+    if relative <= LOSS_TOLERANCE[precision]:
+        return None
+    return (
+        f"final loss {result.final_loss:.6f} differs from DDP's {ddp_loss:.6f} by {relative:.1e} (relative):"
+        " it did not train the same model, so its other figures are no like-for-like comparison"
+    )
+
+
+def _run_notes(
+    results: Sequence[VariantResult], ddp_time: Optional[float], options: BenchOptions, load_before: Optional[float]
+) -> tuple[str, ...]:
     notes = []
+    cores = os.cpu_count() or 1
+    if load_before is not None and options.device == "cpu" and load_before > BUSY_LOAD_PER_CORE * cores:
+        notes.append(
+            f"The machine was busy when the run started (1-minute load average {load_before:.1f} on {cores}"
+            " cores): other processes shared the cores, so step times and their ratios are inflated and noisy."
+        )
     if ddp_time is None:
         notes.append("DDP did not run (or failed): step-time ratios and the speed targets are not judged.")
     if options.steps < MIN_STEPS_FOR_TIMING:

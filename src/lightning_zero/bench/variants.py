@@ -25,6 +25,7 @@ class VariantSpec:
     name: str
     """What `--variants` takes and the report shows."""
     family: Family
+    """Who implements it; picks the wrapper."""
     stage: int
     """0 (DDP) to 3: the ZeRO stage it corresponds to, whose memory and communication floors it is
     compared with. For FSDP2 `reshard_after_forward=False` is ≈ stage 2 and `True` ≈ stage 3."""

@@ -34,20 +34,19 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.bench.comm import CollectiveCounter
+from lightning_zero.bench.comm import CollectiveCounter, CommCount
 from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES, HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
-from lightning_zero.bench.wrappers import Setup, VariantUnavailable, autocast_for, build
+from lightning_zero.bench.wrappers import Setup, VariantUnavailable, Wrapped, autocast_for, build
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -73,7 +72,9 @@ class VariantRun:
     status: str
     """`OK`, `UNAVAILABLE` or `FAILED`."""
     reason: Optional[str]
+    """Why it is unavailable or failed (None when it ran)."""
     ranks: tuple[RankMeasurement, ...]
+    """Every rank's measurement, in rank order (empty unless it ran)."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,15 @@ class _Task:
     """Everything a rank process needs (pickled into it)."""
 
     spec: VariantSpec
+    """The variant to run."""
     options: BenchOptions
+    """The run's options."""
     config: GPTConfig
+    """The model shape (already fitted to `--params`)."""
     port: int
+    """The rendezvous port on 127.0.0.1."""
     log_dir: Path
+    """Where each rank's output goes."""
 
     def log_path(self, rank: int) -> Path:
         return self.log_dir / f"{self.spec.name}-rank{rank}.log"
@@ -223,11 +229,9 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     torch.manual_seed(options.seed)
     model = GPT(config).to(device)
     batches = _batches(options, rank, device, count=options.warmup + options.steps + 1)
-    optimizer_kwargs = dict(ADAMW, fused=options.fused)
     setup = Setup(
-        make_optimizer=partial(torch.optim.AdamW, **optimizer_kwargs),
         optimizer_class=torch.optim.AdamW,
-        optimizer_kwargs=optimizer_kwargs,
+        optimizer_kwargs=dict(ADAMW, fused=options.fused),
         autocast=autocast_for(options.precision, device),
         device=device,
         bucket_size_mb=options.bucket_size_mb,
@@ -235,60 +239,84 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     )
     wrapped = build(spec, model, setup)
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     peak = PeakMemory(device)
-    synchronize()
+    _synchronize(device)
     peak_meaning = peak.reset()
     if not threshold_fixed:
         peak_meaning += " (glibc's mmap threshold could not be fixed: freed memory may stay resident)"
     resting = peak.current()
-    losses = []
-    for x, y in batches[: options.warmup]:
-        losses.append(wrapped.step(x, y))
-    dist.barrier()
+    losses = [wrapped.step(x, y) for x, y in batches[: options.warmup]]
+    dist.barrier()  # the timed steps start together
     step_times = []
     for x, y in batches[options.warmup : options.warmup + options.steps]:
         start = time.perf_counter()
         losses.append(wrapped.step(x, y))
-        synchronize()
+        _synchronize(device)
         step_times.append(time.perf_counter() - start)
     peak_bytes = peak.peak()
+    instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=device)
+    wrapped.close()
+    return RankMeasurement(
+        rank=rank,
+        step_times_s=tuple(step_times),
+        losses=tuple(float(loss) for loss in (*losses, instrumented.loss)),
+        resting_memory_bytes=resting,
+        peak_memory_bytes=peak_bytes,
+        peak_memory_meaning=peak_meaning,
+        model_state=instrumented.phases[instrumented.largest_phase],
+        model_state_phase=instrumented.largest_phase,
+        phases=instrumented.phases,
+        engine_reports=instrumented.engine_reports,
+        collectives=instrumented.collectives,
+    )
 
+
+@dataclass(frozen=True)
+class _InstrumentedStep:
+    """What the one instrumented step measured."""
+
+    loss: Tensor
+    """The step's loss."""
+    phases: dict[str, HeldBytes]
+    """Model-state bytes at each probe point."""
+    engine_reports: dict[str, dict[str, Any]]
+    """The implementation's own report at each probe point, where it has one."""
+    collectives: CommCount
+    """The step's collectives."""
+
+    @property
+    def largest_phase(self) -> str:
+        return max(self.phases, key=lambda phase: self.phases[phase].total)
+
+
+def _instrumented_step(
+    wrapped: Wrapped, x: Tensor, y: Tensor, world_size: int, device: torch.device
+) -> _InstrumentedStep:
+    """One step with every collective counted and model state measured at each probe point (the
+    counter pauses while memory is measured, so the measuring is not counted)."""
     phases: dict[str, HeldBytes] = {}
-    engine_reports: dict[str, dict] = {}
-    counter = CollectiveCounter(options.devices)
+    engine_reports: dict[str, dict[str, Any]] = {}
+    counter = CollectiveCounter(world_size)
 
     def probe(phase: str) -> None:
         counter.recording = False
-        synchronize()
+        _synchronize(device)
         phases[phase] = held_bytes(wrapped.state_tensors())
         report = wrapped.engine_report()
         if report is not None:
             engine_reports[phase] = report
         counter.recording = True
 
-    x, y = batches[-1]
     with counter:
-        losses.append(wrapped.step(x, y, probe))
-        synchronize()
-    wrapped.close()
-    largest = max(phases, key=lambda phase: phases[phase].total)
-    return RankMeasurement(
-        rank=rank,
-        step_times_s=tuple(step_times),
-        losses=tuple(float(loss) for loss in losses),
-        resting_memory_bytes=resting,
-        peak_memory_bytes=peak_bytes,
-        peak_memory_meaning=peak_meaning,
-        model_state=phases[largest],
-        model_state_phase=largest,
-        phases=phases,
-        engine_reports=engine_reports,
-        collectives=counter.result(),
-    )
+        loss = wrapped.step(x, y, probe)
+        _synchronize(device)
+    return _InstrumentedStep(loss, phases, engine_reports, counter.result())
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a clock reading or a memory figure covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _batches(options: BenchOptions, rank: int, device: torch.device, count: int) -> list[tuple[Tensor, Tensor]]:

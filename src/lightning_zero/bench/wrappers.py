@@ -45,19 +45,22 @@ class VariantUnavailable(Exception):
 class Setup:
     """What every wrapper is built with, identical across variants."""
 
-    make_optimizer: Callable[[Iterable[Tensor]], Optimizer]
-    """AdamW over the given parameters, with the benchmark's settings."""
     optimizer_class: type[Optimizer]
-    """The class `make_optimizer` builds, for wrappers that construct it themselves."""
+    """AdamW, for every variant."""
     optimizer_kwargs: dict[str, Any]
-    """The keyword arguments `make_optimizer` passes (lr, betas, ..., fused)."""
+    """Its settings (lr, betas, eps, weight decay, fused), for every variant."""
     autocast: Callable[[], ContextManager[Any]]
     """Context around the forward: bf16 autocast for bf16-mixed, nothing for fp32."""
     device: torch.device
+    """The rank's device; the model is already on it."""
     bucket_size_mb: float
     """Bucket size for the variants that have one."""
     batch_size: int
     """Sequences per rank and step (DeepSpeed's config wants it)."""
+
+    def make_optimizer(self, params: Iterable[Tensor]) -> Optimizer:
+        """The benchmark's optimizer over `params`."""
+        return self.optimizer_class(params, **self.optimizer_kwargs)
 
 
 class Wrapped(abc.ABC):
@@ -251,14 +254,20 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
 class DeepSpeedWrapped(Wrapped):
     """`deepspeed.initialize` with our optimizer object and a config that changes nothing but the
     stage and the bucket sizes. `gradient_clipping` is set to 0: DeepSpeed 0.19 defaults it to 1.0,
-    which would train a different model from the other variants."""
+    which would train a different model from the other variants.
+
+    Everything else keeps DeepSpeed's defaults, as its users get them. At stage 3 that includes
+    `stage3_max_live_parameters` and `stage3_max_reuse_distance` of 1e9 elements, which keep a model
+    under a billion parameters gathered from its forward to its backward (so it moves 2Ψ, not 3Ψ,
+    and holds full weights meanwhile), and `stage3_param_persistence_threshold` of 1e5, which leaves
+    smaller parameters unpartitioned."""
 
     def __init__(self, model: nn.Module, setup: Setup, stage: int) -> None:
         super().__init__(model, setup)
         try:
             import deepspeed
         except ImportError as error:
-            raise VariantUnavailable(f"deepspeed is not importable ({error}); `pip install deepspeed` to compare") from error
+            raise VariantUnavailable(f"deepspeed is not importable ({error}); `pip install deepspeed`") from error
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         # DeepSpeed sizes its buckets in elements; the parameters and gradients are fp32 (4 bytes).
         bucket_elements = int(setup.bucket_size_mb * 2**20 / 4)
@@ -297,20 +306,28 @@ class DeepSpeedWrapped(Wrapped):
         zero_optimizer = self.optimizer
         inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
         found = module_and_optimizer_tensors(self.model, [inner], extra_gradients=_grad_attributes(zero_optimizer))
-        shards = tuple(p.ds_tensor for p in self.model.parameters() if isinstance(getattr(p, "ds_tensor", None), Tensor))
+        shards = tuple(
+            p.ds_tensor for p in self.model.parameters() if isinstance(getattr(p, "ds_tensor", None), Tensor)
+        )
         return dataclasses.replace(found, parameters=found.parameters + shards)
 
 
+_NESTING = 3
+"""How deep `_grad_attributes` looks into containers: DeepSpeed keeps gradient pieces at most two
+levels down (a dict of parameter groups holding lists of tensors); one more level is slack."""
+
+
 def _grad_attributes(obj: object) -> list[Tensor]:
+    """Tensors held, directly or in lists and dicts, by `obj`'s attributes named like "*grad*"."""
     tensors: list[Tensor] = []
 
     def collect(value: Any, depth: int = 0) -> None:
         if isinstance(value, Tensor):
             tensors.append(value)
-        elif depth < 3 and isinstance(value, (list, tuple)):
+        elif depth < _NESTING and isinstance(value, (list, tuple)):
             for item in value:
                 collect(item, depth + 1)
-        elif depth < 3 and isinstance(value, dict):
+        elif depth < _NESTING and isinstance(value, dict):
             for item in value.values():
                 collect(item, depth + 1)
 

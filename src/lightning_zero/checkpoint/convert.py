@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
+from lightning_zero.checkpoint.directory import OPTIMIZERS_KEY
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.sharded import SHARDED, TENSOR, _dcp_load, _metadata, read_meta
 
@@ -56,7 +57,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
     for key in manifest.buffers:
         state_dict[key] = model[f"buffer/{key}"]
 
-    checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k != "lightning_zero_optimizers"}
+    checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k != OPTIMIZERS_KEY}
     checkpoint["state_dict"] = state_dict
     if include_optimizer:
         checkpoint["optimizer_states"] = [
@@ -71,7 +72,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
 
 def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: dict, index: int) -> dict[str, Any]:
     """One optimizer's state as ``torch.optim.Optimizer.state_dict()`` of an unsharded run."""
-    saved = meta["lightning_zero_optimizers"][index]
+    saved = meta[OPTIMIZERS_KEY][index]
     names = [name for group in saved["param_groups"] for name in group["params"]]
     layout = manifest.optimizers[index]
     targets: dict[str, torch.Tensor] = {}

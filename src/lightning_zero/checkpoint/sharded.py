@@ -248,7 +248,13 @@ def load_model(
 
 
 def load_optimizer(
-    directory: PathLike, manifest: Manifest, meta: dict[str, Any], engine: ZeroEngine, optimizer: Optimizer, index: int, group: CheckpointGroup
+    directory: PathLike,
+    manifest: Manifest,
+    saved: list[dict[str, Any]],
+    engine: ZeroEngine,
+    optimizer: Optimizer,
+    index: int,
+    group: CheckpointGroup,
 ) -> None:
     """Rebuild ``optimizer``'s state for this rank's chunks, matching parameters by name."""
     if index >= len(manifest.optimizers):
@@ -257,7 +263,7 @@ def load_optimizer(
             f" `configure_optimizers` returned more."
         )
     params = engine._params_of(optimizer)
-    saved_groups = meta["lightning_zero_optimizers"][index]["param_groups"]
+    saved_groups = saved[index]["param_groups"]
     current_groups = [[params[i].name for i in g["params"]] for g in optimizer.state_dict()["param_groups"]]
     if [sorted(g["params"]) for g in saved_groups] != [sorted(g) for g in current_groups]:
         raise ValueError(
@@ -266,7 +272,7 @@ def load_optimizer(
             f" {[len(g) for g in current_groups]}."
         )
     metadata = _metadata(directory)
-    layout, values = manifest.optimizers[index], meta["lightning_zero_optimizers"][index]["values"]
+    layout, values = manifest.optimizers[index], saved[index]["values"]
     targets: dict[str, Tensor] = {}
     for sp in params:
         for key, kind in layout.get(sp.name, {}).items():

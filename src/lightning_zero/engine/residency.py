@@ -59,6 +59,11 @@ class ParameterResidency(abc.ABC):
     def gathered(self, writeback: bool) -> AbstractContextManager[None]:
         """A context in which every parameter is its full tensor on every rank."""
 
+    def write_back(self) -> None:
+        """Copy edits of the full parameters into the chunks the optimizer steps."""
+        for p in self.params:
+            p.sync_master_from_param()
+
     def release_to(self, device: torch.device) -> None:
         """Leave the module with plain full parameters (when training ends)."""
         self.close()
@@ -111,8 +116,7 @@ class ReplicatedParameters(ParameterResidency):
             yield
         finally:
             if writeback:
-                for p in self.params:
-                    p.sync_master_from_param()
+                self.write_back()
 
 
 class ShardedParameters(ParameterResidency):
@@ -173,8 +177,7 @@ class ShardedParameters(ParameterResidency):
             yield
         finally:
             if writeback:
-                for p in self.params:
-                    p.sync_master_from_param()
+                self.write_back()
             for unit in was_sharded:
                 unit.reshard()
 
