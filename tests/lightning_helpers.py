@@ -115,9 +115,12 @@ class GPTModule(L.LightningModule):
     with a tied embedding), so a meta-device build can reproduce an eager one.
     """
 
-    def __init__(self, frozen: bool = False, unused_branch: bool = False, in_configure_model: bool = False) -> None:
+    def __init__(
+        self, frozen: bool = False, unused_branch: bool = False, in_configure_model: bool = False, reused: bool = False
+    ) -> None:
         super().__init__()
         self.frozen, self.unused_branch, self.in_configure_model = frozen, unused_branch, in_configure_model
+        self.reused = reused
         self.model: Optional[nn.Module] = None
         if not in_configure_model:
             self._build()
@@ -134,16 +137,29 @@ class GPTModule(L.LightningModule):
             if self.frozen:
                 self.model.wpe.requires_grad_(False)
                 self.model.blocks[0].requires_grad_(False)
+            if self.reused:
+                # block 0 runs twice per forward (first and last), a buffer scales the logits and
+                # the training step reads a weight directly, outside any submodule's forward
+                blocks = self.model.blocks
+                self.model.blocks = nn.ModuleList([blocks[0], blocks[1], blocks[2], blocks[0]])
+                self.register_buffer("logit_scale", torch.tensor(0.5))
 
     def configure_model(self) -> None:
         if self.model is None:
             self._build()
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        return self.model(idx, targets)
+        if not self.reused:
+            return self.model(idx, targets)
+        logits = self.model(idx)[0] * self.logit_scale
+        loss = None if targets is None else nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self(batch[0][:, :-1], batch[0][:, 1:])[1]
+        loss = self(batch[0][:, :-1], batch[0][:, 1:])[1]
+        if self.reused:
+            loss = loss + 1e-2 * self.model.wte.weight.pow(2).mean()
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self(batch[0][:, :-1], batch[0][:, 1:])[1]

@@ -91,6 +91,7 @@ def _stage3_cases(rank: int, world_size: int) -> dict:
         ("frozen", {"frozen": True}, "ddp"),
         ("unused", {"unused_branch": True}, DDPStrategy(find_unused_parameters=True)),
         ("configure_model", {"in_configure_model": True}, "ddp"),
+        ("reused", {"reused": True}, "ddp"),
     ):
         ref_module, ref_history, ref_trainer = fit_gpt(reference, STEPS, module_kwargs=kwargs, limit_val_batches=2, val_check_interval=2)
         probe = _Probe()
@@ -171,7 +172,7 @@ def results():
     return run_on_ranks(_stage3_cases, world_size=2, init_process_group=False)
 
 
-@pytest.mark.parametrize("label", ["tied", "frozen", "unused", "configure_model"])
+@pytest.mark.parametrize("label", ["tied", "frozen", "unused", "configure_model", "reused"])
 def test_every_step_bitwise_equal_to_ddp(results, label):
     for r in results:
         assert r[(label, "diffs")] == [0.0] * STEPS
