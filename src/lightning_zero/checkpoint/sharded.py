@@ -123,7 +123,7 @@ class OptimizerShards:
 
 
 def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> OptimizerShards:
-    params = engine._params_of(optimizer)
+    params = engine.params_of(optimizer)
     state_dict = optimizer.state_dict()
     tensors: dict[str, Tensor] = {}
     layout: dict[str, dict[str, str]] = {}
@@ -262,7 +262,7 @@ def load_optimizer(
             f"Checkpoint {str(directory)!r} holds state for {len(manifest.optimizers)} optimizers, but"
             f" `configure_optimizers` returned more."
         )
-    params = engine._params_of(optimizer)
+    params = engine.params_of(optimizer)
     saved_groups = saved[index]["param_groups"]
     current_groups = [[params[i].name for i in g["params"]] for g in optimizer.state_dict()["param_groups"]]
     if [sorted(g["params"]) for g in saved_groups] != [sorted(g) for g in current_groups]:

@@ -137,7 +137,7 @@ class ZeroEngine:
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Make the module see the shards ``optimizer`` just updated."""
-        self.residency.after_optimizer_step(optimizer, self._params_of(optimizer))
+        self.residency.after_optimizer_step(optimizer, self.params_of(optimizer))
 
     def end_step(self) -> None:
         """After each step, once its last backward finished (stage 3 frees the root unit)."""
@@ -147,10 +147,10 @@ class ZeroEngine:
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
         (``keep=False``: take part, return nothing)."""
-        return gather_full_state_dict(optimizer, self._params_of(optimizer), self.group, keep)
+        return gather_full_state_dict(optimizer, self.params_of(optimizer), self.group, keep)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        load_full_state_dict(optimizer, state_dict, self._params_of(optimizer))
+        load_full_state_dict(optimizer, state_dict, self.params_of(optimizer))
 
     def sync_master_weights(self) -> None:
         """Refresh fp32 master shards after the module's full weights were loaded or edited
@@ -260,7 +260,8 @@ class ZeroEngine:
         self.residency.close()
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
+    def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
+        """The sharded parameters `optimizer` steps, in its `state_dict` order."""
         for opt, params in zip(self.optimizers, self._params_of_optimizer):
             if opt is optimizer:
                 return params
