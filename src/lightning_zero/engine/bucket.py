@@ -85,7 +85,7 @@ class Bucket:
         return len(self._ready) == len(self.params)
 
     def start_gradient_reduction(self) -> "PendingGradientReduction":
-        """Copy the local gradients in (pre-divided by N, as DDP does), free them, and start the
+        """Copy the local gradients in (multiplied by 1/N, as DDP does), free them, and start the
         reduce-scatter. Parameters without a gradient contribute zeros and a 0 used-flag."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
@@ -101,10 +101,9 @@ class Bucket:
                 block.zero_()
                 send[:, s + i].zero_()
             else:
-                copy_flat_into_rows(grad.detach().view(-1), block)
+                copy_flat_into_rows(grad.detach().view(-1), block, scale=1.0 / n)
                 send[:, s + i].fill_(1)
             p.param.grad = None  # the full-size gradient is released here
-        send[:, :s].mul_(1.0 / n)
         received = torch.empty(s + k, dtype=grad_dtype, device=self.device)  # (S + k,)
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         self.state = ReductionState.REDUCING

