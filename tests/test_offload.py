@@ -114,3 +114,24 @@ def test_offload_params_needs_offload_optimizer():
 
     with pytest.raises(ValueError, match="needs `offload_optimizer=True`"):
         lightning_zero.ZeroStrategy(stage=3, offload_params=True)
+
+
+def test_one_device_script(tmp_path):
+    """scripts/offload_one_device.py (issue 6's GPU check) on the CPU: same losses, state moved to the host."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "offload_one_device.py"
+    out = tmp_path / "figures.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--n-layer", "2", "--n-embd", "32", "--steps", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["results"]
+    plain, offloaded = results["zero3"], results["zero3_offload"]
+    assert plain["losses"] == offloaded["losses"]
+    assert plain["model_state_host_bytes"] == 0 and offloaded["model_state_device_bytes"] == 0
+    assert offloaded["model_state_host_bytes"] == plain["model_state_device_bytes"]
