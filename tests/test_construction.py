@@ -6,7 +6,6 @@ import importlib
 import inspect
 
 import pytest
-import torch
 
 import lightning_zero
 from lightning_zero import ZeroStrategy

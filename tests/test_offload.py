@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from multiprocess import run_on_ranks
