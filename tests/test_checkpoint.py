@@ -235,3 +235,19 @@ def test_convert_command(resharded, tmp_path):
     assert "optimizer_states" in torch.load(out, weights_only=False)
     bad = subprocess.run([sys.executable, "-m", "lightning_zero", "convert", str(tmp_path / "nowhere"), str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_commit_replaces_only_when_complete_and_clears_stale_saves(tmp_path):
+    from lightning_zero.checkpoint.atomic import commit, temporary_sibling
+
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    (path / "old").write_text("previous")
+    stale = temporary_sibling(path, "dead0001")  # an interrupted save of the same path
+    stale.mkdir()
+    new = temporary_sibling(path, "live0002")
+    new.mkdir()
+    (new / "new").write_text("complete")
+    commit(new, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert (path / "new").read_text() == "complete" and not (path / "old").exists()

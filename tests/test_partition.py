@@ -78,3 +78,4 @@ def test_replacing_a_parameter_after_sharding_is_detected():
     p.data = torch.randn(6)
     with pytest.raises(RuntimeError, match="replaced or resized"):
         sp.check_storage_unchanged()
+

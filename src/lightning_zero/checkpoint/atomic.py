@@ -7,6 +7,7 @@ any point — a rank killed, a full disk — leaves the previous checkpoint at `
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from pathlib import Path
@@ -20,18 +21,18 @@ def temporary_sibling(path: PathLike, token: str) -> Path:
 
 
 def commit(temporary: PathLike, path: PathLike) -> None:
-    """Move the complete ``temporary`` (file or directory) to ``path``, replacing what is there."""
+    """Move the complete ``temporary`` (file or directory) to ``path``, replacing what is there,
+    then delete what earlier interrupted saves of ``path`` left behind."""
     temporary, path = Path(temporary), Path(path)
-    if not path.exists():
+    if not path.exists() or (path.is_file() and temporary.is_file()):
+        os.replace(temporary, path)  # atomic on one filesystem
+    else:
+        old = path.with_name(f"{path.name}.old-{temporary.name.rpartition('.tmp-')[2]}")
+        os.replace(path, old)
         os.replace(temporary, path)
-        return
-    if path.is_file() and temporary.is_file():
-        os.replace(temporary, path)  # atomic for files on one filesystem
-        return
-    old = path.with_name(f"{path.name}.old-{temporary.name.rpartition('.tmp-')[2]}")
-    os.replace(path, old)
-    os.replace(temporary, path)
-    _remove(old)
+        _remove(old)
+    for stale in (*path.parent.glob(f"{glob.escape(path.name)}.tmp-*"), *path.parent.glob(f"{glob.escape(path.name)}.old-*")):
+        _remove(stale)
 
 
 def _remove(path: Path) -> None:
