@@ -111,15 +111,6 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     return tensor
 
 
-def all_gather_object(obj: object, group: ProcessGroup) -> list:
-    """Every rank's ``obj``, in rank order (used to check that ranks agree before collectives)."""
-    if world_size(group) == 1:
-        return [obj]
-    gathered: list = [None] * world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
-
-
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor)
     if world_size(group) > 1:
