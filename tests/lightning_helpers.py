@@ -16,17 +16,19 @@ from models import OddShapes
 
 
 class RegressionModule(L.LightningModule):
-    def __init__(self, make_model: Callable[[], nn.Module] = OddShapes, optimizer: str = "adamw") -> None:
+    def __init__(self, make_model: Callable[[], nn.Module] = OddShapes, optimizer: str = "adamw", inf_at_batch: int = -1) -> None:
         super().__init__()
         self.model = make_model()
         self.optimizer_name = optimizer
+        self.inf_at_batch = inf_at_batch  # scale the loss by inf there: non-finite gradients
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
+        return loss * float("inf") if batch_idx == self.inf_at_batch else loss
 
     def configure_optimizers(self) -> Any:
         name = self.optimizer_name

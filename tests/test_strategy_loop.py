@@ -47,6 +47,16 @@ def _loop_cases(rank: int, world_size: int, tmpdir: str) -> dict:
             if label == "two_groups_steplr":
                 out[(label, name, "lr")] = [g["lr"] for g in trainer.optimizers[0].param_groups]
 
+    # -- a non-finite gradient norm: clipping poisons the weights exactly as under DDP
+    nonfinite = dict(gradient_clip_val=0.05, gradient_clip_algorithm="norm", module_kwargs={"inf_at_batch": 1})
+    _, reference, _ = fit_and_record("ddp", 3, **dict(nonfinite))
+    for name in ("zero1", "zero2", "zero3"):
+        _, history, _ = fit_and_record(name, 3, **dict(nonfinite))
+        out[("nonfinite", name)] = [
+            all(torch.equal(a[k].nan_to_num(nan=7.0, posinf=8.0, neginf=9.0), b[k].nan_to_num(nan=7.0, posinf=8.0, neginf=9.0)) for k in a)
+            for a, b in zip(reference, history)
+        ] + [any(not torch.isfinite(t).all() for t in reference[-1].values())]
+
     # -- gradient norms: Lightning's helper under DDP == the strategy's helper under ZeRO
     _, _, _ = fit_and_record("ddp", 2, callbacks=[ddp_norms := _GradNorms(lightning_helper=True)])
     for name in ("zero1", "zero2", "zero3"):
@@ -217,3 +227,11 @@ def test_grad_norm_helper_matches_lightnings_under_ddp(results, name):
             assert expected.keys() == got.keys()
             for key in expected:
                 assert got[key] == pytest.approx(expected[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
+def test_non_finite_norm_handled_as_ddp(results, name):
+    for r in results:
+        *same_per_step, reference_went_non_finite = r[("nonfinite", name)]
+        assert reference_went_non_finite  # the case is real: DDP's weights became NaN
+        assert same_per_step == [True] * 3
