@@ -85,6 +85,20 @@ class Wrapped(abc.ABC):
     def close(self) -> None:
         """Release hooks and resources."""
 
+    def _communicating_backward_step(self, forward: nn.Module, optimizer: Optimizer, x: Tensor, y: Tensor, probe: Probe) -> Tensor:
+        """The step of variants whose gradients are synchronised inside ``backward`` (DDP's
+        all-reduce, FSDP2's reduce-scatters): there is no separate gradient phase to probe."""
+        with self.setup.autocast():
+            loss = forward(x, y)[1]
+        probe("forward")
+        loss.backward()
+        probe("backward")
+        probe("gradients")
+        optimizer.step()
+        probe("step")
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
 
 # --- torch ------------------------------------------------------------------------------------
 
@@ -104,16 +118,7 @@ class DDPWrapped(Wrapped):
         return self.optimizer
 
     def step(self, x: Tensor, y: Tensor, probe: Probe = no_probe) -> Tensor:
-        with self.setup.autocast():
-            loss = self.ddp(x, y)[1]
-        probe("forward")
-        loss.backward()  # DDP all-reduces its buckets inside backward
-        probe("backward")
-        probe("gradients")
-        self.optimizer.step()
-        probe("step")
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return self._communicating_backward_step(self.ddp, self.optimizer, x, y, probe)
 
     def state_tensors(self) -> StateTensors:
         return module_and_optimizer_tensors(self.model, [self._inner_optimizer()])
@@ -165,16 +170,7 @@ class FSDP2Wrapped(Wrapped):
         self.optimizer = setup.make_optimizer(model.parameters())
 
     def step(self, x: Tensor, y: Tensor, probe: Probe = no_probe) -> Tensor:
-        with self.setup.autocast():
-            loss = self.model(x, y)[1]
-        probe("forward")
-        loss.backward()  # reduce-scatters per unit inside backward
-        probe("backward")
-        probe("gradients")
-        self.optimizer.step()
-        probe("step")
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return self._communicating_backward_step(self.model, self.optimizer, x, y, probe)
 
     def state_tensors(self) -> StateTensors:
         return module_and_optimizer_tensors(self.model, [self.optimizer])
