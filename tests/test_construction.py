@@ -82,7 +82,7 @@ def test_lightning_cli_parses_name_and_class_path(tmp_path):
 def test_custom_precision_plugin_is_refused():
     from lightning.pytorch.plugins.precision import Precision
 
-    from lightning_zero.precision import check_precision_supported
+    from lightning_zero.lightning.precision import check_precision_supported
 
     class Custom(Precision):
         pass

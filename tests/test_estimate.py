@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from lightning_zero import estimate as est
-from lightning_zero import model_count
-from lightning_zero.cli import main, parse_count, parse_memory
+from lightning_zero.engine import ZeroStage
+from lightning_zero.cli import model_spec
+from lightning_zero.cli import main
+from lightning_zero.cli.arguments import parse_count, parse_memory
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_FILE = REPO / "src" / "lightning_zero" / "models" / "gpt.py"
@@ -57,17 +59,17 @@ def test_offload_moves_terms_to_the_host_of_each_node():
     zero2 = by_label["zero2 + offload optimizer"]
     assert zero2.device == est.StateBytes(2 * psi, 2 * psi // n, 0)
     # The host holds the optimizer shards of the node's `devices` ranks, not of all n.
-    assert zero2.host == est.StateBytes(optimizer=devices * 12 * psi // n)
+    assert zero2.host == est.StateBytes(optimizer_state=devices * 12 * psi // n)
 
     zero3 = by_label["zero3 + offload optimizer, params"]
     assert zero3.device == est.StateBytes(0, 2 * psi // n, 0)
-    assert zero3.host == est.StateBytes(weights=devices * 2 * psi // n, optimizer=devices * 12 * psi // n)
+    assert zero3.host == est.StateBytes(parameters=devices * 2 * psi // n, optimizer_state=devices * 12 * psi // n)
 
 
 def test_uneven_shards_round_up():
     # 10 parameters on 4 ranks: chunks of 3, 3, 3, 1 padded to 3; the estimate is the largest rank's.
     assert est.shard_numel(10, 4) == 3
-    zero3 = est.estimate(10, est.Layout(est.Stage.PARAMETERS), FP32, est.Topology(4))
+    zero3 = est.estimate(10, est.Layout(ZeroStage.PARAMETERS), FP32, est.Topology(4))
     assert zero3.device.total == 3 * FP32.total_bytes
 
 
@@ -104,11 +106,11 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
 
 def test_invalid_configurations_are_refused():
     with pytest.raises(ValueError, match="DDP has no offload"):
-        est.Layout(est.Stage.NOTHING, offload_optimizer=True)
+        est.Layout(ZeroStage.NOTHING, offload_optimizer=True)
     with pytest.raises(ValueError, match="needs stage 3"):
-        est.Layout(est.Stage.GRADIENTS, offload_optimizer=True, offload_params=True)
+        est.Layout(ZeroStage.GRADIENTS, offload_optimizer=True, offload_params=True)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
-        est.Layout(est.Stage.PARAMETERS, offload_params=True)
+        est.Layout(ZeroStage.PARAMETERS, offload_params=True)
     with pytest.raises(ValueError, match="mixed, fp32, half"):
         est.precision_scheme("fp16")
     with pytest.raises(ValueError, match="at least 1"):
@@ -134,22 +136,17 @@ def test_meta_count_of_example_gpt_matches_the_real_model():
     every_reference = sum(p.numel() for _, p in real.named_parameters(remove_duplicate=False))
     assert every_reference - real_count == 256 * 32
 
-    counted = model_count.count_parameters(f"{GPT_FILE}:GPT", {"config": shape})
+    counted = model_spec.count_parameters(f"{GPT_FILE}:GPT", {"config": shape})
     assert counted == real_count == real.num_parameters()
     as_json = '{"config": {"block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}}'
-    assert model_count.count_parameters("lightning_zero.models.gpt:GPT", as_json) == real_count
+    assert model_spec.count_parameters("lightning_zero.models.gpt:GPT", as_json) == real_count
 
 
 def test_meta_count_allocates_nothing():
     # 10^10 fp32 parameters would need 40 GB if they were real.
-    assert model_count.count_parameters("torch.nn:Linear", {"in_features": 100_000, "out_features": 100_000}) == 10**10 + 10**5
+    assert model_spec.count_parameters("torch.nn:Linear", {"in_features": 100_000, "out_features": 100_000}) == 10**10 + 10**5
     assert torch.empty(0).device.type == "cpu"  # the meta device context does not leak
 
-
-def test_counter_is_still_reachable_from_the_estimate_module():
-    # It lived in `estimate` before it had a module of its own.
-    assert est.count_parameters is model_count.count_parameters
-    assert est.ModelSpecError is model_count.ModelSpecError
 
 
 @pytest.mark.parametrize(
@@ -167,8 +164,8 @@ def test_counter_is_still_reachable_from_the_estimate_module():
     ],
 )
 def test_bad_model_specs_say_what_is_wrong(spec, init_args, message):
-    with pytest.raises(model_count.ModelSpecError, match=message):
-        model_count.count_parameters(spec, init_args)
+    with pytest.raises(model_spec.ModelSpecError, match=message):
+        model_spec.count_parameters(spec, init_args)
 
 
 # --- the command line -------------------------------------------------------------------------------
@@ -191,7 +188,7 @@ def test_cli_counts_a_model(capsys):
     args = ["estimate", "--model", f"{GPT_FILE}:GPT", "--init-args", init_args]
     assert main(args + ["--devices", "2", "--precision", "fp32"]) == 0
     out = capsys.readouterr().out
-    expected = model_count.count_parameters(f"{GPT_FILE}:GPT", {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2}})
+    expected = model_spec.count_parameters(f"{GPT_FILE}:GPT", {"config": {"n_layer": 1, "n_embd": 32, "n_head": 2}})
     assert f"Model states of {expected:,} parameters, precision fp32" in out
 
 

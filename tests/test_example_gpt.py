@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.model_count import count_parameters
+from lightning_zero.cli.model_spec import count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
 from lightning_zero import estimate as est
-from lightning_zero import model_count
-from lightning_zero.memory_monitor import PRECISION_SCHEMES, ZeroMemoryMonitor, estimate_per_rank
+from lightning_zero.engine import ZeroStage
+from lightning_zero.cli import model_spec
+from lightning_zero.lightning.memory_monitor import PRECISION_SCHEMES, ZeroMemoryMonitor, estimate_per_rank
 from lightning_zero.models.gpt import GPT, GPTConfig
 from multiprocess import run_on_ranks
 
@@ -81,30 +82,30 @@ def runs(tmp_path_factory) -> tuple[list[dict[str, dict[str, float]]], Path]:
 
 
 def _predicted(layout: est.Layout) -> est.MemoryEstimate:
-    num_params = model_count.count_parameters("lightning_zero.models.gpt:GPT", {"config": GPT_SHAPE})
+    num_params = model_spec.count_parameters("lightning_zero.models.gpt:GPT", {"config": GPT_SHAPE})
     return est.estimate(num_params, layout, est.SCHEMES["fp32"], est.Topology(devices=WORLD_SIZE))
 
 
 def test_stage3_parameter_bytes_match_the_estimator(runs):
     results, _ = runs
-    predicted = _predicted(est.Layout(est.Stage.PARAMETERS)).device
+    predicted = _predicted(est.Layout(ZeroStage.PARAMETERS)).device
     for latest in results:  # every rank holds every rank's values
         metrics = latest["zero3"]
         for rank in range(WORLD_SIZE):
             # Chunks are padded per parameter, and Adam's step counters are unpriced: a fraction of a percent here.
-            assert logged(metrics, rank, "device", "parameters") == pytest.approx(predicted.weights, rel=0.03)
+            assert logged(metrics, rank, "device", "parameters") == pytest.approx(predicted.parameters, rel=0.03)
             assert logged(metrics, rank, "device", "gradients") == pytest.approx(predicted.gradients, rel=0.03)
-            assert logged(metrics, rank, "device", "optimizer_state") == pytest.approx(predicted.optimizer, rel=0.03)
+            assert logged(metrics, rank, "device", "optimizer_state") == pytest.approx(predicted.optimizer_state, rel=0.03)
             assert logged(metrics, rank, "host", "optimizer_state") == 0
         # The monitor's own estimate columns are the estimator's figures for this layout.
-        assert metrics["memory/estimate/device/parameters_bytes"] == predicted.weights
-        assert metrics["memory/estimate/device/optimizer_state_bytes"] == predicted.optimizer
+        assert metrics["memory/estimate/device/parameters_bytes"] == predicted.parameters
+        assert metrics["memory/estimate/device/optimizer_state_bytes"] == predicted.optimizer_state
 
 
 def test_offloaded_run_logs_optimizer_state_on_host_only(runs):
     results, _ = runs
-    layout = est.Layout(est.Stage.PARAMETERS, offload_optimizer=True, offload_params=True)
-    host_share = _predicted(layout).host.optimizer // WORLD_SIZE  # the estimator's host bytes are per node
+    layout = est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
+    host_share = _predicted(layout).host.optimizer_state // WORLD_SIZE  # the estimator's host bytes are per node
     metrics = results[0]["zero3_offload"]
     for rank in range(WORLD_SIZE):
         assert logged(metrics, rank, "device", "optimizer_state") == 0
@@ -153,12 +154,12 @@ def test_estimate_per_rank_maps_precision_and_splits_host_bytes():
     fp32 = estimate_per_rank(psi, strategy, "32-true", devices, nodes)
     assert fp32 is not None
     # stage 2 over 8 ranks: full fp32 weights, 1/8 of the gradients here, 1/8 of the moments on the host
-    assert fp32.device == est.StateBytes(weights=4 * psi, gradients=4 * psi // 8, optimizer=0)
-    assert fp32.host == est.StateBytes(optimizer=8 * psi // 8)
+    assert fp32.device == est.StateBytes(parameters=4 * psi, gradients=4 * psi // 8, optimizer_state=0)
+    assert fp32.host == est.StateBytes(optimizer_state=8 * psi // 8)
     # autocast keeps fp32 model states; true half precision adds the engine's fp32 master chunk
     assert estimate_per_rank(psi, strategy, "bf16-mixed", devices, nodes) == fp32
     bf16 = estimate_per_rank(psi, strategy, "bf16-true", devices, nodes)
-    assert bf16 is not None and bf16.host.optimizer == 12 * psi // 8
+    assert bf16 is not None and bf16.host.optimizer_state == 12 * psi // 8
     assert PRECISION_SCHEMES["64-true"].total_bytes == 32
     assert estimate_per_rank(psi, strategy, "transformer-engine", devices, nodes) is None
 

@@ -85,7 +85,7 @@ def test_matches_ddp(matrix, stage, precision, feature):
 
 
 def _scaler_cases(rank: int, world_size: int) -> dict:
-    from lightning_zero.precision import ZeroGradScaler
+    from lightning_zero.lightning.precision import ZeroGradScaler
 
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([param], lr=0.1)
@@ -116,7 +116,7 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank():
 def test_16_mixed_gets_the_sharded_scaler():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_zero.precision import ZeroGradScaler, check_precision_supported, to_zero_precision
+    from lightning_zero.lightning.precision import ZeroGradScaler, check_precision_supported, to_zero_precision
 
     plugin = to_zero_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0)))
     assert isinstance(plugin.scaler, ZeroGradScaler) and plugin.scaler.get_scale() == 8.0

@@ -2,16 +2,22 @@
 
 ``import lightning_zero`` registers the strategy names (``zero1``, ``zero2``, ...) in Lightning's
 ``StrategyRegistry``, so ``Trainer(strategy="zero2")`` works.
-"""
 
-from lightning.pytorch.strategies import StrategyRegistry
+The packages, with dependencies pointing one way (``cli`` → ``bench``, ``checkpoint``,
+``lightning`` → ``engine``; nothing imports ``cli``):
+
+- ``engine``: ZeRO itself, torch only (partitioning, buckets, collectives, hooks, offload, the
+  sharded optimizer, the memory report);
+- ``checkpoint``: the sharded on-disk format (manifest, atomic commit, DCP I/O, converter);
+- ``lightning``: the adapter, the only package that imports Lightning;
+- ``estimate``: ZeRO's memory arithmetic, shared by the monitor, the bench and the CLI;
+- ``bench``: the benchmark library; ``cli``: the ``lightning-zero`` console script;
+- ``models``: the GPT the example, the bench and the tests train.
+"""
 
 from lightning_zero.checkpoint import convert_checkpoint
 from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage
-from lightning_zero.strategy import ZeroStrategy
-from lightning_zero.memory_monitor import ZeroMemoryMonitor  # noqa: E402 - imports the strategy module
-
-ZeroStrategy.register_strategies(StrategyRegistry)
+from lightning_zero.lightning import ZeroMemoryMonitor, ZeroStrategy
 
 __all__ = [
     "MemoryReport",

@@ -4,8 +4,10 @@ Choosing a stage is a trade: every stage shards more, stage 3 moves 1.5x the byt
 step (3Ψ against 2Ψ), and CPU offload moves the optimizer step onto the host. So the first question
 is which is the cheapest layout whose model states fit, and it can be answered with arithmetic alone:
 this module is the ZeRO paper's accounting (Rajbhandari et al., 2020, section 3 and figure 1). The
-number of parameters it starts from comes from the user or from `lightning_zero.model_count`, which
-builds a model on the meta device, so nothing is allocated.
+number of parameters it starts from comes from the user or from `lightning_zero.cli.model_spec`,
+which builds a model on the meta device, so nothing is allocated. Stages and the bytes of each kind
+are the engine's own types (`ZeroStage`, `StateBytes`), so a measurement and its estimate compare
+field by field.
 
 [Note: what the estimate leaves out]
 Model states only: weights, gradients and optimizer states. A real run also needs
@@ -23,13 +25,12 @@ Keep a margin between the estimate and the device's capacity for all of these.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Mapping, Optional, Sequence
 
-# Re-exported so that `estimate.count_parameters` keeps working; the counter lives in its own module.
-from lightning_zero.model_count import ModelSpecError, count_parameters  # noqa: F401
+from lightning_zero.engine.config import ZeroStage, check_offload
+from lightning_zero.engine.memory import StateBytes
 
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
@@ -113,53 +114,24 @@ def precision_scheme(name: str) -> PrecisionScheme:
         raise ValueError(f"unknown precision scheme {name!r}; choose one of: {', '.join(SCHEMES)}") from None
 
 
-class Stage(enum.IntEnum):
-    """A ZeRO stage, named by what it shards across the data-parallel ranks; each also shards what the
-    stages below it shard."""
-
-    NOTHING = 0  # DDP: every rank holds everything
-    OPTIMIZER_STATES = 1
-    GRADIENTS = 2
-    PARAMETERS = 3
-
-    @property
-    def shards_optimizer_states(self) -> bool:
-        return self >= Stage.OPTIMIZER_STATES
-
-    @property
-    def shards_gradients(self) -> bool:
-        return self >= Stage.GRADIENTS
-
-    @property
-    def shards_parameters(self) -> bool:
-        return self >= Stage.PARAMETERS
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where model states live: what is sharded (the stage) and what is moved to host memory."""
 
-    stage: Stage
-    """What is sharded across the data-parallel ranks."""
+    stage: ZeroStage
+    """What is sharded across the data-parallel ranks (`ZeroStage.NOTHING` is DDP)."""
     offload_optimizer: bool = False
     """The optimizer term (master copy and moments) lives in host memory; the step runs on the CPU."""
     offload_params: bool = False
     """Stage 3 only: the weight shard also lives in host memory and is copied in to be gathered."""
 
     def __post_init__(self) -> None:
-        if self.offload_optimizer and self.stage is Stage.NOTHING:
-            raise ValueError("offloading the optimizer needs a ZeRO stage (1, 2 or 3); DDP has no offload")
-        if self.offload_params and self.stage is not Stage.PARAMETERS:
-            raise ValueError("offloading parameters needs stage 3, the only stage that shards them")
-        if self.offload_params and not self.offload_optimizer:
-            # The optimizer updates the weight shard in place: keeping the weights on the host but the
-            # optimizer on the device would move the shard across PCIe twice per step for nothing.
-            raise ValueError("offloading parameters also needs offload_optimizer=True")
+        check_offload(self.stage, self.offload_optimizer, self.offload_params)
 
     @property
     def label(self) -> str:
         """A short name: the strategy name, plus what is offloaded (e.g. `zero3 + offload optimizer`)."""
-        name = "ddp" if self.stage is Stage.NOTHING else f"zero{int(self.stage)}"
+        name = "ddp" if self.stage is ZeroStage.NOTHING else f"zero{int(self.stage)}"
         if self.offload_params:
             return f"{name} + offload optimizer, params"
         if self.offload_optimizer:
@@ -168,14 +140,14 @@ class Layout:
 
 
 LAYOUTS: tuple[Layout, ...] = (
-    Layout(Stage.NOTHING),
-    Layout(Stage.OPTIMIZER_STATES),
-    Layout(Stage.GRADIENTS),
-    Layout(Stage.PARAMETERS),
-    Layout(Stage.OPTIMIZER_STATES, offload_optimizer=True),
-    Layout(Stage.GRADIENTS, offload_optimizer=True),
-    Layout(Stage.PARAMETERS, offload_optimizer=True),
-    Layout(Stage.PARAMETERS, offload_optimizer=True, offload_params=True),
+    Layout(ZeroStage.NOTHING),
+    Layout(ZeroStage.OPTIMIZER_STATE),
+    Layout(ZeroStage.GRADIENTS),
+    Layout(ZeroStage.PARAMETERS),
+    Layout(ZeroStage.OPTIMIZER_STATE, offload_optimizer=True),
+    Layout(ZeroStage.GRADIENTS, offload_optimizer=True),
+    Layout(ZeroStage.PARAMETERS, offload_optimizer=True),
+    Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True),
 )
 """Every layout, in order of preference: on the device before offloading (the host step and PCIe
 copies cost more than sharding), lower stages first (fewer collectives, stage 3 moves 1.5x the bytes)."""
@@ -201,30 +173,20 @@ class Topology:
 
 
 @dataclass(frozen=True)
-class StateBytes:
-    """Bytes of model states in one place, by term."""
-
-    weights: int = 0
-    gradients: int = 0
-    optimizer: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
-
-    def __mul__(self, factor: int) -> StateBytes:
-        return StateBytes(self.weights * factor, self.gradients * factor, self.optimizer * factor)
-
-
-@dataclass(frozen=True)
 class MemoryEstimate:
     """Model-state bytes for one layout: on each device and on each host."""
 
     layout: Layout
     device: StateBytes
     """On each device (they all hold the same amount, up to shard padding)."""
-    host: StateBytes
-    """On each node: the offloaded terms of all the node's ranks together."""
+    host_per_rank: StateBytes
+    """In host memory, for each rank: the terms it offloads."""
+    devices_per_node: int
+
+    @property
+    def host(self) -> StateBytes:
+        """On each node: the offloaded terms of all the node's ranks together."""
+        return self.host_per_rank.scaled(self.devices_per_node)
 
 
 def shard_numel(num_params: int, world_size: int) -> int:
@@ -249,20 +211,20 @@ def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology:
     shard = shard_numel(num_params, topology.world_size)
     stage = layout.stage
     on_device = StateBytes(
-        weights=scheme.weight_bytes * (shard if stage.shards_parameters else num_params),
+        parameters=scheme.weight_bytes * (shard if stage.shards_parameters else num_params),
         gradients=scheme.gradient_bytes * (shard if stage.shards_gradients else num_params),
-        optimizer=scheme.optimizer_bytes * (shard if stage.shards_optimizer_states else num_params),
+        optimizer_state=scheme.optimizer_bytes * (shard if stage.shards_optimizer_state else num_params),
     )
     offloaded = StateBytes(
-        weights=on_device.weights if layout.offload_params else 0,
-        optimizer=on_device.optimizer if layout.offload_optimizer else 0,
+        parameters=on_device.parameters if layout.offload_params else 0,
+        optimizer_state=on_device.optimizer_state if layout.offload_optimizer else 0,
     )
     device = StateBytes(
-        weights=on_device.weights - offloaded.weights,
+        parameters=on_device.parameters - offloaded.parameters,
         gradients=on_device.gradients,
-        optimizer=on_device.optimizer - offloaded.optimizer,
+        optimizer_state=on_device.optimizer_state - offloaded.optimizer_state,
     )
-    return MemoryEstimate(layout=layout, device=device, host=offloaded * topology.devices)
+    return MemoryEstimate(layout=layout, device=device, host_per_rank=offloaded, devices_per_node=topology.devices)
 
 
 def estimate_all(num_params: int, scheme: PrecisionScheme, topology: Topology) -> tuple[MemoryEstimate, ...]:

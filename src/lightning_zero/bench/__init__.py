@@ -7,7 +7,7 @@ on one model, one data stream and one machine, each next to the ZeRO paper's flo
 Modules: `options` (what to run), `variants` (the table), `wrappers` (how each variant is built
 and stepped), `worker` (one process group per variant), `memory` and `comm` (what is measured and
 how), `theory` (the floors), `targets` (issue 8's targets and the notes), `results` (the figures),
-`report` (markdown, JSON, PNG), `command` (the console subcommand).
+`report` (markdown, JSON, PNG). The console subcommand is `lightning_zero.cli.bench`.
 """
 
 from lightning_zero.bench.options import BenchOptions

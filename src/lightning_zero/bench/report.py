@@ -174,13 +174,9 @@ def _main_row(r: VariantResult) -> list[str]:
     ]
 
 
-def _engine_kind(report: dict[str, Any], kind: str) -> Optional[int]:
-    """One kind's bytes from the engine's report, flat (`{"gradients": n}`) or split by location
-    (`{"device": {"gradients": n}, "host": {...}}`), summed over locations."""
-    if isinstance(report.get(kind), int):
-        return report[kind]
-    parts = [part[kind] for part in report.values() if isinstance(part, dict) and isinstance(part.get(kind), int)]
-    return sum(parts) if parts else None
+def _engine_kind(report: dict[str, Any], kind: str) -> int:
+    """One kind's bytes from the engine's report (`MemoryReport` as a dict), device and host summed."""
+    return report["device"][kind] + report["host"][kind]
 
 
 def _state_row(r: VariantResult) -> list[str]:

@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_zero import estimate as est
 from lightning_zero.bench.variants import VariantSpec
+from lightning_zero.engine import ZeroStage
 
 MODEL_STATE_RELATIVE_TOLERANCE = 0.05
 """Issue 8's target: measured model-state bytes within 5% of the floor, plus one unit (below)."""
@@ -72,19 +73,14 @@ def model_state_floor(
     scheme: est.PrecisionScheme = BENCH_SCHEME,
 ) -> StateFloor:
     """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP)."""
-    layout = est.Layout(est.Stage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
+    layout = est.Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
     estimate = est.estimate(num_params, layout, scheme, est.Topology(devices=world_size))
-    # `estimate` reports host bytes per node (all its ranks together); one rank holds 1/N of them.
-    host = estimate.host
-    per_rank_host = est.StateBytes(
-        host.weights // world_size, host.gradients // world_size, host.optimizer // world_size
-    )
-    device = estimate.device
+    device, host = estimate.device, estimate.host_per_rank
     return StateFloor(
-        parameters=device.weights + per_rank_host.weights,
-        gradients=device.gradients + per_rank_host.gradients,
-        optimizer_state=device.optimizer + per_rank_host.optimizer,
-        offloaded=per_rank_host.total,
+        parameters=device.parameters + host.parameters,
+        gradients=device.gradients + host.gradients,
+        optimizer_state=device.optimizer_state + host.optimizer_state,
+        offloaded=host.total,
     )
 
 

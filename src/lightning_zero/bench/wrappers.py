@@ -215,11 +215,7 @@ class OursWrapped(Wrapped):
 
     def engine_report(self) -> Optional[dict[str, Any]]:
         report = self.engine.memory_report()
-        figures = dataclasses.asdict(report) if dataclasses.is_dataclass(report) else {}
-        total = getattr(report, "total", None)
-        if isinstance(total, int):
-            figures["total"] = total
-        return figures
+        return {**dataclasses.asdict(report), "total": report.total}
 
     def close(self) -> None:
         self.engine.close()

@@ -13,8 +13,6 @@ file, so the peak is close to the output's size — where DeepSpeed's ``zero_to_
 
 from __future__ import annotations
 
-import argparse
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import torch
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
 from lightning_zero.checkpoint.directory import OPTIMIZERS_KEY
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
-from lightning_zero.checkpoint.sharded import SHARDED, TENSOR, _dcp_load, _metadata, read_meta
+from lightning_zero.checkpoint.sharded import SHARDED, TENSOR, read_meta, read_tensors, tensor_metadata
 
 
 def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False) -> Path:
@@ -40,7 +38,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
     manifest = Manifest.read(src)
     meta = read_meta(src)
-    metadata = _metadata(src)
+    metadata = tensor_metadata(src)
 
     model: dict[str, torch.Tensor] = {}
     for name, shape in manifest.params.items():
@@ -49,7 +47,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
     for key in manifest.buffers:
         entry = f"buffer/{key}"
         model[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    _dcp_load(model, src, None)
+    read_tensors(model, src, None)
 
     state_dict: dict[str, torch.Tensor] = {name: model[f"model/{name}"].view(shape) for name, shape in manifest.params.items()}
     for alias, name in manifest.aliases.items():
@@ -81,7 +79,7 @@ def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: d
             entry = f"optim/{index}/{name}/{key}"
             if kind in (SHARDED, TENSOR):
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    _dcp_load(targets, src, None)
+    read_tensors(targets, src, None)
     state: dict[int, dict[str, Any]] = {}
     for position, name in enumerate(names):
         entries = {}
@@ -101,23 +99,3 @@ def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: d
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))})
         start += count
     return {"state": state, "param_groups": groups}
-
-
-# ---- `lightning-zero convert` ------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="a sharded checkpoint directory written by lightning-zero")
-    parser.add_argument("dst", help="the file to write (a plain Lightning checkpoint)")
-    parser.add_argument(
-        "--with-optimizer",
-        action="store_true",
-        help="also write the full optimizer state (in DDP's format), so training can resume from the file",
-    )
-
-
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    try:
-        out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer)
-    except (FileNotFoundError, ValueError, IsADirectoryError) as err:
-        parser.exit(2, f"lightning-zero convert: error: {err}\n")
-    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
-    return 0

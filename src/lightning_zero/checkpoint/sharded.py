@@ -211,7 +211,7 @@ def load_model(
     whole tensor — and the buffers."""
     check_model_matches(manifest, true_shapes(module, engine), directory, strict)
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
-    metadata = _metadata(directory)
+    metadata = tensor_metadata(directory)
     targets: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         key = f"model/{name}"
@@ -227,7 +227,7 @@ def load_model(
     for key in manifest.buffers:
         if key in state and f"buffer/{key}" in metadata:
             targets[f"buffer/{key}"] = torch.empty(state[key].shape, dtype=metadata[f"buffer/{key}"].properties.dtype)
-    _dcp_load(targets, directory, group)
+    read_tensors(targets, directory, group)
     with torch.no_grad():
         for name, p in module.named_parameters():
             key = f"model/{name}"
@@ -271,7 +271,7 @@ def load_optimizer(
             f" {[len(g['params']) for g in saved_groups]} parameters per group, now"
             f" {[len(g) for g in current_groups]}."
         )
-    metadata = _metadata(directory)
+    metadata = tensor_metadata(directory)
     layout, values = manifest.optimizers[index], saved[index]["values"]
     targets: dict[str, Tensor] = {}
     for sp in params:
@@ -282,7 +282,7 @@ def load_optimizer(
                 targets[entry] = _flat_dtensor(local, sp.layout.numel, group.mesh)
             elif kind == TENSOR:
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    _dcp_load(targets, directory, group)
+    read_tensors(targets, directory, group)
     state: dict[int, dict[str, Any]] = {}
     for position, sp in enumerate(params):
         entries = {}
@@ -304,14 +304,17 @@ def load_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _metadata(directory: PathLike) -> dict[str, Any]:
+def tensor_metadata(directory: PathLike) -> dict[str, Any]:
+    """DCP's metadata of every tensor saved in ``directory``, by key (full shapes and dtypes)."""
     try:
         return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     except Exception as err:  # noqa: BLE001
         raise ValueError(f"Checkpoint {str(directory)!r}: its DCP metadata cannot be read ({type(err).__name__}: {err}).") from err
 
 
-def _dcp_load(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup]) -> None:
+def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup]) -> None:
+    """Fill ``targets`` (plain tensors or DTensor shards, by key) from ``directory``; ``group=None``
+    reads in this process alone (the converter), else collectively over ``group``."""
     try:
         if group is None:
             dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)

@@ -1,9 +1,11 @@
 """The ZeRO engine: partitioning, buckets, collectives, hooks and the sharded optimizer.
 
-Imports torch only, never Lightning, so it runs under any training loop.
+Imports torch only, never Lightning, so it runs under any training loop (the Lightning adapter is
+``lightning_zero.lightning``).
 """
 
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
-from lightning_zero.engine.zero import MemoryReport, StateBytes, ZeroEngine
+from lightning_zero.engine.engine import ZeroEngine
+from lightning_zero.engine.memory import MemoryReport, StateBytes
 
 __all__ = ["MemoryReport", "StateBytes", "ZeroConfig", "ZeroEngine", "ZeroStage"]

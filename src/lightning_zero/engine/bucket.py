@@ -14,8 +14,9 @@ collective and k elements per rank.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -55,11 +56,6 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
-
-    @property
-    def numel(self) -> int:
-        """Elements of all its parameters, unpadded."""
-        return sum(p.layout.numel for p in self.params)
 
     def _columns(self, buffer: Tensor, i: int) -> Tensor:
         """Parameter i's (N, c_i) block of an (N, S...) buffer."""
@@ -212,3 +208,22 @@ def assign_buckets(
     position = {id(p): i for i, p in enumerate(params)}
     closed.sort(key=lambda members: position[id(members[0])])
     return [Bucket(i, members, group) for i, members in enumerate(closed)]
+
+
+class PendingBucketWork(Protocol):
+    """A started bucket collective (``PendingGradientReduction`` or ``PendingParamGather``)."""
+
+    def finish(self) -> None: ...
+
+
+def finish_pipelined(started: Iterable[PendingBucketWork], max_in_flight: int) -> None:
+    """Finish every operation ``started`` yields, in order, with at most ``max_in_flight`` unfinished
+    at a time: the next one starts (when the iterator is advanced) while earlier ones are in flight,
+    and the temporary buffers of at most ``max_in_flight`` buckets exist at once."""
+    in_flight: deque[PendingBucketWork] = deque()
+    for pending in started:
+        in_flight.append(pending)
+        if len(in_flight) >= max_in_flight:
+            in_flight.popleft().finish()
+    while in_flight:
+        in_flight.popleft().finish()

@@ -42,9 +42,6 @@ class CollectiveStats:
         self.calls.clear()
         self.bytes.clear()
 
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
 
 COLLECTIVE_STATS = CollectiveStats()
 
@@ -116,7 +113,6 @@ def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     if world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
     return tensor
-
 
 
 def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> None:

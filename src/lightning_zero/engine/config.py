@@ -8,14 +8,52 @@ from typing import Optional, Sequence
 
 
 class ZeroStage(enum.IntEnum):
-    """ZeRO stages, named by what each one shards across the data-parallel ranks."""
+    """ZeRO stages, named by what each one shards across the data-parallel ranks; each also shards
+    what the stages below it shard."""
 
+    NOTHING = 0
+    """DDP: every rank holds everything. Not an engine stage; the estimator and bench price it."""
     OPTIMIZER_STATE = 1
     """Optimizer state and fp32 master weights are sharded; gradients are reduced after backward."""
     GRADIENTS = 2
     """Also gradients: reduce-scattered bucket by bucket during backward, full gradients freed."""
     PARAMETERS = 3
     """Also parameters: each rank keeps its chunk at rest and gathers a unit just before use."""
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        return self >= ZeroStage.OPTIMIZER_STATE
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self >= ZeroStage.GRADIENTS
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self >= ZeroStage.PARAMETERS
+
+
+ENGINE_STAGES = (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
+
+
+def check_offload(stage: ZeroStage, offload_optimizer: bool, offload_params: bool) -> None:
+    """Raise a ``ValueError`` for an offload choice ``stage`` cannot make (the engine's config and the
+    estimator's layouts share this check)."""
+    if offload_optimizer and stage is ZeroStage.NOTHING:
+        raise ValueError("offloading the optimizer needs a ZeRO stage (1, 2 or 3); DDP has no offload.")
+    if offload_params and stage is not ZeroStage.PARAMETERS:
+        raise ValueError(
+            f"`offload_params=True` needs stage 3 (got stage {int(stage)}): only stage 3 keeps parameter"
+            " chunks, at stages 1-2 every rank holds the full parameters on its device. Use"
+            " `offload_optimizer=True` to move the optimizer state to the host at any stage."
+        )
+    if offload_params and not offload_optimizer:
+        # the optimizer updates the weight chunk in place: weights on the host but the optimizer on
+        # the device would move the chunk across PCIe twice per step for nothing
+        raise ValueError(
+            "`offload_params=True` keeps the parameter chunks in host memory, and those chunks are"
+            " what the optimizer steps, so it needs `offload_optimizer=True` as well."
+        )
 
 
 @dataclass(frozen=True)
@@ -55,7 +93,7 @@ class ZeroConfig:
     for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those chunks)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ZeroStage}:
+        if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ENGINE_STAGES}:
             raise ValueError(
                 f"ZeRO `stage` must be one of 1, 2 or 3 (1 shards optimizer state, 2 also gradients,"
                 f" 3 also parameters), got {self.stage!r}."
@@ -74,17 +112,7 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
-        if self.offload_params and self.stage != ZeroStage.PARAMETERS:
-            raise ValueError(
-                f"`offload_params=True` needs stage 3 (got stage {self.stage}): only stage 3 keeps parameter"
-                " chunks, at stages 1-2 every rank holds the full parameters on its device. Use"
-                " `offload_optimizer=True` to move the optimizer state to the host at any stage."
-            )
-        if self.offload_params and not self.offload_optimizer:
-            raise ValueError(
-                "`offload_params=True` keeps the parameter chunks in host memory, and those chunks are"
-                " what the optimizer steps, so it needs `offload_optimizer=True` as well."
-            )
+        check_offload(self.zero_stage, self.offload_optimizer, self.offload_params)
         for name in ("min_unit_params", "prefetch_units"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

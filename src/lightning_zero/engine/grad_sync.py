@@ -8,12 +8,11 @@ what keeps ranks from deadlocking when a parameter is unused on some ranks only.
 from __future__ import annotations
 
 import abc
-from collections import deque
 from typing import Sequence
 
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.engine.bucket import Bucket, PendingGradientReduction
+from lightning_zero.engine.bucket import Bucket, PendingGradientReduction, finish_pipelined
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -44,15 +43,8 @@ class ReduceAfterBackward(GradientSync):
         self.max_in_flight = max_in_flight
 
     def finish_backward(self, sync: bool) -> None:
-        if not sync:
-            return
-        in_flight: deque[PendingGradientReduction] = deque()
-        for bucket in self.buckets:
-            in_flight.append(bucket.start_gradient_reduction())
-            if len(in_flight) >= self.max_in_flight:
-                in_flight.popleft().finish()
-        while in_flight:
-            in_flight.popleft().finish()
+        if sync:
+            finish_pipelined((bucket.start_gradient_reduction() for bucket in self.buckets), self.max_in_flight)
 
 
 class ReduceDuringBackward(GradientSync):

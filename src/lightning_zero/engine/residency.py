@@ -10,7 +10,6 @@ use and freed after (``gather_schedule``), so nothing needs gathering after a st
 from __future__ import annotations
 
 import abc
-from collections import deque
 from contextlib import AbstractContextManager, contextmanager
 from typing import Iterator, Sequence
 
@@ -19,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
-from lightning_zero.engine.bucket import Bucket, PendingParamGather, assign_buckets
+from lightning_zero.engine.bucket import Bucket, assign_buckets, finish_pipelined
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gather_schedule import GatherSchedule
 from lightning_zero.engine.materialize import build_units
@@ -94,17 +93,10 @@ class ReplicatedParameters(ParameterResidency):
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = 2) -> None:
         """All-gather the buckets of ``optimizer``'s parameters, at most ``max_in_flight`` at once."""
         mine = {id(p) for p in optimizer_params}
-        in_flight: deque[PendingParamGather] = deque()
-        for bucket in self.grad_buckets:
-            if id(bucket.params[0]) not in mine:
-                continue  # buckets never mix optimizers
-            for p in bucket.params:
-                p.check_storage_unchanged()
-            in_flight.append(bucket.start_param_gather())
-            if len(in_flight) >= max_in_flight:
-                in_flight.popleft().finish()
-        while in_flight:
-            in_flight.popleft().finish()
+        buckets = [b for b in self.grad_buckets if id(b.params[0]) in mine]  # buckets never mix optimizers
+        for p in (p for bucket in buckets for p in bucket.params):
+            p.check_storage_unchanged()
+        finish_pipelined((bucket.start_param_gather() for bucket in buckets), max_in_flight)
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
         for p in self.params:

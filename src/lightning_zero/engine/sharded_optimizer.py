@@ -38,14 +38,20 @@ STEP_KEY = "step"
 0-dimensional parameter whose other state is 0-dimensional too."""
 
 
-def check_optimizer(optimizer: object) -> None:
-    """Raise for anything that cannot be sharded element-wise; warn for optimizer classes we
-    cannot vouch for."""
+def check_optimizer_type(optimizer: object) -> None:
+    """Raise a ``TypeError`` unless ``optimizer`` is a torch optimizer, the only kind we can rebind."""
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             "lightning-zero shards torch optimizers: `configure_optimizers` must return"
             f" `torch.optim.Optimizer` instances (optionally with LR schedulers), got {type(optimizer).__name__}."
         )
+
+
+def check_optimizer(optimizer: object) -> None:
+    """Raise for anything that cannot be sharded element-wise; warn for optimizer classes we
+    cannot vouch for."""
+    check_optimizer_type(optimizer)
+    assert isinstance(optimizer, Optimizer)  # for type checkers
     if isinstance(optimizer, NOT_ELEMENTWISE_OPTIMIZERS):
         raise ValueError(
             f"{type(optimizer).__name__} is not element-wise (it looks across whole tensors), so"

@@ -43,10 +43,6 @@ class Unit:
         return f"Unit({self.index}, {self.name or '<root>'!r}, params={len(self.params)}, {self.state.value})"
 
     @property
-    def is_root(self) -> bool:
-        return self.name == ""
-
-    @property
     def numel(self) -> int:
         return sum(p.layout.numel for p in self.params)
 

@@ -1,9 +1,9 @@
 """Count a model's parameters without allocating it: build it on the meta device.
 
-The estimator (`lightning_zero.estimate`) needs one number, Ψ. For a model that does not fit in this
+`lightning-zero estimate --model SPEC` needs one number, Ψ. For a model that does not fit in this
 machine's memory (the point of asking which ZeRO stage it needs) the only cheap way to get it is to
-run the constructor under `torch.device("meta")`, where every tensor has a shape and no storage. This
-module turns a `package.module:Class` or `path/to/file.py:Class` spec plus JSON init args into that
+run the constructor under `torch.device("meta")`, where every tensor has a shape and no storage.
+This module turns a `package.module:Class` or `path/to/file.py:Class` spec plus JSON init args into that
 number, and turns every way the spec can be wrong into a `ModelSpecError` that says which part.
 """
 

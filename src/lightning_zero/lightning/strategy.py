@@ -7,33 +7,34 @@ this class only connects Lightning's hooks to the engine (``lightning_zero.engin
 - ``post_backward``: finish the gradient reduce-scatters;
 - ``optimizer_step``: after the step, all-gather the updated shards into the parameters;
 - checkpoints: sharded directories by default (``lightning_zero.checkpoint``), or one file in
-  DDP's format with ``state_dict_type="full"``; both load at any stage and world size.
+  DDP's format with ``state_dict_type="full"``; both load at any stage and world size. The hooks
+  delegate to ``ZeroCheckpointing`` (``checkpointing.py``).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.sharded import CheckpointGroup
+from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
-from lightning_zero.model_summary import use_true_sizes_in_model_summary
-from lightning_zero.precision import ZeroPrecision, check_precision_supported, to_zero_precision
-from lightning_zero.strategy_checkpoints import ZeroCheckpointing, unwrap_optimizer
+from lightning_zero.engine.sharded_optimizer import check_optimizer_type
+from lightning_zero.lightning.checkpointing import StateDictType, ZeroCheckpointing, unwrap_optimizer
+from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
+from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 
 STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
@@ -45,7 +46,7 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
 """Names registered in Lightning's ``StrategyRegistry`` by ``import lightning_zero``."""
 
 
-class ZeroStrategy(ZeroCheckpointing):
+class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism: each of the N ranks keeps 1/N of the optimizer state (stage 1), of
     the gradients too (stage 2), of the parameters too (stage 3), and trains to the same weights
     as DDP.
@@ -92,7 +93,7 @@ class ZeroStrategy(ZeroCheckpointing):
         prefetch_units: int = 1,
         offload_optimizer: bool = False,
         offload_params: bool = False,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
+        state_dict_type: StateDictType = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -120,16 +121,12 @@ class ZeroStrategy(ZeroCheckpointing):
             timeout=timeout,
             start_method="popen",
         )
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
-        self.state_dict_type = state_dict_type
+        self._checkpointing = ZeroCheckpointing(state_dict_type)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
         # `trainer.save_checkpoint` still finds the optimizer's shards
         self._finished: Optional[ZeroEngine] = None
         self._failed = False
-        self._checkpoint_group = CheckpointGroup()
-        self._restored_from_directory = False
 
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
@@ -144,6 +141,10 @@ class ZeroStrategy(ZeroCheckpointing):
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._checkpointing.state_dict_type
 
     @property
     def engine(self) -> Optional[ZeroEngine]:
@@ -179,8 +180,6 @@ class ZeroStrategy(ZeroCheckpointing):
                 self.setup_optimizers(trainer)
                 self._engine = ZeroEngine(self.lightning_module, self.optimizers, self.zero_config)
         self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     @override
@@ -214,13 +213,12 @@ class ZeroStrategy(ZeroCheckpointing):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
-            if not isinstance(optimizer, Optimizer):
-                self.optimizers, self.lr_scheduler_configs = [], []  # nothing half-built to tear down
-                raise TypeError(
-                    "lightning-zero shards torch optimizers: `configure_optimizers` must return"
-                    f" `torch.optim.Optimizer` instances (optionally with LR schedulers), got {type(optimizer).__name__}."
-                )
+        try:
+            for optimizer in self.optimizers:
+                check_optimizer_type(optimizer)
+        except TypeError:
+            self.optimizers, self.lr_scheduler_configs = [], []  # nothing half-built to tear down
+            raise
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -347,9 +345,69 @@ class ZeroStrategy(ZeroCheckpointing):
             raise RuntimeError("memory_report() is available while `trainer.fit` runs (after setup).")
         return self._engine.memory_report()
 
+    # ---- checkpoints: see checkpointing.py --------------------------------------------------------
+    @property
+    def _state_engine(self) -> Optional[ZeroEngine]:
+        """The engine holding the optimizer's shards: the running one, or the finished run's."""
+        return self._engine if self._engine is not None else self._finished
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: this rank's chunks. Full: the whole weights, at stage 3 gathered one unit at a
+        time and kept on rank 0 only (the rank that writes the file)."""
+        engine = self._state_engine
+        if self._checkpointing.saves_directory(engine):
+            return self._checkpointing.module_shards(self.lightning_module, engine)
+        if self._engine is not None and self.shards_parameters:
+            return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
+        return super().lightning_module_state_dict()  # full parameters on every rank
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> Any:
+        """Sharded: this rank's chunks of the state. Full: the state in DDP's format, on rank 0."""
+        optimizer, engine = unwrap_optimizer(optimizer), self._state_engine
+        if engine is None:
+            return optimizer.state_dict()
+        if self._checkpointing.saves_directory(engine):
+            return self._checkpointing.optimizer_shards(engine, self.optimizers, optimizer)
+        return engine.full_optimizer_state_dict(optimizer, keep=self.is_global_zero)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
+        self._checkpointing.save(
+            self, checkpoint, filepath, self.lightning_module, self._state_engine, self.checkpoint_io.save_checkpoint
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        module = self.lightning_module
+        optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
+        return self._checkpointing.load(
+            checkpoint_path, module, self._engine, optimizers, module.strict_loading,
+            read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
+        )  # fmt: skip
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._checkpointing.restored_from_directory:
+            return  # done in load_checkpoint
+        if self._engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        self._checkpointing.load_full_optimizer_states(self._engine, self.optimizers, checkpoint["optimizer_states"])
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._checkpointing.restored_from_directory:
+            return  # done in load_checkpoint
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: dict[str, Any]) -> None:
         for name, init_params in STRATEGY_NAMES.items():
             if name not in strategy_registry:  # importing twice is harmless
                 strategy_registry.register(

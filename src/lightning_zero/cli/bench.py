@@ -1,4 +1,5 @@
-"""The `lightning-zero bench` subcommand: its options, and printing where the report went."""
+"""`lightning-zero bench`: the options of `lightning_zero.bench.BenchOptions`, a run, and where the
+report went."""
 
 from __future__ import annotations
 
@@ -8,19 +9,9 @@ from pathlib import Path
 from lightning_zero.bench import variants
 from lightning_zero.bench.options import DEVICES, PRECISIONS, BenchOptions
 from lightning_zero.bench.run import run_bench
-from lightning_zero.cli import Subcommand, parse_count, positive_int
+from lightning_zero.cli.arguments import Subcommand, non_negative_int, parse_count, positive_float, positive_int
 
 _DEFAULTS = BenchOptions()
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps (0 or more)")
-    return value
 
 
 def _variant_list(text: str) -> tuple[str, ...]:
@@ -32,16 +23,6 @@ def _variant_list(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("name at least one variant")
     return names
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", choices=DEVICES, default=d.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu"
     )
     training.add_argument(
-        "--warmup", type=_non_negative_int, default=d.warmup, metavar="K", help=f"untimed steps first ({d.warmup})"
+        "--warmup", type=non_negative_int, default=d.warmup, metavar="K", help=f"untimed steps first ({d.warmup})"
     )
     training.add_argument(
         "--steps", type=positive_int, default=d.steps, metavar="K", help=f"timed steps, median reported ({d.steps})"
@@ -85,12 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
     training.add_argument(
-        "--bucket-size-mb", type=_positive_float, default=d.bucket_size_mb, metavar="MB",
+        "--bucket-size-mb", type=positive_float, default=d.bucket_size_mb, metavar="MB",
         help=f"bucket size of every variant that has buckets (default: {d.bucket_size_mb:g} MiB)",
     )  # fmt: skip
     training.add_argument("--seed", type=int, default=d.seed, help=f"model and data seed (default: {d.seed})")
     training.add_argument(
-        "--timeout", type=_positive_float, default=d.timeout_s, metavar="S",
+        "--timeout", type=positive_float, default=d.timeout_s, metavar="S",
         help=f"seconds a variant may take before it is killed (default: {d.timeout_s:g})",
     )  # fmt: skip
     training.add_argument(

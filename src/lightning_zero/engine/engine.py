@@ -17,8 +17,6 @@ strategy or a plain training loop can call them the same way::
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
 from contextlib import AbstractContextManager
 from typing import Any, Mapping, Optional, Sequence
 
@@ -29,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.memory import MemoryReport, measure
 from lightning_zero.engine.residency import ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
     check_optimizer,
@@ -37,51 +36,6 @@ from lightning_zero.engine.sharded_optimizer import (
     rebind_param_groups,
 )
 from lightning_zero.engine.sharded_param import ShardedParam
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes of model state in one place, by kind."""
-
-    parameters: int = 0
-    """Weights: full tensors where they exist now, and chunks that are the only copy of a weight."""
-    gradients: int = 0
-    """Full-size ``param.grad`` tensors and gradient chunks."""
-    optimizer_state: int = 0
-    """Optimizer state tensors and fp32 master chunks (the ZeRO paper counts both as optimizer state)."""
-    buffers: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.buffers
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """Bytes of model state this rank holds right now, on its compute device and in host memory.
-
-    Offloaded state counts as host memory by where the engine keeps it, also on a CPU-only
-    machine where device and host are the same memory, so offload's effect stays visible.
-    """
-
-    device: StateBytes
-    host: StateBytes
-
-    @property
-    def parameters(self) -> int:
-        return self.device.parameters + self.host.parameters
-
-    @property
-    def gradients(self) -> int:
-        return self.device.gradients + self.host.gradients
-
-    @property
-    def optimizer_state(self) -> int:
-        return self.device.optimizer_state + self.host.optimizer_state
-
-    @property
-    def total(self) -> int:
-        return self.device.total + self.host.total
 
 
 class ZeroEngine:
@@ -235,24 +189,8 @@ class ZeroEngine:
         return norms
 
     def memory_report(self) -> MemoryReport:
-        def nbytes(t: Optional[torch.Tensor]) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        counts = {"device": Counter(), "host": Counter()}
-        for sp in self.params:
-            chunk_place = "host" if sp.offloaded else "device"
-            counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
-            counts["device"]["gradients"] += nbytes(sp.param.grad)
-            counts[chunk_place]["gradients"] += nbytes(sp.shard.grad)
-            if not sp.aliases_param:
-                only_copy = not sp.keeps_full and not sp.holds_master_copy and sp.device_chunk is None
-                counts[chunk_place]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
-        for opt, params in zip(self.optimizers, self._params_of_optimizer):
-            for sp in params:
-                place = "host" if sp.offloaded else "device"
-                counts[place]["optimizer_state"] += sp.optimizer_state_bytes(opt.state.get(sp.shard))
-        counts["device"]["buffers"] += sum(nbytes(b) for b in self.module.buffers())
-        return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]))
+        """Bytes of parameters, gradients, optimizer state and buffers this rank holds now."""
+        return measure(self.module, self.params, list(zip(self.optimizers, self._params_of_optimizer)))
 
     def close(self) -> None:
         """Remove every hook."""

@@ -37,7 +37,6 @@ Where measurement and estimate differ by design:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -45,10 +44,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_zero import estimate as est
-from lightning_zero.engine import MemoryReport
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.engine import MemoryReport, StateBytes
+from lightning_zero.lightning.strategy import ZeroStrategy
 
-Unit = Literal["bytes", "KB", "MB", "GB"]
+ByteUnit = Literal["bytes", "KB", "MB", "GB"]
 
 UNITS: dict[str, int] = {"bytes": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 """Decimal units, as the estimator prints them (and GPU spec sheets state capacities)."""
@@ -76,31 +75,19 @@ PRECISION_SCHEMES: dict[str, est.PrecisionScheme] = {
 Lightning precision]."""
 
 
-@dataclass(frozen=True)
-class RankEstimate:
-    """The estimator's model-state bytes for one rank, by place, in the engine's vocabulary."""
-
-    device: est.StateBytes
-    host: est.StateBytes
-    """One rank's share: the estimator reports a node's host bytes, summed over its ranks."""
-
-
 def estimate_per_rank(
     num_params: int, strategy: ZeroStrategy, precision: str, devices: int, nodes: int
-) -> Optional[RankEstimate]:
-    """The estimator's prediction for one rank of `strategy` training `num_params` parameters, or None
-    when `precision` has no scheme (see `PRECISION_SCHEMES`)."""
+) -> Optional[MemoryReport]:
+    """The estimator's prediction for one rank of `strategy` training `num_params` parameters, as a
+    report of the engine's kind (buffers 0), or None when `precision` has no scheme (see
+    `PRECISION_SCHEMES`)."""
     scheme = PRECISION_SCHEMES.get(precision)
     if scheme is None:
         return None
     config = strategy.zero_config
-    layout = est.Layout(
-        est.Stage(config.stage), offload_optimizer=config.offload_optimizer, offload_params=config.offload_params
-    )
-    node = est.estimate(num_params, layout, scheme, est.Topology(devices=devices, nodes=nodes))
-    host = node.host
-    per_rank_host = est.StateBytes(host.weights // devices, host.gradients // devices, host.optimizer // devices)
-    return RankEstimate(device=node.device, host=per_rank_host)
+    layout = est.Layout(config.zero_stage, config.offload_optimizer, config.offload_params)
+    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices=devices, nodes=nodes))
+    return MemoryReport(device=predicted.device, host=predicted.host_per_rank)
 
 
 class ZeroMemoryMonitor(Callback):
@@ -124,7 +111,7 @@ class ZeroMemoryMonitor(Callback):
         unit: "bytes", or decimal "KB", "MB" or "GB" (the estimator's units); it is part of each key.
     """
 
-    def __init__(self, every_n_steps: Optional[int] = None, unit: Unit = "MB") -> None:
+    def __init__(self, every_n_steps: Optional[int] = None, unit: ByteUnit = "MB") -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive number of steps or None, got {every_n_steps}")
         if unit not in UNITS:
@@ -132,7 +119,7 @@ class ZeroMemoryMonitor(Callback):
         self.every_n_steps = every_n_steps
         self.unit = unit
         self.latest: dict[str, float] = {}
-        self._estimate: Optional[RankEstimate] = None
+        self._estimate: Optional[MemoryReport] = None
         self._active = False
         self._warned: set[str] = set()
         self._last_step = 0
@@ -197,11 +184,10 @@ class ZeroMemoryMonitor(Callback):
             metrics[f"memory/rank{rank}/total_{suffix}"] = sum(row) / size
         if self._estimate is not None:
             for place in PLACES:
-                predicted: est.StateBytes = getattr(self._estimate, place)
-                for kind, nbytes in zip(KINDS, (predicted.weights, predicted.gradients, predicted.optimizer)):
-                    metrics[f"memory/estimate/{place}/{kind}_{suffix}"] = nbytes / size
-            total = self._estimate.device.total + self._estimate.host.total
-            metrics[f"memory/estimate/total_{suffix}"] = total / size
+                predicted: StateBytes = getattr(self._estimate, place)
+                for kind in KINDS[:-1]:  # the estimator has no buffers term
+                    metrics[f"memory/estimate/{place}/{kind}_{suffix}"] = getattr(predicted, kind) / size
+            metrics[f"memory/estimate/total_{suffix}"] = self._estimate.total / size
         return metrics
 
     def _warn_once(self, message: str) -> None:

@@ -1,0 +1,37 @@
+"""`lightning-zero convert`: a sharded checkpoint directory to one plain Lightning checkpoint file
+(`lightning_zero.checkpoint.convert_checkpoint`), in one CPU process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from lightning_zero.checkpoint import convert_checkpoint
+from lightning_zero.cli.arguments import Subcommand
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="a sharded checkpoint directory written by lightning-zero")
+    parser.add_argument("dst", help="the file to write (a plain Lightning checkpoint)")
+    parser.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="also write the full optimizer state (in DDP's format), so training can resume from the file",
+    )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer)
+    except (FileNotFoundError, ValueError, IsADirectoryError) as err:
+        parser.exit(2, f"lightning-zero convert: error: {err}\n")
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
+    return 0
+
+
+CONVERT = Subcommand(
+    name="convert",
+    help="Turn a sharded checkpoint directory into one plain Lightning checkpoint file (no GPUs needed).",
+    add_arguments=add_arguments,
+    run=run,
+)

@@ -1,0 +1,91 @@
+"""Bytes of model state, by kind and by place: what the engine holds now (``measure``) and what the
+estimator predicts (``lightning_zero.estimate``) in one vocabulary, ``StateBytes``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine.sharded_param import ShardedParam
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of model state in one place, by kind."""
+
+    parameters: int = 0
+    """Weights: full tensors where they exist now, and chunks that are the only copy of a weight."""
+    gradients: int = 0
+    """Full-size ``param.grad`` tensors and gradient chunks."""
+    optimizer_state: int = 0
+    """Optimizer state tensors and fp32 master chunks (the ZeRO paper counts both as optimizer state)."""
+    buffers: int = 0
+    """The module's buffers (the estimator has no such term)."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers
+
+    def scaled(self, factor: int, divisor: int = 1) -> StateBytes:
+        """Every kind times ``factor`` and floor-divided by ``divisor`` (e.g. one rank's share of a node)."""
+        return StateBytes(**{f.name: getattr(self, f.name) * factor // divisor for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of model state this rank holds right now, on its compute device and in host memory.
+
+    Offloaded state counts as host memory by where the engine keeps it, also on a CPU-only
+    machine where device and host are the same memory, so offload's effect stays visible.
+    """
+
+    device: StateBytes
+    host: StateBytes
+
+    @property
+    def parameters(self) -> int:
+        return self.device.parameters + self.host.parameters
+
+    @property
+    def gradients(self) -> int:
+        return self.device.gradients + self.host.gradients
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.device.optimizer_state + self.host.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.device.total + self.host.total
+
+
+def measure(
+    module: nn.Module,
+    params: Sequence[ShardedParam],
+    optimizers: Sequence[tuple[Optimizer, Sequence[ShardedParam]]],
+) -> MemoryReport:
+    """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now."""
+
+    def nbytes(t: Optional[torch.Tensor]) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    counts = {"device": Counter(), "host": Counter()}
+    for sp in params:
+        chunk_place = "host" if sp.offloaded else "device"
+        counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
+        counts["device"]["gradients"] += nbytes(sp.param.grad)
+        counts[chunk_place]["gradients"] += nbytes(sp.shard.grad)
+        if not sp.aliases_param:
+            only_copy = not sp.keeps_full and not sp.holds_master_copy and sp.device_chunk is None
+            counts[chunk_place]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
+    for optimizer, optimizer_params in optimizers:
+        for sp in optimizer_params:
+            place = "host" if sp.offloaded else "device"
+            counts[place]["optimizer_state"] += sp.optimizer_state_bytes(optimizer.state.get(sp.shard))
+    counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
+    return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]))

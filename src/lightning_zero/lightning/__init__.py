@@ -1,0 +1,16 @@
+"""The Lightning adapter: the only package that imports Lightning.
+
+``ZeroStrategy`` connects the Trainer's hooks to ``lightning_zero.engine``; its precision plugins,
+model summary and checkpoint plumbing sit beside it, and ``ZeroMemoryMonitor`` is a callback.
+Importing this package registers the strategy names (``zero1``, ``zero2``, ...) in Lightning's
+``StrategyRegistry``, so ``Trainer(strategy="zero2")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.lightning.memory_monitor import ZeroMemoryMonitor
+from lightning_zero.lightning.strategy import STRATEGY_NAMES, ZeroStrategy
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["STRATEGY_NAMES", "ZeroMemoryMonitor", "ZeroStrategy"]

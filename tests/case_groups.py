@@ -1,0 +1,133 @@
+"""Many test cases in one spawned group of ranks, each case its own function.
+
+Spawning ranks and importing torch and Lightning costs seconds, so a test module registers its
+multi-rank cases in one ``CaseGroup`` and a module-scoped fixture runs them all in one group; the
+tests then assert on each case's per-rank results in the parent::
+
+    GROUP = CaseGroup(world_size=2)
+
+    @GROUP.case
+    def tied_parity(ctx: RankContext) -> dict:       # runs on every rank
+        ...
+
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory) -> GroupResults:
+        return GROUP.run(tmp_path_factory.mktemp("stage3"))
+
+    def test_tied(results):
+        for r in results["tied_parity"]:             # one entry per rank
+            assert ...
+
+Adding a case is adding a function. A case that raises fails only the tests that read it, with the
+rank's traceback. After a failure the ranks stop running cases (a collective may be left half-done,
+so what follows would hang): the ranks agree on each case's outcome through a file store before
+starting the next one, and the cases never started say which one stopped them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+from multiprocess import DEFAULT_TIMEOUT_S, run_on_ranks
+
+Case = Callable[["RankContext"], Any]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a case knows about where it runs."""
+
+    rank: int
+    world_size: int
+    tmpdir: str
+    """A directory every rank of the group sees (the fixture's temporary directory)."""
+    kept: dict[str, Any] = field(default_factory=dict)
+    """What a case leaves for later cases on this rank (cases run in registration order), e.g. a
+    fitted module that the next case evaluates, so it is not fitted twice."""
+
+
+class CaseFailed(AssertionError):
+    """Reading the result of a case that raised (or never ran) on some rank."""
+
+
+class GroupResults:
+    """Each case's results, one per rank, by case name."""
+
+    def __init__(self, per_rank: list[dict[str, tuple[str, Any]]]) -> None:
+        self._per_rank = per_rank
+
+    def __getitem__(self, name: str) -> list[Any]:
+        outcomes = [rank_results.get(name, ("missing", f"case {name!r} is not registered")) for rank_results in self._per_rank]
+        for rank, (status, value) in enumerate(outcomes):
+            if status != "ok":
+                raise CaseFailed(f"case {name!r} {status} on rank {rank}:\n{value}")
+        return [value for _, value in outcomes]
+
+
+class CaseGroup:
+    """Cases that run, in registration order, in one group of ``world_size`` spawned ranks.
+
+    ``init_process_group=True`` gives the cases a gloo process group (for engine-level cases);
+    cases that build a Lightning ``Trainer`` leave it False, and each Trainer joins the ranks.
+    """
+
+    def __init__(self, world_size: int = 2, init_process_group: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.world_size = world_size
+        self.init_process_group = init_process_group
+        self.timeout = timeout
+        self.cases: dict[str, Case] = {}
+
+    def case(self, fn: Optional[Case] = None, *, name: Optional[str] = None, **kwargs: Any) -> Any:
+        """Register ``fn`` (as ``@group.case`` or ``@group.case(name=..., key=value)``); keyword
+        arguments are bound to it, so one function can be registered under several names."""
+
+        def register(fn: Case) -> Case:
+            key = name or fn.__name__
+            if key in self.cases:
+                raise ValueError(f"a case named {key!r} is registered twice")
+            self.cases[key] = functools.partial(fn, **kwargs) if kwargs else fn
+            return fn
+
+        return register(fn) if fn is not None else register
+
+    def run(self, tmpdir: Any) -> GroupResults:
+        """Run every registered case on every rank; ``tmpdir`` is shared by the ranks."""
+        per_rank = run_on_ranks(
+            _run_cases,
+            list(self.cases.items()),
+            str(tmpdir),
+            world_size=self.world_size,
+            init_process_group=self.init_process_group,
+            timeout=self.timeout,
+        )
+        return GroupResults(per_rank)
+
+
+def _run_cases(rank: int, world_size: int, cases: list[tuple[str, Case]], tmpdir: str) -> dict[str, tuple[str, Any]]:
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(tmpdir, ".case_outcomes"), world_size)
+    store.set_timeout(timedelta(seconds=DEFAULT_TIMEOUT_S))
+    context = RankContext(rank, world_size, tmpdir)
+    outcomes: dict[str, tuple[str, Any]] = {}
+    stopped_by: Optional[str] = None
+    for name, case in cases:
+        if stopped_by is not None:
+            outcomes[name] = ("was not run", f"case {stopped_by!r} failed before it")
+            continue
+        try:
+            outcomes[name] = ("ok", case(context))
+        except Exception:  # noqa: BLE001 - reported to the test that reads this case
+            outcomes[name] = ("failed", traceback.format_exc())
+        # every rank learns whether any rank failed this case before anyone starts the next one
+        store.set(f"{name}/{rank}", outcomes[name][0])
+        keys = [f"{name}/{r}" for r in range(world_size)]
+        store.wait(keys)
+        if any(store.get(key) != b"ok" for key in keys):
+            stopped_by = name
+    return outcomes
