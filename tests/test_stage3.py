@@ -5,11 +5,13 @@ communication per step, evaluation loops, full-parameter access, and errors inst
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from multiprocess import run_on_ranks
+from case_groups import CaseGroup, GroupResults, RankContext
 
 STEPS = 4
 
@@ -79,62 +81,88 @@ def _divergent_training_step(self, batch, batch_idx):
     return x.float().pow(2).mean()
 
 
-def _stage3_cases(rank: int, world_size: int) -> dict:
-    import lightning_zero
-    from lightning.pytorch.strategies import DDPStrategy
-    from lightning_helpers import GPTModule, fit_gpt, max_abs_diff, token_data
+GROUP = CaseGroup(world_size=2)
+PARITY = {
+    # label: (GPTModule arguments, the DDP reference's strategy)
+    "tied": ({}, "ddp"),
+    "frozen": ({"frozen": True}, "ddp"),
+    "unused": ({"unused_branch": True}, "ddp_find_unused_parameters_true"),
+    "configure_model": ({"in_configure_model": True}, "ddp"),
+    "reused": ({"reused": True}, "ddp"),
+}
 
-    out: dict = {}
-    # -- parity at every step, with validation inside fit
-    for label, kwargs, reference in (
-        ("tied", {}, "ddp"),
-        ("frozen", {"frozen": True}, "ddp"),
-        ("unused", {"unused_branch": True}, DDPStrategy(find_unused_parameters=True)),
-        ("configure_model", {"in_configure_model": True}, "ddp"),
-        ("reused", {"reused": True}, "ddp"),
-    ):
-        ref_module, ref_history, ref_trainer = fit_gpt(reference, STEPS, module_kwargs=kwargs, limit_val_batches=2, val_check_interval=2)
-        probe = _Probe()
-        module, history, trainer = fit_gpt("zero3", STEPS, module_kwargs=kwargs, callbacks=[probe], limit_val_batches=2, val_check_interval=2, enable_model_summary=True)
-        out[(label, "diffs")] = [max_abs_diff(a, b) for a, b in zip(ref_history, history)]
-        out[(label, "val_loss")] = (ref_trainer.callback_metrics["val_loss"].item(), trainer.callback_metrics["val_loss"].item())
+
+def parity_with_ddp(ctx: RankContext, label: str) -> dict:
+    """DDP and zero3 fitted alike, with validation inside fit; the zero3 run probed."""
+    from lightning_helpers import fit_gpt, max_abs_diff
+
+    module_kwargs, reference = PARITY[label]
+    ref_module, ref_history, ref_trainer = fit_gpt(reference, STEPS, module_kwargs=module_kwargs, limit_val_batches=2, val_check_interval=2)
+    probe = _Probe()
+    module, history, trainer = fit_gpt("zero3", STEPS, module_kwargs=module_kwargs, callbacks=[probe], limit_val_batches=2, val_check_interval=2, enable_model_summary=True)
+    ctx.kept[f"fitted_{label}"] = {"ddp": ref_module, "zero3": module}
+    return {
+        "diffs": [max_abs_diff(a, b) for a, b in zip(ref_history, history)],
+        "val_loss": (ref_trainer.callback_metrics["val_loss"].item(), trainer.callback_metrics["val_loss"].item()),
         # after fit the module holds plain full parameters again
-        out[(label, "after_fit")] = max_abs_diff(ref_module.state_dict(), module.state_dict())
-        out[(label, "probe")] = {
+        "after_fit": max_abs_diff(ref_module.state_dict(), module.state_dict()),
+        "probe": {
             "calls": probe.calls, "bytes": probe.bytes, "units": probe.units, "live_max": probe.live_param_numel_max,
             "at_rest": probe.at_rest, "summary": probe.summary,
             "total_numel": sum(p.numel() for p in module.parameters()),
             "trainable_numel": sum(p.numel() for p in module.parameters() if p.requires_grad),
-        }
-        if label == "tied":
-            # evaluation after fit: a new setup shards the (now full) module again
-            trainer_kwargs = dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
-            import lightning as L
+        },
+    }
 
-            for name, m in (("ddp", ref_module), ("zero3", module)):
-                t = L.Trainer(strategy=name, **trainer_kwargs)
-                out[(label, "validate", name)] = t.validate(m, token_data(8), verbose=False)[0]["val_loss"]
-                out[(label, "predict", name)] = torch.cat(t.predict(m, token_data(4)))
 
-    # -- summon_full_params: read, and write back
+for _label in PARITY:
+    GROUP.case(parity_with_ddp, name=f"parity_{_label}", label=_label)
+
+
+@GROUP.case
+def evaluation_after_fit(ctx: RankContext) -> dict:
+    """validate/predict after fit (the modules `parity_tied` fitted): a new setup shards the (now
+    full) module again."""
     import lightning as L
+    from lightning_helpers import token_data
+
+    out = {}
+    for name, module in ctx.kept["fitted_tied"].items():
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
+        out[("validate", name)] = trainer.validate(module, token_data(8), verbose=False)[0]["val_loss"]
+        out[("predict", name)] = torch.cat(trainer.predict(module, token_data(4)))
+    return out
+
+
+@GROUP.case
+def summon(ctx: RankContext) -> dict:
+    """summon_full_params: read, and write back."""
+    import lightning as L
+    from lightning_helpers import GPTModule
 
     L.seed_everything(0, verbose=False)
-    out["summon"] = _summon_checks(GPTModule())
+    return _summon_checks(GPTModule())
 
-    # -- errors instead of hangs
-    for label, setup in (("replaced", {"callbacks": [_ReplaceParam()]}), ("divergent", {"divergent": True})):
-        L.seed_everything(0, verbose=False)
-        module = GPTModule()
-        if setup.get("divergent"):
-            module.training_step = _divergent_training_step.__get__(module)
-        try:
-            fit_gpt_module = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=setup.get("callbacks", []))
-            fit_gpt_module.fit(module, token_data())
-            out[("error", label)] = None
-        except Exception as err:  # noqa: BLE001 - the message is what is tested
-            out[("error", label)] = f"{type(err).__name__}: {err}"
-    return out
+
+def error_message(ctx: RankContext, divergent: bool = False, callbacks: tuple = ()) -> Optional[str]:
+    """What fitting a GPT that goes wrong raises (None if nothing does)."""
+    import lightning as L
+    from lightning_helpers import GPTModule, token_data
+
+    L.seed_everything(0, verbose=False)
+    module = GPTModule()
+    if divergent:
+        module.training_step = _divergent_training_step.__get__(module)
+    trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=list(callbacks))
+    try:
+        trainer.fit(module, token_data())
+    except Exception as err:  # noqa: BLE001 - the message is what is tested
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+GROUP.case(error_message, name="error_replaced", callbacks=(_ReplaceParam(),))
+GROUP.case(error_message, name="error_divergent", divergent=True)
 
 
 def _summon_checks(module) -> dict:
@@ -168,28 +196,28 @@ def _summon_checks(module) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_ranks(_stage3_cases, world_size=2, init_process_group=False)
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("stage3"))
 
 
-@pytest.mark.parametrize("label", ["tied", "frozen", "unused", "configure_model", "reused"])
+@pytest.mark.parametrize("label", list(PARITY))
 def test_every_step_bitwise_equal_to_ddp(results, label):
-    for r in results:
-        assert r[(label, "diffs")] == [0.0] * STEPS
-        ref_val, val = r[(label, "val_loss")]
+    for r in results[f"parity_{label}"]:
+        assert r["diffs"] == [0.0] * STEPS
+        ref_val, val = r["val_loss"]
         assert ref_val == val
-        assert r[(label, "after_fit")] == 0.0
+        assert r["after_fit"] == 0.0
 
 
 def test_evaluation_after_fit_matches_ddp(results):
-    for r in results:
-        assert r[("tied", "validate", "ddp")] == r[("tied", "validate", "zero3")]
-        assert torch.equal(r[("tied", "predict", "ddp")], r[("tied", "predict", "zero3")])
+    for r in results["evaluation_after_fit"]:
+        assert r[("validate", "ddp")] == r[("validate", "zero3")]
+        assert torch.equal(r[("predict", "ddp")], r[("predict", "zero3")])
 
 
 @pytest.mark.parametrize("label", ["tied", "frozen"])
 def test_model_state_at_rest_is_one_nth(results, label):
-    probe = results[0][(label, "probe")]
+    probe = results[f"parity_{label}"][0]["probe"]
     report, visible_param_numel = probe["at_rest"]
     total, trainable = probe["total_numel"], probe["trainable_numel"]
     assert visible_param_numel == 0  # every parameter is a placeholder between steps
@@ -201,7 +229,7 @@ def test_model_state_at_rest_is_one_nth(results, label):
 
 
 def test_live_parameters_bounded_by_units_in_flight(results):
-    probe = results[0][("tied", "probe")]
+    probe = results["parity_tied"][0]["probe"]
     sizes = dict(probe["units"])
     root, blocks = sizes.pop(""), sorted(sizes.values())
     # root + the computing block + one prefetched block
@@ -210,7 +238,7 @@ def test_live_parameters_bounded_by_units_in_flight(results):
 
 
 def test_collectives_per_step(results):
-    probe = results[0][("tied", "probe")]
+    probe = results["parity_tied"][0]["probe"]
     units = len(probe["units"])
     total_bytes = 4 * probe["total_numel"]
     for calls, moved in zip(probe["calls"][1:], probe["bytes"][1:]):  # after the first, prefetching step
@@ -221,25 +249,25 @@ def test_collectives_per_step(results):
 
 
 def test_model_summary_shows_true_sizes(results):
-    total, trainable, table = results[0][("tied", "probe")]["summary"]
-    assert total == results[0][("tied", "probe")]["total_numel"] > 0
+    probe = results["parity_tied"][0]["probe"]
+    total, trainable, table = probe["summary"]
+    assert total == probe["total_numel"] > 0
     assert trainable == total
     assert "Params per Device" in table
 
 
 def test_summon_full_params(results):
-    for r in results:
-        s = r["summon"]
+    for s in results["summon"]:
         assert s["at_rest_numel"] == 0
         assert s["inside_shape"] == (64, 16)
         assert s["read_only_kept"] and s["writeback_applied"]
 
 
 def test_replaced_parameter_fails_with_a_message(results):
-    for r in results:
-        assert "replaced or resized" in r[("error", "replaced")]
+    for message in results["error_replaced"]:
+        assert "replaced or resized" in message
 
 
 def test_ranks_running_different_units_fail_instead_of_hanging(results):
-    for r in results:
-        assert "different ZeRO-3 units" in r[("error", "divergent")]
+    for message in results["error_divergent"]:
+        assert "different ZeRO-3 units" in message
