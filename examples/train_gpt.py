@@ -31,7 +31,7 @@ from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.text import Perplexity  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
-from lightning_zero.lightning.memory_monitor import ZeroMemoryMonitor  # noqa: E402
+from lightning_zero import ZeroMemoryMonitor  # noqa: E402
 from lightning_zero.models.gpt import GPT, GPTConfig  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 

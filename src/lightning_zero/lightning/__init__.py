@@ -9,8 +9,9 @@ Importing this package registers the strategy names (``zero1``, ``zero2``, ...) 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.lightning.memory_monitor import ZeroMemoryMonitor
+from lightning_zero.lightning.precision import ZeroGradScaler, ZeroPrecision
 from lightning_zero.lightning.strategy import STRATEGY_NAMES, ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["STRATEGY_NAMES", "ZeroMemoryMonitor", "ZeroStrategy"]
+__all__ = ["STRATEGY_NAMES", "ZeroGradScaler", "ZeroMemoryMonitor", "ZeroPrecision", "ZeroStrategy"]

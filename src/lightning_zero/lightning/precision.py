@@ -118,11 +118,11 @@ def check_precision_supported(plugin: Precision) -> None:
             f"precision={plugin.precision!r} uses a {type(scaler).__name__}, whose inf/NaN check would"
             " run on each rank's gradient shard separately and let the ranks diverge. HINT: pass"
             " `Trainer(precision='16-mixed')` and let the strategy choose its plugin, or give your"
-            " plugin a lightning_zero.precision.ZeroGradScaler."
+            " plugin a lightning_zero.lightning.ZeroGradScaler."
         )
     if not isinstance(plugin, _ShardedNormClipping):
         raise ValueError(
             f"{type(plugin).__name__} is not a lightning-zero precision plugin, so it would clip"
             " gradients by the norm of this rank's shard only. Pass `Trainer(precision=...)` and let"
-            " the strategy choose its plugin, or subclass lightning_zero.precision.ZeroPrecision."
+            " the strategy choose its plugin, or subclass lightning_zero.lightning.ZeroPrecision."
         )
