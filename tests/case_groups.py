@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,9 +47,16 @@ class RankContext:
     world_size: int
     tmpdir: str
     """A directory every rank of the group sees (the fixture's temporary directory)."""
-    kept: dict[str, Any] = field(default_factory=dict)
+    kept: dict[Any, Any] = field(default_factory=dict)
     """What a case leaves for later cases on this rank (cases run in registration order), e.g. a
     fitted module that the next case evaluates, so it is not fitted twice."""
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time ``key`` is asked for on this rank, what it returned afterwards
+        (e.g. a DDP reference that several cases compare against, fitted once)."""
+        if key not in self.kept:
+            self.kept[key] = make()
+        return self.kept[key]
 
 
 class CaseFailed(AssertionError):
@@ -97,10 +105,12 @@ class CaseGroup:
 
     def run(self, tmpdir: Any) -> GroupResults:
         """Run every registered case on every rank; ``tmpdir`` is shared by the ranks."""
+        outcomes_file = os.path.join(tempfile.mkdtemp(prefix="case_outcomes_"), "store")
         per_rank = run_on_ranks(
             _run_cases,
             list(self.cases.items()),
             str(tmpdir),
+            outcomes_file,
             world_size=self.world_size,
             init_process_group=self.init_process_group,
             timeout=self.timeout,
@@ -108,10 +118,12 @@ class CaseGroup:
         return GroupResults(per_rank)
 
 
-def _run_cases(rank: int, world_size: int, cases: list[tuple[str, Case]], tmpdir: str) -> dict[str, tuple[str, Any]]:
+def _run_cases(
+    rank: int, world_size: int, cases: list[tuple[str, Case]], tmpdir: str, outcomes_file: str
+) -> dict[str, tuple[str, Any]]:
     import torch.distributed as dist
 
-    store = dist.FileStore(os.path.join(tmpdir, ".case_outcomes"), world_size)
+    store = dist.FileStore(outcomes_file, world_size)
     store.set_timeout(timedelta(seconds=DEFAULT_TIMEOUT_S))
     context = RankContext(rank, world_size, tmpdir)
     outcomes: dict[str, tuple[str, Any]] = {}

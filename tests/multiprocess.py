@@ -1,7 +1,8 @@
 """Run a function on N CPU ranks (gloo) and collect what each rank returns.
 
-Spawning processes and importing torch/Lightning costs seconds, so tests pass one function that
-runs many sub-cases and returns a dict of results; the test then asserts on them in the parent.
+Spawning processes and importing torch/Lightning costs seconds, so most tests register many cases
+in one ``case_groups.CaseGroup``, which runs them all through one ``run_on_ranks`` call; a test
+then asserts on each case's results in the parent.
 
 The environment variables Lightning's ``LightningEnvironment`` reads are set in each rank, so a
 ``Trainer(accelerator="cpu", devices=N, strategy=...)`` created inside the function joins the

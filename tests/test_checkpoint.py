@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from case_groups import CaseGroup, GroupResults, RankContext
 from multiprocess import run_on_ranks
 
 
@@ -37,31 +39,53 @@ class _LiveWeights(Callback):
             self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
 
-def _save_at_world_2(rank: int, world_size: int, root: str) -> dict:
+# ---- saved at world size 2: one group of ranks, each case its own function --------------------------------
+GROUP = CaseGroup(world_size=2)
+W2_CHECKPOINT = ("w2", "epoch=0-step=3.ckpt")
+"""Where `save_sharded` leaves its step-3 checkpoint, under the group's directory."""
+
+
+@GROUP.case
+def save_sharded(ctx: RankContext) -> dict[str, torch.Tensor]:
+    """A zero3 fit of 3 steps saving a sharded checkpoint at step 3: the live full weights then."""
     import lightning_zero  # noqa: F401
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_helpers import fit_and_record
 
     live = _LiveWeights()
-    ckpt = ModelCheckpoint(dirpath=os.path.join(root, "w2"), every_n_train_steps=3, save_top_k=-1)
+    ckpt = ModelCheckpoint(dirpath=os.path.join(ctx.tmpdir, W2_CHECKPOINT[0]), every_n_train_steps=3, save_top_k=-1)
     fit_and_record("zero3", 3, callbacks=[ckpt, live], enable_checkpointing=True)
+    return live.weights
+
+
+@GROUP.case
+def model_checkpoint_top_k(ctx: RankContext) -> None:
+    """A zero2 fit saving every step with save_top_k=1 and save_last, into `topk` (the test lists it)."""
+    import lightning_zero  # noqa: F401
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_helpers import fit_and_record
 
     # ModelCheckpoint removes superseded directories: only the newest and last.ckpt remain
-    keep = ModelCheckpoint(dirpath=os.path.join(root, "topk"), every_n_train_steps=1, save_top_k=1, save_last=True)
+    keep = ModelCheckpoint(dirpath=os.path.join(ctx.tmpdir, "topk"), every_n_train_steps=1, save_top_k=1, save_last=True)
     fit_and_record("zero2", 3, callbacks=[keep], enable_checkpointing=True)
 
-    # a checkpoint that does not fit the model fails on every rank, naming what differs
+
+@GROUP.case
+def mismatched_model(ctx: RankContext) -> Optional[str]:
+    """Resuming `save_sharded`'s checkpoint into a model of other shapes: the error (None if none)."""
+    import lightning_zero  # noqa: F401
+    from lightning_helpers import fit_and_record
     from models import OddShapes
 
+    # a checkpoint that does not fit the model fails on every rank, naming what differs
     try:
         fit_and_record(
             "zero2", 4, module_kwargs={"make_model": lambda: OddShapes(width=11)},
-            ckpt_path=os.path.join(root, "w2", "epoch=0-step=3.ckpt"),
+            ckpt_path=os.path.join(ctx.tmpdir, *W2_CHECKPOINT),
         )
-        mismatch = None
     except ValueError as err:
-        mismatch = str(err)
-    return {"live": live.weights, "mismatch": mismatch}
+        return str(err)
+    return None
 
 
 def _resume(rank: int, world_size: int, source: str, strategy: str, save_to: str) -> dict:
@@ -74,12 +98,27 @@ def _resume(rank: int, world_size: int, source: str, strategy: str, save_to: str
 
 
 @pytest.fixture(scope="module")
-def resharded(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard")
-    saved = run_on_ranks(_save_at_world_2, str(root), world_size=2, init_process_group=False)
-    w2 = str(root / "w2" / "epoch=0-step=3.ckpt")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reshard")
+
+
+@pytest.fixture(scope="module")
+def results(root) -> GroupResults:
+    return GROUP.run(root)
+
+
+@pytest.fixture(scope="module")
+def w2(root, results) -> str:
+    """The sharded checkpoint saved at world size 2 (a failed save fails here, with its traceback)."""
+    results["save_sharded"]
+    return str(root.joinpath(*W2_CHECKPOINT))
+
+
+@pytest.fixture(scope="module")
+def resharded(root, w2) -> dict[str, list[dict]]:
+    # each world size is its own group of ranks
     w1 = str(root / "w1.ckpt")
-    out = {"root": root, "saved": saved, "w2": w2}
+    out = {}
     out["2->1"] = run_on_ranks(_resume, w2, "zero2", w1, world_size=1, init_process_group=False)
     out["1->2"] = run_on_ranks(_resume, w1, "zero3", "", world_size=2, init_process_group=False)
     out["2->3"] = run_on_ranks(_resume, w2, "zero1", "", world_size=3, init_process_group=False)
@@ -92,25 +131,26 @@ def _assert_same(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[key].float(), expected[key].float()), key
 
 
-def test_conversion_equals_the_live_weights(resharded, tmp_path):
+def test_conversion_equals_the_live_weights(results, w2, tmp_path):
     from lightning_zero import convert_checkpoint
 
-    out = convert_checkpoint(resharded["w2"], tmp_path / "model.ckpt")
+    live = results["save_sharded"][0]
+    out = convert_checkpoint(w2, tmp_path / "model.ckpt")
     converted = torch.load(out, weights_only=False)
-    _assert_same(converted["state_dict"], resharded["saved"][0]["live"])
+    _assert_same(converted["state_dict"], live)
     assert "optimizer_states" not in converted and converted["global_step"] == 3
     # and Lightning reads it with no process group
     from lightning_helpers import RegressionModule
 
     model = RegressionModule.load_from_checkpoint(out)
-    _assert_same(model.state_dict(), resharded["saved"][0]["live"])
+    _assert_same(model.state_dict(), live)
 
 
 @pytest.mark.parametrize("case", ["2->1", "1->2", "2->3"])
-def test_resharded_weights_and_optimizer_state(resharded, case, tmp_path):
+def test_resharded_weights_and_optimizer_state(resharded, w2, case, tmp_path):
     from lightning_zero import convert_checkpoint
 
-    reference = torch.load(convert_checkpoint(resharded["w2"], tmp_path / "full.ckpt", include_optimizer=True), weights_only=False)
+    reference = torch.load(convert_checkpoint(w2, tmp_path / "full.ckpt", include_optimizer=True), weights_only=False)
     expected_optimizer = reference["optimizer_states"][0]
     for rank_result in resharded[case]:
         assert rank_result["step"] == 3
@@ -123,15 +163,15 @@ def test_resharded_weights_and_optimizer_state(resharded, case, tmp_path):
         assert [g["lr"] for g in rank_result["optimizer"]["param_groups"]] == [g["lr"] for g in expected_optimizer["param_groups"]]
 
 
-def test_model_checkpoint_keeps_only_what_it_should(resharded):
-    topk = Path(resharded["root"]) / "topk"
+def test_model_checkpoint_keeps_only_what_it_should(results, root):
+    results["model_checkpoint_top_k"]  # the fit that saved them finished on every rank
+    topk = root / "topk"
     assert sorted(os.listdir(topk)) == ["epoch=0-step=3.ckpt", "last.ckpt"]
     assert all((topk / name / "lightning_zero.json").is_file() for name in os.listdir(topk))
 
 
-def test_mismatched_model_is_refused_on_every_rank(resharded):
-    for rank_result in resharded["saved"]:
-        message = rank_result["mismatch"]
+def test_mismatched_model_is_refused_on_every_rank(results):
+    for message in results["mismatched_model"]:
         assert message is not None and "does not match the model" in message and "shapes differ" in message
 
 
@@ -155,17 +195,34 @@ def _killed_mid_save(rank: int, world_size: int, root: str) -> dict:
     return "finished"
 
 
-def _resume_after_fault(rank: int, world_size: int, root: str) -> dict:
+AFTER_FAULT = CaseGroup(world_size=2)
+"""Runs in the directory the killed save left behind."""
+RESUMED_FROM = {"resume_last": "last.ckpt", "resume_step2": "epoch=0-step=2.ckpt"}
+"""Case name: a checkpoint committed before the kill."""
+
+
+@AFTER_FAULT.case
+def uninterrupted_step2(ctx: RankContext) -> dict[str, torch.Tensor]:
+    """The weights after 2 steps of a fit that nothing interrupts."""
     import lightning_zero  # noqa: F401
     from lightning_helpers import fit_and_record
 
     _, uninterrupted, _ = fit_and_record("zero2", 2)
-    probes = {}
-    for name in ("last.ckpt", "epoch=0-step=2.ckpt"):
-        probe = _StateAtStart()
-        fit_and_record("zero2", 4, callbacks=[probe], ckpt_path=os.path.join(root, name))
-        probes[name] = probe
-    return {"uninterrupted_step2": uninterrupted[-1], **{n: (p.global_step, p.weights) for n, p in probes.items()}}
+    return uninterrupted[-1]
+
+
+def resume_after_fault(ctx: RankContext, checkpoint: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """Resuming from `checkpoint`: the global step and the full weights it restores."""
+    import lightning_zero  # noqa: F401
+    from lightning_helpers import fit_and_record
+
+    probe = _StateAtStart()
+    fit_and_record("zero2", 4, callbacks=[probe], ckpt_path=os.path.join(ctx.tmpdir, checkpoint))
+    return probe.global_step, probe.weights
+
+
+for _name, _checkpoint in RESUMED_FROM.items():
+    AFTER_FAULT.case(resume_after_fault, name=_name, checkpoint=_checkpoint)
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
@@ -182,16 +239,16 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="not a lightning-zero sharded checkpoint"):
         Manifest.read(tmp_path / leftovers[0])
 
-    resumed = run_on_ranks(_resume_after_fault, str(tmp_path), world_size=2, init_process_group=False)
-    for r in resumed:
-        for name in ("last.ckpt", "epoch=0-step=2.ckpt"):
-            step, weights = r[name]
+    resumed = AFTER_FAULT.run(tmp_path)
+    for rank, uninterrupted in enumerate(resumed["uninterrupted_step2"]):
+        for name in RESUMED_FROM:
+            step, weights = resumed[name][rank]
             assert step == 2
-            _assert_same(weights, r["uninterrupted_step2"])
+            _assert_same(weights, uninterrupted)
 
 
 # ---- damaged checkpoints, in one process -------------------------------------------------------------------
-def test_damaged_checkpoints_fail_clearly(resharded, tmp_path):
+def test_damaged_checkpoints_fail_clearly(w2, tmp_path):
     import shutil
 
     from lightning_zero import convert_checkpoint
@@ -205,7 +262,7 @@ def test_damaged_checkpoints_fail_clearly(resharded, tmp_path):
         convert_checkpoint(not_a_checkpoint, tmp_path / "out.ckpt")
 
     truncated = tmp_path / "truncated"
-    shutil.copytree(resharded["w2"], truncated)
+    shutil.copytree(w2, truncated)
     shard = sorted(truncated.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     with pytest.raises(ValueError, match="__0_0.distcp is truncated or corrupted"):
@@ -213,22 +270,22 @@ def test_damaged_checkpoints_fail_clearly(resharded, tmp_path):
     assert not (tmp_path / "out.ckpt").exists()  # nothing half-written
 
     bad_manifest = tmp_path / "bad_manifest"
-    shutil.copytree(resharded["w2"], bad_manifest)
+    shutil.copytree(w2, bad_manifest)
     (bad_manifest / "lightning_zero.json").write_text("{not json")
     with pytest.raises(ValueError, match="manifest .* is corrupted"):
         convert_checkpoint(bad_manifest, tmp_path / "out.ckpt")
 
     with pytest.raises(ValueError, match="overwrite its source"):
-        convert_checkpoint(resharded["w2"], resharded["w2"])
+        convert_checkpoint(w2, w2)
 
 
-def test_convert_command(resharded, tmp_path):
+def test_convert_command(w2, tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "cli.ckpt"
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "convert", resharded["w2"], str(out), "--with-optimizer"],
+        [sys.executable, "-m", "lightning_zero", "convert", w2, str(out), "--with-optimizer"],
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from multiprocess import run_on_ranks
+from case_groups import CaseGroup, GroupResults, RankContext
 from models import OddShapes, batches
 
 STEPS = 5
@@ -60,32 +60,55 @@ def _train_zero(rank: int, optimizer_name: str, unused: bool, stage: int, bucket
     }
 
 
-def _parity_cases(rank: int, world_size: int) -> dict:
-    out = {}
-    for optimizer_name in OPTIMIZERS:
-        for unused in (False, True):
-            reference = _train_ddp(rank, optimizer_name, unused)
-            for stage in (1, 2):
-                for bucket_size_mb in (1e-4, 25.0):  # ~one parameter per bucket, and one bucket
-                    zero = _train_zero(rank, optimizer_name, unused, stage, bucket_size_mb)
-                    diff = max((zero["weights"][k] - reference[k]).abs().max().item() for k in reference)
-                    out[(optimizer_name, unused, stage, bucket_size_mb)] = dict(zero, max_abs_diff=diff)
-    return out
+GROUP = CaseGroup(world_size=2, init_process_group=True)
+ZERO_CASES: dict[str, tuple[str, bool, int, float]] = {}  # case name: (optimizer, unused, stage, bucket_size_mb)
+
+
+def ddp_reference(ctx: RankContext, optimizer_name: str, unused: bool) -> None:
+    """torch DDP trained alike: the weights the zero runs of this optimizer/model are compared with."""
+    ctx.kept[("ddp", optimizer_name, unused)] = _train_ddp(ctx.rank, optimizer_name, unused)
+
+
+def zero_parity(ctx: RankContext, optimizer_name: str, unused: bool, stage: int, bucket_size_mb: float) -> dict:
+    """One engine run's weights against the DDP reference, with what it kept and communicated."""
+    reference = ctx.kept[("ddp", optimizer_name, unused)]
+    zero = _train_zero(ctx.rank, optimizer_name, unused, stage, bucket_size_mb)
+    diff = max((zero["weights"][k] - reference[k]).abs().max().item() for k in reference)
+    return dict(zero, max_abs_diff=diff)
+
+
+def _run_name(optimizer_name: str, unused: bool) -> str:
+    return f"{optimizer_name}_{'unused' if unused else 'all_used'}"
+
+
+def _case_name(optimizer_name: str, unused: bool, stage: int, bucket_size_mb: float) -> str:
+    return f"{_run_name(optimizer_name, unused)}_stage{stage}_bucket{bucket_size_mb}mb"
+
+
+for _optimizer_name in OPTIMIZERS:
+    for _unused in (False, True):
+        GROUP.case(ddp_reference, name=f"ddp_{_run_name(_optimizer_name, _unused)}", optimizer_name=_optimizer_name, unused=_unused)
+        for _stage in (1, 2):
+            for _bucket_size_mb in (1e-4, 25.0):  # ~one parameter per bucket, and one bucket
+                _key = (_optimizer_name, _unused, _stage, _bucket_size_mb)
+                ZERO_CASES[_case_name(*_key)] = _key
+                GROUP.case(zero_parity, name=_case_name(*_key), optimizer_name=_optimizer_name, unused=_unused, stage=_stage, bucket_size_mb=_bucket_size_mb)
 
 
 @pytest.fixture(scope="module")
-def parity_results():
-    return run_on_ranks(_parity_cases, world_size=2)
+def parity_results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("engine_parity"))
 
 
 def test_weights_bitwise_equal_to_ddp(parity_results):
-    for rank_results in parity_results:
-        for case, result in rank_results.items():
+    for case in ZERO_CASES:
+        for result in parity_results[case]:
             assert result["max_abs_diff"] == 0.0, f"{case}: max |zero - ddp| = {result['max_abs_diff']}"
 
 
 def test_stage2_releases_full_gradients_and_stage1_too_after_reduction(parity_results):
-    for case, result in parity_results[0].items():
+    for case in ZERO_CASES:
+        result = parity_results[case][0]
         assert result["full_grads_left_after_backward"] == [], case
 
 
@@ -94,18 +117,20 @@ def test_optimizer_state_is_sharded(parity_results):
     total = sum(p.numel() for p in model.parameters())
     padded = sum(-(-p.numel() // 2) for p in model.parameters())
     for optimizer_name, slots in (("adamw", 2), ("sgd_momentum", 1)):
-        per_rank = [r[(optimizer_name, False, 2, 25.0)]["optimizer_state_elems"] for r in parity_results]
+        per_rank = [r["optimizer_state_elems"] for r in parity_results[_case_name(optimizer_name, False, 2, 25.0)]]
         assert sum(per_rank) == slots * total  # every element's state lives on exactly one rank
         assert max(per_rank) <= slots * padded  # and each rank holds ~1/N of it
 
 
 def test_unused_parameters_keep_no_gradient(parity_results):
-    for case, result in parity_results[0].items():
+    for case in ZERO_CASES:
+        result = parity_results[case][0]
         assert result["unused_shard_grads"] == [], case
 
 
 def test_collectives_bounded_by_buckets(parity_results):
-    for (opt, unused, stage, bucket_mb), result in parity_results[0].items():
+    for case, (opt, unused, stage, bucket_mb) in ZERO_CASES.items():
+        result = parity_results[case][0]
         for calls in result["calls_per_step"]:
             assert calls == {"reduce_scatter": result["buckets"], "all_gather": result["buckets"]}
         if bucket_mb == 25.0:

@@ -14,12 +14,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
+from case_groups import CaseGroup, GroupResults, RankContext
 from lightning_zero import estimate as est
 from lightning_zero.engine import ZeroStage
 from lightning_zero.cli import model_spec
 from lightning_zero.lightning.memory_monitor import PRECISION_SCHEMES, ZeroMemoryMonitor, estimate_per_rank
 from lightning_zero.models.gpt import GPT, GPTConfig
-from multiprocess import run_on_ranks
 
 GPT_SHAPE = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
 STRATEGIES = {"zero3": 1, "zero3_offload": 2}
@@ -69,16 +69,27 @@ def _fit(strategy: str, log_dir: str, devices: int, accumulate_grad_batches: int
     return monitor
 
 
-def _monitored_runs(rank: int, world_size: int, log_dir: str) -> dict[str, dict[str, float]]:
+GROUP = CaseGroup(world_size=WORLD_SIZE)
+
+
+def monitored_fit(ctx: RankContext, strategy: str) -> dict[str, float]:
+    """A fit under `strategy` with the monitor logging every step: its latest values."""
     # The offloaded run accumulates gradients over 2 batches: the monitor still measures once per step.
-    return {name: _fit(name, log_dir, world_size, accumulate).latest for name, accumulate in STRATEGIES.items()}
+    return _fit(strategy, ctx.tmpdir, ctx.world_size, STRATEGIES[strategy]).latest
+
+
+for _strategy in STRATEGIES:
+    GROUP.case(monitored_fit, name=_strategy, strategy=_strategy)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[list[dict[str, dict[str, float]]], Path]:
-    log_dir = tmp_path_factory.mktemp("memory_monitor")
-    results = run_on_ranks(_monitored_runs, str(log_dir), world_size=WORLD_SIZE, init_process_group=False)
-    return results, log_dir
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("memory_monitor")
+
+
+@pytest.fixture(scope="module")
+def results(log_dir) -> GroupResults:
+    return GROUP.run(log_dir)
 
 
 def _predicted(layout: est.Layout) -> est.MemoryEstimate:
@@ -86,11 +97,9 @@ def _predicted(layout: est.Layout) -> est.MemoryEstimate:
     return est.estimate(num_params, layout, est.SCHEMES["fp32"], est.Topology(devices=WORLD_SIZE))
 
 
-def test_stage3_parameter_bytes_match_the_estimator(runs):
-    results, _ = runs
+def test_stage3_parameter_bytes_match_the_estimator(results):
     predicted = _predicted(est.Layout(ZeroStage.PARAMETERS)).device
-    for latest in results:  # every rank holds every rank's values
-        metrics = latest["zero3"]
+    for metrics in results["zero3"]:  # every rank holds every rank's values
         for rank in range(WORLD_SIZE):
             # Chunks are padded per parameter, and Adam's step counters are unpriced: a fraction of a percent here.
             assert logged(metrics, rank, "device", "parameters") == pytest.approx(predicted.parameters, rel=0.03)
@@ -102,11 +111,10 @@ def test_stage3_parameter_bytes_match_the_estimator(runs):
         assert metrics["memory/estimate/device/optimizer_state_bytes"] == predicted.optimizer_state
 
 
-def test_offloaded_run_logs_optimizer_state_on_host_only(runs):
-    results, _ = runs
+def test_offloaded_run_logs_optimizer_state_on_host_only(results):
     layout = est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
     host_share = _predicted(layout).host.optimizer_state // WORLD_SIZE  # the estimator's host bytes are per node
-    metrics = results[0]["zero3_offload"]
+    metrics = results["zero3_offload"][0]
     for rank in range(WORLD_SIZE):
         assert logged(metrics, rank, "device", "optimizer_state") == 0
         assert logged(metrics, rank, "host", "optimizer_state") == pytest.approx(host_share, rel=0.03)
@@ -117,13 +125,12 @@ def test_offloaded_run_logs_optimizer_state_on_host_only(runs):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_values_reach_the_logger(runs, strategy):
-    results, log_dir = runs
+def test_values_reach_the_logger(results, log_dir, strategy):
     with open(log_dir / strategy / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("memory/rank1/total_bytes")]
     # Once per optimizer step, at the step Lightning logs that batch's own metrics at (0 for the first).
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
-    latest = results[0][strategy]
+    latest = results[strategy][0]
     assert {key: float(rows[-1][key]) for key in latest} == latest
 
 

@@ -8,9 +8,10 @@ import os
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from multiprocess import run_on_ranks
+from case_groups import CaseGroup, GroupResults, RankContext
 
 STEPS = 4
+PRECISIONS = ("32-true", "bf16-mixed")
 VARIANTS = {
     # name: (not offloaded, offloaded) strategy arguments
     "stage1": ({"stage": 1}, {"stage": 1, "offload_optimizer": True}),
@@ -19,6 +20,12 @@ VARIANTS = {
     "stage3_all": ({"stage": 3}, {"stage": 3, "offload_optimizer": True, "offload_params": True}),
 }
 
+CHECKPOINTS = {
+    # label: the strategy that saves it (ZeroStrategy arguments, or a registered name)
+    "offloaded_full": {"stage": 3, "offload_optimizer": True, "offload_params": True, "state_dict_type": "full"},
+    "offloaded_sharded": "zero3_offload",
+    "plain_sharded": "zero3",
+}
 
 RESUMES = [
     ("zero2", "offloaded_full"),
@@ -34,70 +41,105 @@ class _Report(Callback):
         self.report = trainer.strategy.memory_report()
 
 
-def _offload_cases(rank: int, world_size: int, tmpdir: str) -> dict:
+GROUP = CaseGroup(world_size=2)
+
+
+def offloaded_training(ctx: RankContext, label: str, precision: str) -> dict:
+    """The offloaded variant and its not-offloaded twin fitted alike (with clipping): per-step
+    weight differences, and the offloaded run's memory report by location."""
     import lightning_zero
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_helpers import fit_gpt, max_abs_diff
 
-    out: dict = {}
-    for label, (plain, offloaded) in VARIANTS.items():
-        for precision in ("32-true", "bf16-mixed"):
-            extra = dict(precision=precision, gradient_clip_val=0.5)
-            _, reference, _ = fit_gpt(lightning_zero.ZeroStrategy(**plain), STEPS, **extra)
-            report = _Report()
-            _, history, _ = fit_gpt(lightning_zero.ZeroStrategy(**offloaded), STEPS, callbacks=[report], **extra)
-            out[(label, precision)] = [max_abs_diff(a, b) for a, b in zip(reference, history)]
-            if precision == "32-true":
-                out[(label, "report")] = report.report
+    plain, offloaded = VARIANTS[label]
+    extra = dict(precision=precision, gradient_clip_val=0.5)
+    # stage 3's two offload variants share their not-offloaded twin: fitted once per precision
+    key = ("plain", tuple(sorted(plain.items())), precision)
+    reference = ctx.once(key, lambda: fit_gpt(lightning_zero.ZeroStrategy(**plain), STEPS, **extra)[1])
+    report = _Report()
+    _, history, _ = fit_gpt(lightning_zero.ZeroStrategy(**offloaded), STEPS, callbacks=[report], **extra)
+    return {"diffs": [max_abs_diff(a, b) for a, b in zip(reference, history)], "report": report.report}
 
-    # checkpoints: saved offloaded, resumed without; saved without, resumed offloaded. The
-    # reference is DDP resumed from the same state in its own (full) format.
-    saved = {}
-    for label, strategy in (
-        ("offloaded_full", lightning_zero.ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, state_dict_type="full")),
-        ("offloaded_sharded", "zero3_offload"),
-        ("plain_sharded", "zero3"),
-    ):
-        dirpath = os.path.join(tmpdir, label)
-        fit_gpt(strategy, 2, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)], enable_checkpointing=True)
-        saved[label] = os.path.join(dirpath, "last.ckpt")
-    _, reference, _ = fit_gpt("ddp", 4, ckpt_path=saved["offloaded_full"])
-    for name, source in RESUMES:
-        _, history, _ = fit_gpt(name, 4, ckpt_path=saved[source])
-        out[("resume", name, source)] = [max_abs_diff(a, b) for a, b in zip(reference, history)]
-    return out
+
+for _label in VARIANTS:
+    for _precision in PRECISIONS:
+        GROUP.case(offloaded_training, name=f"train_{_label}_{_precision}", label=_label, precision=_precision)
+
+
+# checkpoints: saved offloaded, resumed without; saved without, resumed offloaded. The
+# reference is DDP resumed from the same state in its own (full) format.
+
+
+def _last_checkpoint(ctx: RankContext, label: str) -> str:
+    return os.path.join(ctx.tmpdir, label, "last.ckpt")
+
+
+def save_checkpoint(ctx: RankContext, label: str) -> None:
+    """Two steps under `CHECKPOINTS[label]`, saved as `<tmpdir>/<label>/last.ckpt` for the resumes."""
+    import lightning_zero
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_helpers import fit_gpt
+
+    strategy = CHECKPOINTS[label]
+    if isinstance(strategy, dict):
+        strategy = lightning_zero.ZeroStrategy(**strategy)
+    dirpath = os.path.dirname(_last_checkpoint(ctx, label))
+    fit_gpt(strategy, 2, callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)], enable_checkpointing=True)
+
+
+for _label in CHECKPOINTS:
+    GROUP.case(save_checkpoint, name=f"save_{_label}", label=_label)
+
+
+@GROUP.case
+def resume_reference(ctx: RankContext) -> None:
+    """DDP resumed from the offloaded full checkpoint: the history every resume is compared with."""
+    from lightning_helpers import fit_gpt
+
+    _, ctx.kept["resume_reference"], _ = fit_gpt("ddp", 4, ckpt_path=_last_checkpoint(ctx, "offloaded_full"))
+
+
+def resume(ctx: RankContext, strategy: str, source: str) -> list:
+    """`strategy` resumed from the `source` checkpoint: per-step differences from the DDP reference."""
+    from lightning_helpers import fit_gpt, max_abs_diff
+
+    _, history, _ = fit_gpt(strategy, 4, ckpt_path=_last_checkpoint(ctx, source))
+    return [max_abs_diff(a, b) for a, b in zip(ctx.kept["resume_reference"], history)]
+
+
+for _strategy, _source in RESUMES:
+    GROUP.case(resume, name=f"resume_{_strategy}_from_{_source}", strategy=_strategy, source=_source)
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_on_ranks(_offload_cases, str(tmp_path_factory.mktemp("offload")), world_size=2, init_process_group=False)
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("offload"))
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("label", list(VARIANTS))
 def test_offloaded_training_matches(results, label, precision):
     # The same arithmetic on host tensors; 1e-6 is the issue's bound, bitwise is what we get.
-    for r in results:
-        diffs = r[(label, precision)]
+    for r in results[f"train_{label}_{precision}"]:
+        diffs = r["diffs"]
         assert len(diffs) == STEPS and max(diffs) <= 1e-6, diffs
 
 
 def test_location_report(results):
-    r = results[0]
+    reports = {label: results[f"train_{label}_32-true"][0]["report"] for label in VARIANTS}
     for label in ("stage1", "stage2", "stage3_optimizer"):
-        report = r[(label, "report")]
+        report = reports[label]
         assert report.device.optimizer_state == 0 and report.host.optimizer_state > 0
         assert report.host.gradients > 0  # gradient chunks are stepped on the host
-    assert r[("stage3_optimizer", "report")].device.parameters > 0  # chunks kept on the device to gather from
-    all_offloaded = r[("stage3_all", "report")]
+    assert reports["stage3_optimizer"].device.parameters > 0  # chunks kept on the device to gather from
+    all_offloaded = reports["stage3_all"]
     assert all_offloaded.device.parameters == 0 and all_offloaded.host.parameters > 0
     assert all_offloaded.device.optimizer_state == 0 and all_offloaded.device.gradients == 0
 
 
 @pytest.mark.parametrize("name,source", RESUMES)
 def test_checkpoints_cross_offload(results, name, source):
-    for r in results:
-        assert r[("resume", name, source)] == [0.0, 0.0]  # steps 3 and 4, after resuming at step 2
+    for diffs in results[f"resume_{name}_from_{source}"]:
+        assert diffs == [0.0, 0.0]  # steps 3 and 4, after resuming at step 2
 
 
 @pytest.mark.parametrize("stage", [1, 2])

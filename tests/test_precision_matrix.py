@@ -4,10 +4,12 @@ scaling deciding inf/NaN steps across ranks."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
-from multiprocess import run_on_ranks
+from case_groups import CaseGroup, GroupResults, RankContext
 
 STEPS = 3
 STAGES = ("zero1", "zero2", "zero3")
@@ -39,38 +41,54 @@ def _frozen():
     return model
 
 
-def _matrix_cases(rank: int, world_size: int) -> dict:
+def _run(strategy, precision: str, feature: str) -> list:
+    """The weights after each step of one training-loop feature's fit."""
     import lightning as L
     import lightning_zero  # noqa: F401
+    from lightning_helpers import TwoOptimizerModule, WeightRecorder, fit_and_record, make_trainer, regression_data
+
+    kwargs = dict(FEATURES[feature])
+    if kwargs.pop("manual", False):
+        L.seed_everything(0, verbose=False)
+        module, recorder = TwoOptimizerModule(), WeightRecorder()
+        make_trainer(strategy, STEPS, callbacks=[recorder], precision=precision).fit(module, regression_data())
+        return recorder.history
+    module_kwargs = dict(kwargs.pop("module_kwargs", {}))
+    if module_kwargs.get("make_model") == "frozen":
+        module_kwargs["make_model"] = _frozen
+    return fit_and_record(strategy, STEPS, module_kwargs=module_kwargs, precision=precision, **kwargs)[1]
+
+
+MATRIX = CaseGroup(world_size=2)
+
+
+def ddp_reference(ctx: RankContext, precision: str, feature: str) -> None:
+    """Lightning's DDP with the cell's settings: the history the row's stages are compared with."""
     from lightning.pytorch.strategies import DDPStrategy
-    from lightning_helpers import TwoOptimizerModule, WeightRecorder, fit_and_record, make_trainer, max_abs_diff, regression_data
 
-    def run(strategy, precision, feature):
-        kwargs = dict(FEATURES[feature])
-        if kwargs.pop("manual", False):
-            L.seed_everything(0, verbose=False)
-            module, recorder = TwoOptimizerModule(), WeightRecorder()
-            make_trainer(strategy, STEPS, callbacks=[recorder], precision=precision).fit(module, regression_data())
-            return recorder.history
-        module_kwargs = dict(kwargs.pop("module_kwargs", {}))
-        if module_kwargs.get("make_model") == "frozen":
-            module_kwargs["make_model"] = _frozen
-        return fit_and_record(strategy, STEPS, module_kwargs=module_kwargs, precision=precision, **kwargs)[1]
+    reference = DDPStrategy(find_unused_parameters=feature in ("frozen", "manual_two_optimizers"))
+    ctx.kept[("ddp", precision, feature)] = _run(reference, precision, feature)
 
-    out = {}
-    for precision in PRECISIONS:
-        for feature in FEATURES:
-            reference = DDPStrategy(find_unused_parameters=feature in ("frozen", "manual_two_optimizers"))
-            ddp = run(reference, precision, feature)
-            for stage in STAGES:
-                history = run(stage, precision, feature)
-                out[(stage, precision, feature)] = max(max_abs_diff(a, b) for a, b in zip(ddp, history)) if len(history) == len(ddp) else None
-    return out
+
+def matrix_cell(ctx: RankContext, stage: str, precision: str, feature: str) -> Optional[float]:
+    """max |zero - ddp| over the steps of one cell (None if the step counts differ)."""
+    from lightning_helpers import max_abs_diff
+
+    ddp = ctx.kept[("ddp", precision, feature)]
+    history = _run(stage, precision, feature)
+    return max(max_abs_diff(a, b) for a, b in zip(ddp, history)) if len(history) == len(ddp) else None
+
+
+for _precision in PRECISIONS:
+    for _feature in FEATURES:
+        MATRIX.case(ddp_reference, name=f"ddp_{_precision}_{_feature}", precision=_precision, feature=_feature)
+        for _stage in STAGES:
+            MATRIX.case(matrix_cell, name=f"{_stage}_{_precision}_{_feature}", stage=_stage, precision=_precision, feature=_feature)
 
 
 @pytest.fixture(scope="module")
-def matrix():
-    return run_on_ranks(_matrix_cases, world_size=2, init_process_group=False)
+def matrix(tmp_path_factory) -> GroupResults:
+    return MATRIX.run(tmp_path_factory.mktemp("precision_matrix"))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -78,13 +96,18 @@ def matrix():
 @pytest.mark.parametrize("stage", STAGES)
 def test_matches_ddp(matrix, stage, precision, feature):
     tolerance = BF16_TRUE_TOLERANCE if precision == "bf16-true" else FP32_TOLERANCE
-    for r in matrix:
-        diff = r[(stage, precision, feature)]
+    for diff in matrix[f"{stage}_{precision}_{feature}"]:
         assert diff is not None, "different number of steps"
         assert diff <= tolerance, f"max |zero - ddp| = {diff}"
 
 
-def _scaler_cases(rank: int, world_size: int) -> dict:
+SCALER = CaseGroup(world_size=2, init_process_group=True)
+
+
+@SCALER.case
+def scaler_skips(ctx: RankContext) -> dict:
+    """Three scaled steps where only rank 1's shard overflows in the second: scales, which steps
+    moved the weights, and the scaler's final state."""
     from lightning_zero.lightning.precision import ZeroGradScaler
 
     param = torch.nn.Parameter(torch.ones(4))
@@ -95,7 +118,7 @@ def _scaler_cases(rank: int, world_size: int) -> dict:
         before = param.detach().clone()
         scaler.scale(torch.ones(()))  # what scaler.scale(loss).backward() starts with
         param.grad = torch.full((4,), 8.0)
-        if step == 1 and rank == 1:
+        if step == 1 and ctx.rank == 1:
             param.grad[2] = float("inf")  # only rank 1's shard overflows
         scaler.unscale_(optimizer)
         scaler.step(optimizer)
@@ -106,8 +129,13 @@ def _scaler_cases(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_loss_scaling_skips_the_same_steps_on_every_rank():
-    ranks = run_on_ranks(_scaler_cases, world_size=2)
+@pytest.fixture(scope="module")
+def scaler(tmp_path_factory) -> GroupResults:
+    return SCALER.run(tmp_path_factory.mktemp("scaler"))
+
+
+def test_loss_scaling_skips_the_same_steps_on_every_rank(scaler):
+    ranks = scaler["scaler_skips"]
     assert ranks[0]["stepped"] == ranks[1]["stepped"] == [True, False, True]
     assert ranks[0]["scales"] == ranks[1]["scales"] == [2048.0, 1024.0, 2048.0]
     assert ranks[0]["state"] == ranks[1]["state"]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from multiprocess import run_on_ranks
+from case_groups import CaseGroup, GroupResults, RankContext
+from lightning_helpers import fit_and_record
 
 STEPS = 4
 
@@ -57,69 +58,99 @@ class _StepProbe(Callback):
         self.buckets = len(trainer.strategy.engine.buckets)
 
 
-def _strategy_cases(rank: int, world_size: int) -> dict:
+GROUP = CaseGroup(world_size=2)
+OPTIMIZERS = ("adamw", "sgd_momentum")
+STAGES = (1, 2)
+BUCKET_SIZES_MB = (1e-4, 25.0)
+PARITY_CASES: list[str] = []  # every case that returns per-step differences from DDP
+
+
+def _ddp_history(ctx: RankContext, key: str, strategy, module_kwargs: dict) -> list:
+    """DDP's weights after every step, fitted once per ``key``."""
+    return ctx.once(key, lambda: fit_and_record(strategy, STEPS, module_kwargs=module_kwargs)[1])
+
+
+def parity(ctx: RankContext, optimizer: str, stage: int, bucket_size_mb: float) -> list[float]:
+    """max |zero - ddp| after every step, for one optimizer, stage and bucket size."""
     import lightning_zero
+    from lightning_helpers import max_abs_diff
+
+    ddp_history = _ddp_history(ctx, f"ddp_{optimizer}", "ddp", {"optimizer": optimizer})
+    strategy = lightning_zero.ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb)
+    _, history, _ = fit_and_record(strategy, STEPS, module_kwargs={"optimizer": optimizer})
+    return [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
+
+
+# -- parity with DDP at every step, both stages, two optimizers, tiny and large buckets
+for _optimizer in OPTIMIZERS:
+    for _stage in STAGES:
+        for _bucket_size_mb in BUCKET_SIZES_MB:
+            _name = f"parity_{_optimizer}_stage{_stage}_bucket{_bucket_size_mb}"
+            GROUP.case(parity, name=_name, optimizer=_optimizer, stage=_stage, bucket_size_mb=_bucket_size_mb)
+            PARITY_CASES.append(_name)
+
+
+def unused_branch(ctx: RankContext, strategy: str) -> list[float]:
+    """max |zero - ddp| after every step with a branch that gets no gradient: DDP needs
+    find_unused_parameters=True, we need nothing."""
     from lightning.pytorch.strategies import DDPStrategy
-    from lightning_helpers import fit_and_record, max_abs_diff
+    from lightning_helpers import max_abs_diff
 
-    out: dict = {}
+    ddp_history = _ddp_history(ctx, "ddp_unused", DDPStrategy(find_unused_parameters=True), {"make_model": _with_unused_branch})
+    _, history, _ = fit_and_record(strategy, STEPS, module_kwargs={"make_model": _with_unused_branch})
+    return [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
 
-    # -- parity with DDP at every step, both stages, two optimizers, tiny and large buckets
-    for optimizer in ("adamw", "sgd_momentum"):
-        _, ddp_history, _ = fit_and_record("ddp", STEPS, module_kwargs={"optimizer": optimizer})
-        for stage in (1, 2):
-            for bucket_size_mb in (1e-4, 25.0):
-                strategy = lightning_zero.ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb)
-                _, history, _ = fit_and_record(strategy, STEPS, module_kwargs={"optimizer": optimizer})
-                out[("parity", optimizer, stage, bucket_size_mb)] = [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
 
-    # -- an unused branch: DDP needs find_unused_parameters=True, we need nothing
-    _, ddp_history, _ = fit_and_record(DDPStrategy(find_unused_parameters=True), STEPS, module_kwargs={"make_model": _with_unused_branch})
-    for name in ("zero1", "zero2"):
-        module, history, _ = fit_and_record(name, STEPS, module_kwargs={"make_model": _with_unused_branch})
-        out[("unused", name)] = [max_abs_diff(a, b) for a, b in zip(ddp_history, history)]
+for _strategy in ("zero1", "zero2"):
+    GROUP.case(unused_branch, name=f"unused_{_strategy}", strategy=_strategy)
+    PARITY_CASES.append(f"unused_{_strategy}")
 
-    # -- memory and communication per rank
-    for name in ("zero1", "zero2"):
-        probe = _StepProbe()
-        module, _, trainer = fit_and_record(name, STEPS, callbacks=[probe], module_kwargs={"make_model": _ManySmallParams})
-        opt = trainer.optimizers[0]
-        out[("probe", name)] = {
-            "full_grads_before_step": probe.full_grads_before_step,
-            "calls_per_step": probe.calls_per_step,
-            "buckets": probe.buckets,
-            "n_params": len(list(module.parameters())),
-            "state_elems": sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step"),
-            "model_elems": sum(p.numel() for p in module.parameters()),
-            "report": probe.reports[-1],
-        }
-    return out
+
+def memory_and_communication(ctx: RankContext, strategy: str) -> dict:
+    """Gradients held before each step, collectives per step, optimizer state and the memory
+    report on this rank, for a model of many small parameters."""
+    probe = _StepProbe()
+    module, _, trainer = fit_and_record(strategy, STEPS, callbacks=[probe], module_kwargs={"make_model": _ManySmallParams})
+    opt = trainer.optimizers[0]
+    return {
+        "full_grads_before_step": probe.full_grads_before_step,
+        "calls_per_step": probe.calls_per_step,
+        "buckets": probe.buckets,
+        "n_params": len(list(module.parameters())),
+        "state_elems": sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step"),
+        "model_elems": sum(p.numel() for p in module.parameters()),
+        "report": probe.reports[-1],
+    }
+
+
+# -- memory and communication per rank
+for _strategy in ("zero1", "zero2"):
+    GROUP.case(memory_and_communication, name=f"probe_{_strategy}", strategy=_strategy)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_ranks(_strategy_cases, world_size=2, init_process_group=False)
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("strategy"))
 
 
 def test_every_step_bitwise_equal_to_ddp(results):
-    for rank_results in results:
-        for case, diffs in rank_results.items():
-            if case[0] in ("parity", "unused"):
-                assert len(diffs) == STEPS, case
-                assert diffs == [0.0] * STEPS, f"{case}: max |zero - ddp| per step = {diffs}"
+    for case in PARITY_CASES:
+        for diffs in results[case]:
+            assert len(diffs) == STEPS, case
+            assert diffs == [0.0] * STEPS, f"{case}: max |zero - ddp| per step = {diffs}"
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_only_gradient_shards_remain_after_backward(results, name):
-    probe = results[0][("probe", name)]
+    probe = results[f"probe_{name}"][0]
     assert probe["full_grads_before_step"] == [[]] * STEPS
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_optimizer_state_is_one_nth_per_rank(results, name):
-    per_rank = [r[("probe", name)]["state_elems"] for r in results]
-    model_elems = results[0][("probe", name)]["model_elems"]
-    n_params = results[0][("probe", name)]["n_params"]
+    per_rank = [r["state_elems"] for r in results[f"probe_{name}"]]
+    model_elems = results[f"probe_{name}"][0]["model_elems"]
+    n_params = results[f"probe_{name}"][0]["n_params"]
     assert sum(per_rank) == 2 * model_elems  # AdamW: exp_avg + exp_avg_sq, each element on one rank
     for elems in per_rank:
         assert abs(elems - model_elems) <= 2 * n_params  # 1/N of 2 slots, up to one padding element per param
@@ -127,7 +158,7 @@ def test_optimizer_state_is_one_nth_per_rank(results, name):
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_collectives_per_step_bounded_by_buckets_not_parameters(results, name):
-    probe = results[0][("probe", name)]
+    probe = results[f"probe_{name}"][0]
     assert probe["n_params"] == 62 and probe["buckets"] == 1
     for calls in probe["calls_per_step"]:
         assert calls == {"reduce_scatter": 1, "all_gather": 1}
@@ -135,9 +166,9 @@ def test_collectives_per_step_bounded_by_buckets_not_parameters(results, name):
 
 def test_memory_report_counts_shards(results):
     for name in ("zero1", "zero2"):
-        report = results[0][("probe", name)]["report"]
-        model_bytes = 4 * results[0][("probe", name)]["model_elems"]
-        n_params = results[0][("probe", name)]["n_params"]
+        report = results[f"probe_{name}"][0]["report"]
+        model_bytes = 4 * results[f"probe_{name}"][0]["model_elems"]
+        n_params = results[f"probe_{name}"][0]["n_params"]
         assert report.parameters == model_bytes  # stages 1-2 keep full parameters
         # AdamW: 2 fp32 slots over 2 ranks = model_bytes, + a padding element per slot and a
         # 4-byte step count per parameter
