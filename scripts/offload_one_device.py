@@ -45,10 +45,10 @@ def measure(config: ZeroConfig, args: argparse.Namespace) -> dict:
         _, loss = model(data[:, :-1], data[:, 1:])
         loss.backward()
         engine.finish_backward()
+        engine.end_step()
         optimizer.step()
         engine.after_optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        engine.end_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

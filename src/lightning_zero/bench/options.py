@@ -75,8 +75,6 @@ class BenchOptions:
             raise ValueError(f"`warmup` must be a non-negative integer, got {self.warmup!r}")
         if self.params is not None and self.params < 1:
             raise ValueError(f"`params` must be a positive parameter count, got {self.params!r}")
-        if self.devices < 2:
-            raise ValueError("`devices` must be at least 2: with one rank there is nothing to shard or compare")
         if self.precision not in PRECISIONS:
             raise ValueError(f"`precision` must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.device not in DEVICES:

@@ -23,7 +23,10 @@ MARKDOWN_NAME, JSON_NAME, CHART_NAME, LOG_DIR_NAME = "bench.md", "bench.json", "
 
 _PRECISION_WORDS = {"fp32": "fp32", "bf16-mixed": "bf16-mixed (autocast; weights, gradients, moments fp32)"}
 
-_TARGET_LABELS = {"model_state": "model state", "communication": "comm", "step_time": "time", "vs_peers": "vs peers"}
+_TARGET_LABELS = {
+    "model_state": "model state", "communication": "comm", "step_time": "time", "vs_peers": "vs peers",
+    "overhead": "overhead",
+}  # fmt: skip
 
 DEFINITIONS = """\
 - **model state**: bytes of parameters, gradients and optimizer state one rank holds, counted by
@@ -34,6 +37,12 @@ DEFINITIONS = """\
   MALLOC_MMAP_THRESHOLD_=131072 so freed buffers leave RSS); the worst rank. Includes activations,
   buffers and the process itself, so it is not comparable with the floor.
 - **step**: median over timed steps of the slowest rank; **× DDP**: divided by DDP's in this run.
+- **aten ops/step**: operators torch's dispatcher ran in one step (forward, backward, optimizer and
+  everything around them); on a GPU roughly the kernel launches. **host syncs**: calls that make the
+  host wait for the device (`.item()`, `.tolist()`, `bool(t)`, device-to-CPU copies; counted on CPU
+  too), as all / made by lightning-zero / of those, in forward and backward. Targets (ours, issue
+  11): ≤ 1.15× DDP's ops at stages 1-2, ≤ 1.35× at stage 3; syncs ≤ 1 per step, 0 in forward and
+  backward.
 - **calls, comm**: collectives of one step as seen by torch's dispatcher (`c10d::*` operators,
   DDP's C++ reducer included); comm = bytes a rank receives in a ring: (N-1)/N of the buffer per
   all-gather / reduce-scatter / broadcast, 2(N-1)/N per all-reduce. **floor**: 2Ψ·4 B·(N-1)/N up to
@@ -165,6 +174,9 @@ def _main_row(r: VariantResult) -> list[str]:
         number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.0f"),
         number(r.step_time_ratio_to_ddp, ".2f"),
         number(r.tokens_per_s, ",.0f"),
+        number(r.aten_ops_per_step, ",d"),
+        number(r.aten_ops_ratio_to_ddp, ".2f"),
+        _syncs(r),
         number(r.collective_calls_per_step, "d"),
         _mb(r.comm_bytes_per_step),
         _mb(r.theory.comm_bytes_per_step),
@@ -172,6 +184,13 @@ def _main_row(r: VariantResult) -> list[str]:
         number(r.final_loss, ".4f"),
         _missed(r),
     ]
+
+
+def _syncs(r: VariantResult) -> str:
+    """Host syncs per step: all / ours / ours in forward+backward."""
+    if r.host_syncs_per_step is None:
+        return "—"
+    return f"{r.host_syncs_per_step} / {r.host_syncs_ours_per_step} / {r.host_syncs_ours_forward_backward}"
 
 
 def _engine_kind(report: dict[str, Any], kind: str) -> int:
@@ -228,9 +247,9 @@ def markdown(result: BenchResult) -> str:
     ]
     headers = [
         "variant", "stage", "model state MB", "floor MB", "Δ", "peak MB", "step ms", "× DDP", "tokens/s",
-        "calls/step", "comm MB/step", "floor MB", "Δ", "loss", "missed",
+        "aten ops/step", "× DDP", "host syncs", "calls/step", "comm MB/step", "floor MB", "Δ", "loss", "missed",
     ]  # fmt: skip
-    lines += _table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrl")
+    lines += _table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrrrrl")
     lines += ["", "Model states per rank, measured / floor (MB), where the total was largest:", ""]
     state_headers = [
         "variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded",

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_zero.bench.comm import CommCount
 from lightning_zero.bench.memory import HeldBytes
+from lightning_zero.bench.overhead import Overhead
 from lightning_zero.bench.theory import VariantTheory
 from lightning_zero.bench.variants import VariantSpec
 
@@ -45,6 +46,8 @@ class RankMeasurement:
     """Ours only: the engine's own `memory_report()` at every phase, to cross-check `phases`."""
     collectives: CommCount
     """Collectives of the instrumented step (see `comm.py`, [Note: what is counted])."""
+    overhead: Overhead
+    """aten ops and host syncs of the instrumented step (see `overhead.py`)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,17 @@ class VariantResult:
     comm_buffer_bytes_per_step: Optional[int]
     """Largest over ranks of the full-buffer bytes of one step's collectives."""
     comm_vs_theory: Optional[float]
-    """comm_bytes_per_step / floor - 1."""
+    """comm_bytes_per_step / floor - 1 (None where the floor is 0: one rank)."""
+    aten_ops_per_step: Optional[int]
+    """Largest over ranks of the aten operators dispatched in one step (see `overhead.py`)."""
+    aten_ops_ratio_to_ddp: Optional[float]
+    """`aten_ops_per_step` / DDP's (None without DDP)."""
+    host_syncs_per_step: Optional[int]
+    """Largest over ranks of the host-device syncs in one step, from anywhere."""
+    host_syncs_ours_per_step: Optional[int]
+    """Largest over ranks of those made by lightning-zero's code (0 for the baselines)."""
+    host_syncs_ours_forward_backward: Optional[int]
+    """Largest over ranks of ours made during forward and backward."""
     final_loss: Optional[float]
     """Rank 0's loss at the last step (same data, seed and optimizer everywhere, so it should agree
     with DDP's up to reduction order)."""
@@ -145,6 +158,11 @@ def summarize(
         comm_bytes_per_step=comm,
         comm_buffer_bytes_per_step=max(r.collectives.total_buffer_bytes for r in ranks),
         comm_vs_theory=comm / theory.comm_bytes_per_step - 1 if theory.comm_bytes_per_step else None,
+        aten_ops_per_step=max(r.overhead.aten_ops for r in ranks),
+        aten_ops_ratio_to_ddp=None,
+        host_syncs_per_step=max(r.overhead.host_syncs for r in ranks),
+        host_syncs_ours_per_step=max(r.overhead.host_syncs_ours for r in ranks),
+        host_syncs_ours_forward_backward=max(r.overhead.host_syncs_ours_forward_backward for r in ranks),
         final_loss=ranks[0].losses[-1] if ranks[0].losses else None,
         losses=ranks[0].losses,
         targets={},
@@ -178,6 +196,11 @@ def not_run(spec: VariantSpec, theory: VariantTheory, status: str, reason: str) 
         comm_bytes_per_step=None,
         comm_buffer_bytes_per_step=None,
         comm_vs_theory=None,
+        aten_ops_per_step=None,
+        aten_ops_ratio_to_ddp=None,
+        host_syncs_per_step=None,
+        host_syncs_ours_per_step=None,
+        host_syncs_ours_forward_backward=None,
         final_loss=None,
         losses=None,
         targets={},

@@ -44,6 +44,7 @@ from torch import Tensor
 from lightning_zero.bench.comm import CollectiveCounter, CommCount
 from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES, HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
 from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import Setup, VariantUnavailable, Wrapped, autocast_for, build
@@ -268,6 +269,7 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         phases=instrumented.phases,
         engine_reports=instrumented.engine_reports,
         collectives=instrumented.collectives,
+        overhead=instrumented.overhead,
     )
 
 
@@ -283,6 +285,8 @@ class _InstrumentedStep:
     """The implementation's own report at each probe point, where it has one."""
     collectives: CommCount
     """The step's collectives."""
+    overhead: Overhead
+    """The step's aten ops and host syncs."""
 
     @property
     def largest_phase(self) -> str:
@@ -292,25 +296,28 @@ class _InstrumentedStep:
 def _instrumented_step(
     wrapped: Wrapped, x: Tensor, y: Tensor, world_size: int, device: torch.device
 ) -> _InstrumentedStep:
-    """One step with every collective counted and model state measured at each probe point (the
-    counter pauses while memory is measured, so the measuring is not counted)."""
+    """One step with every collective, aten op and host sync counted and model state measured at
+    each probe point (the counters pause while memory is measured, so the measuring is not counted)."""
     phases: dict[str, HeldBytes] = {}
     engine_reports: dict[str, dict[str, Any]] = {}
-    counter = CollectiveCounter(world_size)
+    counter, ops, syncs = CollectiveCounter(world_size), OpCounter(), HostSyncCounter()
 
     def probe(phase: str) -> None:
-        counter.recording = False
+        counter.recording = ops.recording = syncs.recording = False
         _synchronize(device)
         phases[phase] = held_bytes(wrapped.state_tensors())
         report = wrapped.engine_report()
         if report is not None:
             engine_reports[phase] = report
-        counter.recording = True
+        if phase == "backward":
+            syncs.in_forward_backward = False
+        counter.recording = ops.recording = syncs.recording = True
 
-    with counter:
+    with counter, ops, syncs.installed():
         loss = wrapped.step(x, y, probe)
+        counter.recording = ops.recording = syncs.recording = False
         _synchronize(device)
-    return _InstrumentedStep(loss, phases, engine_reports, counter.result())
+    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -202,12 +202,12 @@ class OursWrapped(Wrapped):
         loss.backward()
         probe("backward")
         engine.finish_backward()
+        engine.end_step()
         probe("gradients")
         optimizer.step()
         engine.after_optimizer_step(optimizer)
         probe("step")
         optimizer.zero_grad(set_to_none=True)
-        engine.end_step()
         return loss.detach()
 
     def state_tensors(self) -> StateTensors:

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"sequences per rank and step (default: {d.batch_size})",
     )  # fmt: skip
     training.add_argument(
-        "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks, at least 2 (default: {d.devices})"
+        "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks; 1 measures engine overhead alone (default: {d.devices})"
     )
     training.add_argument(
         "--device", choices=DEVICES, default=d.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu"

@@ -14,6 +14,7 @@ collective and k elements per rank.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.partition import copy_flat_into_rows, copy_rows_into_flat
 from lightning_zero.engine.sharded_param import ShardedParam
 
@@ -85,33 +87,45 @@ class Bucket:
         reduce-scatter. Parameters without a gradient contribute zeros and a 0 used-flag."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
+        if self.world_size == 1:
+            return self._take_local_gradients()
         n, s, k = self.world_size, self.shard_numel, len(self.params)
         grad_dtype = self.dtype
         send = torch.empty(n, s + k, dtype=grad_dtype, device=self.device)  # (N, S + k)
         for i, p in enumerate(self.params):
             grad = p.param.grad
             block = self._columns(send, i)
-            # a shard switched off by `LightningModule.toggle_optimizer` (which sees the shards)
-            # gets no gradient, as its parameter would not under DDP
-            if grad is None or not p.shard.requires_grad:
-                block.zero_()
-                send[:, s + i].zero_()
-            else:
+            if _contributes(p):
                 copy_flat_into_rows(grad.detach().view(-1), block, scale=1.0 / n)
                 send[:, s + i].fill_(1)
+            else:
+                block.zero_()
+                send[:, s + i].zero_()
             p.param.grad = None  # the full-size gradient is released here
         received = torch.empty(s + k, dtype=grad_dtype, device=self.device)  # (S + k,)
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         self.state = ReductionState.REDUCING
         return PendingGradientReduction(self, work, received)
 
-    def _finish_gradient_reduction(self, received: Tensor) -> None:
-        s = self.shard_numel
-        used_anywhere = received[s:].tolist()  # one device sync per bucket
-        for i, p in enumerate(self.params):
-            if used_anywhere[i] > 0:
-                start = self.offsets[i]
-                p.accumulate_grad(received[start : start + p.owned_numel])
+    def _take_local_gradients(self) -> "PendingGradientReduction":
+        """World size 1: the reduced gradient is the local one and the chunk is the whole
+        parameter, so each gradient becomes its shard's as it is (a view where dtype and device
+        agree), with no buffer, copy or collective; nothing is left to hand out."""
+        for p in self.params:
+            if _contributes(p):
+                p.accumulate_grad(p.param.grad.view(-1))
+            p.param.grad = None
+        return PendingGradientReduction(self, collectives.PendingCollective(), received=None)
+
+    def accept_gradients(self, received: Optional[Tensor], used_anywhere: Sequence[float]) -> None:
+        """Hand each parameter its chunk of the reduced gradients in ``received`` (S + k,), skipping
+        those no rank used (see [Note: used flags]); ``used_anywhere`` is the flags read on the host.
+        ``received`` None: the gradients were taken locally already (world size 1)."""
+        if received is not None:
+            for i, p in enumerate(self.params):
+                if used_anywhere[i] > 0:
+                    start = self.offsets[i]
+                    p.accumulate_grad(received[start : start + p.owned_numel])
         self._ready.clear()
         self.state = ReductionState.COLLECTING
 
@@ -120,8 +134,13 @@ class Bucket:
         """All-gather every rank's updated chunks (cast to the parameter dtype).
 
         With a ``tag`` (a small integer naming what is gathered), each rank appends it to its row,
-        and finishing checks that every rank gathered the same thing (see ``_check_tags``).
+        and finishing checks that every rank gathered the same thing (see ``_check_tags``). That
+        check is a host sync per gather, deliberately: deferred (as the used flags are), ranks
+        whose forwards diverged would go on issuing different numbers of all-gathers and hang
+        before the verdict is read.
         """
+        if self.world_size == 1 and tag is None:
+            return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
         row = s + (tag is not None)
         send = torch.zeros(row, dtype=self.dtype, device=self.device)  # (S [+ 1],)
@@ -133,13 +152,32 @@ class Bucket:
         work = collectives.start_all_gather(gathered, send, self.group)
         return PendingParamGather(self, work, gathered, tag)
 
-    def _finish_param_gather(self, gathered: Tensor, tag: Optional[int]) -> None:
+    def _write_back_locally(self) -> "PendingParamGather":
+        """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the
+        only work is copying the shards that do not alias their parameter (fp32 masters of half
+        parameters, offloaded chunks) back into it; nothing is left to finish."""
+        with torch.no_grad():
+            for p in self.params:
+                if not p.aliases_param:
+                    p.write_chunk_to(p.gather_target())
+        return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
+
+    def _finish_param_gather(self, gathered: Optional[Tensor], tag: Optional[int]) -> None:
+        if gathered is None:
+            return
         rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
         if tag is not None:
             _check_tags(rows[:, self.shard_numel].tolist(), tag)
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 copy_rows_into_flat(self._columns(rows, i), p.gather_target())
+
+
+def _contributes(p: ShardedParam) -> bool:
+    """Whether ``p`` has a gradient to reduce in this backward. A shard switched off by
+    ``LightningModule.toggle_optimizer`` (which sees the shards) contributes none, as its parameter
+    would not under DDP."""
+    return p.param.grad is not None and p.shard.requires_grad
 
 
 def _check_tags(tags: list[float], expected: int) -> None:
@@ -157,19 +195,36 @@ def _check_tags(tags: list[float], expected: int) -> None:
 class PendingGradientReduction:
     bucket: Bucket
     work: collectives.PendingCollective
-    received: Tensor
+    received: Optional[Tensor]
+    """(S + k,): this rank's reduced chunks and the used flags; None where nothing is left to hand
+    out (world size 1)."""
 
     def finish(self) -> None:
-        """Wait for the reduce-scatter and accumulate this rank's chunks into the shard gradients."""
+        """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks."""
         self.work.wait()
-        self.bucket._finish_gradient_reduction(self.received)
+
+    @property
+    def used_flags(self) -> Tensor:
+        """(k,): per parameter, how many ranks produced a gradient (see [Note: used flags])."""
+        return self.received[self.bucket.shard_numel :]
+
+
+def hand_out_gradients(reductions: Sequence[PendingGradientReduction], reads: HostReads) -> None:
+    """At ``reads``' next read, give every parameter of the finished ``reductions`` its reduced
+    gradient chunk (the used flags decide which; see [Note: deferred verdicts] in ``host_reads.py``)."""
+    for reduction in reductions:
+        if reduction.received is None:
+            reduction.bucket.accept_gradients(None, ())
+        else:
+            reads.add(reduction.used_flags, functools.partial(reduction.bucket.accept_gradients, reduction.received))
 
 
 @dataclass
 class PendingParamGather:
     bucket: Bucket
     work: collectives.PendingCollective
-    gathered: Tensor
+    gathered: Optional[Tensor]
+    """(N * (S [+ 1]),): every rank's chunks; None where nothing is left to copy (world size 1)."""
     tag: Optional[int] = None
 
     def finish(self) -> None:

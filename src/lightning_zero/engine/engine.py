@@ -11,8 +11,12 @@ strategy or a plain training loop can call them the same way::
     for batch in data:
         engine.begin_step()
         loss = model(batch); loss.backward(); engine.finish_backward()
+        engine.end_step()  # after the step's last backward, before the optimizer step
         optimizer.step(); engine.after_optimizer_step(optimizer); optimizer.zero_grad()
-        engine.end_step()
+
+``end_step`` has this one place: after the last backward of a step (with gradient accumulation,
+after the last micro-batch's), before the optimizer step, and after each evaluation step. Stage 3
+then frees the root unit, so ``after_optimizer_step`` has nothing gathered to refresh.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.memory import MemoryReport, measure
 from lightning_zero.engine.residency import ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
@@ -77,6 +82,7 @@ class ZeroEngine:
         )
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
+        self._host_reads = HostReads()
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
@@ -86,7 +92,8 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
-        self.grad_sync.finish_backward(self.sync_gradients)
+        self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
+        self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
         self.residency.end_backward()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
@@ -94,7 +101,8 @@ class ZeroEngine:
         self.residency.after_optimizer_step(optimizer, self.params_of(optimizer))
 
     def end_step(self) -> None:
-        """After each step, once its last backward finished (stage 3 frees the root unit)."""
+        """After a step's last backward and before its optimizer step, or after an evaluation step
+        (stage 3 frees the root unit; see the module docstring)."""
         self.residency.end_step()
 
     # ---- state -----------------------------------------------------------------------------

@@ -8,11 +8,12 @@ what keeps ranks from deadlocking when a parameter is unused on some ranks only.
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.engine.bucket import Bucket, PendingGradientReduction, finish_pipelined
+from lightning_zero.engine.bucket import Bucket, PendingGradientReduction, finish_pipelined, hand_out_gradients
+from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -23,10 +24,11 @@ class GradientSync(abc.ABC):
         self.buckets = list(buckets)
 
     @abc.abstractmethod
-    def finish_backward(self, sync: bool) -> None:
-        """Called after each backward pass. Once it returns with ``sync=True``, every
-        ``ShardedParam.shard.grad`` holds this rank's chunk of the summed, 1/N-scaled gradient
-        (DDP's average). ``sync=False`` marks a micro-batch that will not step (accumulation)."""
+    def finish_backward(self, sync: bool, reads: HostReads) -> None:
+        """Called after each backward pass. Once it returns with ``sync=True`` and ``reads`` was
+        read, every ``ShardedParam.shard.grad`` holds this rank's chunk of the summed, 1/N-scaled
+        gradient (DDP's average). ``sync=False`` marks a micro-batch that will not step
+        (accumulation)."""
 
     def close(self) -> None:
         """Remove whatever this policy registered."""
@@ -42,9 +44,18 @@ class ReduceAfterBackward(GradientSync):
         super().__init__(buckets)
         self.max_in_flight = max_in_flight
 
-    def finish_backward(self, sync: bool) -> None:
-        if sync:
-            finish_pipelined((bucket.start_gradient_reduction() for bucket in self.buckets), self.max_in_flight)
+    def finish_backward(self, sync: bool, reads: HostReads) -> None:
+        if not sync:
+            return
+        started: list[PendingGradientReduction] = []
+
+        def start_each_bucket() -> Iterator[PendingGradientReduction]:
+            for bucket in self.buckets:
+                started.append(bucket.start_gradient_reduction())
+                yield started[-1]
+
+        finish_pipelined(start_each_bucket(), self.max_in_flight)
+        hand_out_gradients(started, reads)
 
 
 class ReduceDuringBackward(GradientSync):
@@ -82,10 +93,11 @@ class ReduceDuringBackward(GradientSync):
             self._in_flight.append(bucket.start_gradient_reduction())
             self._next_to_launch += 1
 
-    def finish_backward(self, sync: bool) -> None:
+    def finish_backward(self, sync: bool, reads: HostReads) -> None:
         self._launch_ready_buckets(flush=True)
         for pending in self._in_flight:
             pending.finish()
+        hand_out_gradients(self._in_flight, reads)
         self._in_flight.clear()
         self._next_to_launch = 0
 
