@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.bucket import assign_buckets
-from lightning_zero.engine.partition import ChunkLayout, copy_flat_into_rows, copy_rows_into_flat
+from lightning_zero.engine.partition import (
+    ChunkLayout,
+    copy_flat_into_rows,
+    copy_rows_into_flat,
+    interleaved_sizes,
+    pack_rows,
+    unpack_rows,
+)
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -41,6 +48,50 @@ def test_row_copies_round_trip_with_zero_padding(numel, world_size):
     back = torch.empty(numel)
     copy_rows_into_flat(rows, back)
     assert back.tolist() == flat.tolist()
+
+
+# sizes: odd, smaller than N, exactly divisible, one element; every world size incl. 1
+BUCKET_SIZES = [[5, 1, 12, 7], [2, 3], [6, 6], [1], [13, 0, 4]]
+
+
+def _reference_pack(flats, n, scale=None):
+    widths = [-(-f.numel() // n) for f in flats]
+    rows = torch.full((n, sum(widths)), -1.0, dtype=flats[0].dtype)
+    offset = 0
+    for flat, w in zip(flats, widths):
+        copy_flat_into_rows(flat, rows[:, offset : offset + w], scale=scale)
+        offset += w
+    return rows, widths
+
+
+@pytest.mark.parametrize("sizes", BUCKET_SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_copies_equal_the_per_parameter_reference(sizes, world_size, dtype):
+    g = torch.Generator().manual_seed(sum(sizes) + world_size)
+    flats = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    expected, widths = _reference_pack(flats, world_size, scale=1.0 / world_size)
+    packed = torch.full_like(expected, -1.0)
+    pack_rows(flats, packed, scale=1.0 / world_size)
+    assert torch.equal(packed, expected)  # bitwise, padding zeroed
+
+    # copy-out: into targets of the same dtype (batched) and of another dtype (mixed in a bucket)
+    rows = torch.cat([expected, torch.full((world_size, 1), 7.0, dtype=dtype)], dim=1)  # plus a tag column
+    for target_dtype in (dtype, torch.float64):
+        targets = [torch.empty(n, dtype=target_dtype) for n in sizes]
+        unpack_rows(rows, targets, widths)
+        for target, flat in zip(targets, flats):
+            reference = torch.empty_like(target)
+            copy_rows_into_flat(_reference_pack([flat], world_size, scale=1.0 / world_size)[0], reference)
+            assert torch.equal(target, reference)
+
+
+def test_interleaved_sizes_cut_a_row_into_chunks_and_padding():
+    layouts = [ChunkLayout(n, 3) for n in (5, 1, 7)]
+    rank = 2
+    owned = [layout.owned_numel(rank) for layout in layouts]
+    widths = [layout.padded_chunk_numel for layout in layouts]
+    assert interleaved_sizes(owned, widths) == [1, 1, 0, 1, 1, 2]
 
 
 def _sharded(params, world_size=2, rank=0):

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.host_reads import HostReads
-from lightning_zero.engine.partition import copy_flat_into_rows, copy_rows_into_flat
+from lightning_zero.engine.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -47,22 +47,14 @@ class Bucket:
         self.world_size = collectives.world_size(group)
         self.dtype = params[0].param.dtype
         self.device = params[0].param.device
-        self.offsets: list[int] = []
-        offset = 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += p.padded_chunk_numel
-        self.shard_numel = offset  # S: elements per rank, padding included
+        self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
+        self.shard_numel = sum(self._widths)  # S: elements per rank, padding included
+        self._row_sizes = interleaved_sizes([p.owned_numel for p in self.params], self._widths)
         self.state = ReductionState.COLLECTING
         self._ready: set[int] = set()
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
-
-    def _columns(self, buffer: Tensor, i: int) -> Tensor:
-        """Parameter i's (N, c_i) block of an (N, S...) buffer."""
-        start = self.offsets[i]
-        return buffer[:, start : start + self.params[i].padded_chunk_numel]
 
     # ---- gradients -------------------------------------------------------------------------
     def mark_ready(self, param: ShardedParam) -> bool:
@@ -90,19 +82,18 @@ class Bucket:
         if self.world_size == 1:
             return self._take_local_gradients()
         n, s, k = self.world_size, self.shard_numel, len(self.params)
-        grad_dtype = self.dtype
-        send = torch.empty(n, s + k, dtype=grad_dtype, device=self.device)  # (N, S + k)
+        send = torch.empty(n, s + k, dtype=self.dtype, device=self.device)  # (N, S + k)
+        flats, flags = [], torch.ones(n, k, dtype=self.dtype, device=self.device)  # (N, k)
         for i, p in enumerate(self.params):
-            grad = p.param.grad
-            block = self._columns(send, i)
             if _contributes(p):
-                copy_flat_into_rows(grad.detach().view(-1), block, scale=1.0 / n)
-                send[:, s + i].fill_(1)
+                flats.append(p.param.grad.view(-1))
             else:
-                block.zero_()
-                send[:, s + i].zero_()
-            p.param.grad = None  # the full-size gradient is released here
-        received = torch.empty(s + k, dtype=grad_dtype, device=self.device)  # (S + k,)
+                flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
+                flags[:, i] = 0
+            p.param.grad = None  # the full-size gradient is released once copied in
+        pack_rows([*flats, flags.view(-1)], send, scale=1.0 / n)  # see [Note: batched copies]
+        del flats
+        received = torch.empty(s + k, dtype=self.dtype, device=self.device)  # (S + k,)
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         self.state = ReductionState.REDUCING
         return PendingGradientReduction(self, work, received)
@@ -122,10 +113,10 @@ class Bucket:
         those no rank used (see [Note: used flags]); ``used_anywhere`` is the flags read on the host.
         ``received`` None: the gradients were taken locally already (world size 1)."""
         if received is not None:
+            pieces = torch.split_with_sizes(received, [*self._row_sizes, len(self.params)])
             for i, p in enumerate(self.params):
                 if used_anywhere[i] > 0:
-                    start = self.offsets[i]
-                    p.accumulate_grad(received[start : start + p.owned_numel])
+                    p.accumulate_grad(pieces[2 * i])
         self._ready.clear()
         self.state = ReductionState.COLLECTING
 
@@ -144,8 +135,9 @@ class Bucket:
         n, s = self.world_size, self.shard_numel
         row = s + (tag is not None)
         send = torch.zeros(row, dtype=self.dtype, device=self.device)  # (S [+ 1],)
-        for p, start in zip(self.params, self.offsets):
-            p.write_chunk_to(send[start : start + p.owned_numel])
+        pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
+        with torch.no_grad():  # the shards are parameters (of the optimizer)
+            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
         if tag is not None:
             send[s] = tag
         gathered = torch.empty(n * row, dtype=self.dtype, device=self.device)  # (N * (S [+ 1]),)
@@ -169,8 +161,7 @@ class Bucket:
         if tag is not None:
             _check_tags(rows[:, self.shard_numel].tolist(), tag)
         with torch.no_grad():
-            for i, p in enumerate(self.params):
-                copy_rows_into_flat(self._columns(rows, i), p.gather_target())
+            unpack_rows(rows, [p.gather_target() for p in self.params], self._widths)
 
 
 def _contributes(p: ShardedParam) -> bool:

@@ -15,7 +15,7 @@ piece of each parameter, which is what makes checkpoints reshardable.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -90,3 +90,62 @@ def copy_rows_into_flat(rows: Tensor, flat: Tensor) -> None:
     remainder = numel - full_rows * c
     if remainder:
         flat[full_rows * c :].copy_(rows[full_rows, :remainder])
+
+
+# [Note: batched copies]
+# A bucket moves all its parameters through one (N, S) buffer. Copying them one at a time costs a
+# handful of operators per parameter (slices, views, copies) — on a GPU, kernel launches and Python
+# time proportional to the number of parameters. The functions below do the same copies for a
+# whole bucket in a constant number of kernels where torch has the fused operator
+# (``_chunk_cat`` for copy-in, ``split_with_sizes_copy`` / ``_foreach_copy_`` for copy-out, the
+# operators FSDP2 uses) and fall back to the per-parameter functions above otherwise. The
+# per-parameter functions stay the reference the tests compare the batched ones with.
+
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)
+_SPLIT_COPY = getattr(torch, "split_with_sizes_copy", None)
+
+
+def pack_rows(flats: Sequence[Tensor], out: Tensor, scale: Optional[float] = None) -> None:
+    """Copy-in for a whole bucket: ``copy_flat_into_rows`` of every 1D tensor of ``flats`` into its
+    column block of ``out`` (N, S), blocks side by side (widths ``ceil(numel / N)``, padding zeroed),
+    multiplied by ``scale`` when given. ``out`` must be exactly as wide as the blocks."""
+    n = out.shape[0]
+    fused = _CHUNK_CAT is not None and all(
+        f.numel() > 0 and f.dtype == out.dtype and f.device == out.device for f in flats
+    )
+    if fused:
+        _CHUNK_CAT(list(flats), dim=0, num_chunks=n, out=out)
+        if scale is not None:
+            out.mul_(scale)
+        return
+    offset = 0
+    for flat in flats:
+        width = -(-flat.numel() // n)
+        copy_flat_into_rows(flat, out[:, offset : offset + width], scale=scale)
+        offset += width
+
+
+def unpack_rows(rows: Tensor, targets: Sequence[Tensor], widths: Sequence[int]) -> None:
+    """Copy-out for a whole bucket: ``copy_rows_into_flat`` of each column block of ``rows`` (N, S')
+    into its 1D target. ``widths`` are the blocks' widths, side by side from column 0; columns past
+    them (e.g. a tag) are ignored."""
+    n = rows.shape[0]
+    extra = rows.shape[1] - sum(widths)
+    exact = [t.numel() == n * w and t.dtype == rows.dtype and t.device == rows.device for t, w in zip(targets, widths)]
+    if _SPLIT_COPY is not None and all(exact):
+        outs = [t.view(n, w) for t, w in zip(targets, widths)]
+        _SPLIT_COPY(rows, [*widths, extra], dim=1, out=[*outs, torch.empty(n, extra, dtype=rows.dtype, device=rows.device)])
+        return
+    blocks = torch.split_with_sizes(rows, [*widths, extra], dim=1)[: len(widths)]
+    whole = [(t.view(n, w), b) for t, b, w, e in zip(targets, blocks, widths, exact) if e]
+    if whole:
+        torch._foreach_copy_([t for t, _ in whole], [b for _, b in whole])
+    for target, block, e in zip(targets, blocks, exact):
+        if not e:
+            copy_rows_into_flat(block, target)
+
+
+def interleaved_sizes(owned: Sequence[int], widths: Sequence[int]) -> list[int]:
+    """Split sizes that cut a rank's row (S) into [chunk 0, padding 0, chunk 1, padding 1, ...]: the
+    even pieces are this rank's chunks (``owned`` elements of each ``widths``-wide block)."""
+    return [size for o, w in zip(owned, widths) for size in (o, w - o)]

@@ -59,6 +59,10 @@ class ShardedParam:
         # device in the parameter dtype, refreshed from the host after each step
         self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
         self._storage_ptr = param.data_ptr()
+        # stages 1-2: the flat view all-gathers write into, made once (``check_storage_unchanged``
+        # guards that it still is the parameter's storage)
+        self._full_flat = param.detach().view(-1) if keep_full else None
+        self._unsharded_flat: Optional[Tensor] = None
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -87,9 +91,14 @@ class ShardedParam:
         else:
             self.shard.grad.add_(grad_shard.to(self.shard.device))
 
+    def chunk_to_send(self) -> Tensor:
+        """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
+        kept, else the shard the optimizer steps."""
+        return self.device_chunk if self.device_chunk is not None else self.shard.detach()
+
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
-        out.copy_(self.device_chunk if self.device_chunk is not None else self.shard.detach())
+        out.copy_(self.chunk_to_send())
 
     def refresh_device_chunk(self) -> None:
         """After the optimizer stepped the host shard: bring the update to the device copy."""
@@ -146,14 +155,15 @@ class ShardedParam:
         """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, the
         (re)allocated unsharded tensor at stage 3."""
         if self.keeps_full:
-            return self.param.detach().view(-1)
+            return self._full_flat
         if self._unsharded is None:
             self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.device)
+            self._unsharded_flat = self._unsharded.view(-1)  # a view stays valid across storage resizes
         else:
             storage = self._unsharded.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(self._unsharded.numel() * self._unsharded.element_size())
-        return self._unsharded.view(-1)
+        return self._unsharded_flat
 
     def show_unsharded(self) -> None:
         at_rest = self.param.numel() == 0
