@@ -130,8 +130,10 @@ class Bucket:
         whose forwards diverged would go on issuing different numbers of all-gathers and hang
         before the verdict is read.
         """
-        if self.world_size == 1 and tag is None:
-            return self._write_back_locally()
+        if self.world_size == 1:
+            tag = None  # one rank cannot disagree with itself
+            if self.params[0].keeps_full:
+                return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
         row = s + (tag is not None)
         send = torch.zeros(row, dtype=self.dtype, device=self.device)  # (S [+ 1],)
