@@ -163,7 +163,8 @@ class Bucket:
         if tag is not None:
             _check_tags(rows[:, self.shard_numel].tolist(), tag)
         with torch.no_grad():
-            unpack_rows(rows, [p.gather_target() for p in self.params], self._widths)
+            targets = [p.gather_target() for p in self.params]
+            unpack_rows(rows, targets, self._widths, [p.gather_target_rows() for p in self.params])
 
 
 def _contributes(p: ShardedParam) -> bool:

@@ -125,19 +125,27 @@ def pack_rows(flats: Sequence[Tensor], out: Tensor, scale: Optional[float] = Non
         offset += width
 
 
-def unpack_rows(rows: Tensor, targets: Sequence[Tensor], widths: Sequence[int]) -> None:
+def unpack_rows(
+    rows: Tensor,
+    targets: Sequence[Tensor],
+    widths: Sequence[int],
+    target_rows: Optional[Sequence[Optional[Tensor]]] = None,
+) -> None:
     """Copy-out for a whole bucket: ``copy_rows_into_flat`` of each column block of ``rows`` (N, S')
     into its 1D target. ``widths`` are the blocks' widths, side by side from column 0; columns past
-    them (e.g. a tag) are ignored."""
+    them (e.g. a tag) are ignored. ``target_rows``: each target already viewed as (N, width) where
+    it fills whole rows (None elsewhere), so that no view is made per call."""
     n = rows.shape[0]
     extra = rows.shape[1] - sum(widths)
-    exact = [t.numel() == n * w and t.dtype == rows.dtype and t.device == rows.device for t, w in zip(targets, widths)]
+    if target_rows is None:
+        target_rows = [t.view(n, w) if t.numel() == n * w else None for t, w in zip(targets, widths)]
+    exact = [r is not None and r.dtype == rows.dtype and r.device == rows.device for r in target_rows]
     if _SPLIT_COPY is not None and all(exact):
-        outs = [t.view(n, w) for t, w in zip(targets, widths)]
-        _SPLIT_COPY(rows, [*widths, extra], dim=1, out=[*outs, torch.empty(n, extra, dtype=rows.dtype, device=rows.device)])
+        scratch = torch.empty(n, extra, dtype=rows.dtype, device=rows.device)
+        _SPLIT_COPY(rows, [*widths, extra], dim=1, out=[*target_rows, scratch])
         return
     blocks = torch.split_with_sizes(rows, [*widths, extra], dim=1)[: len(widths)]
-    whole = [(t.view(n, w), b) for t, b, w, e in zip(targets, blocks, widths, exact) if e]
+    whole = [(r, b) for r, b, e in zip(target_rows, blocks, exact) if e]
     if whole:
         torch._foreach_copy_([t for t, _ in whole], [b for _, b in whole])
     for target, block, e in zip(targets, blocks, exact):

@@ -63,6 +63,11 @@ class ShardedParam:
         # guards that it still is the parameter's storage)
         self._full_flat = param.detach().view(-1) if keep_full else None
         self._unsharded_flat: Optional[Tensor] = None
+        self._target_rows: Optional[Tensor] = None  # the gather target as (N, c), where it fills whole rows
+        # made once, not per step (see [Note: batched copies] in partition.py): the alias of the
+        # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
+        self._shard_data = self.shard.detach()
+        self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -94,7 +99,7 @@ class ShardedParam:
     def chunk_to_send(self) -> Tensor:
         """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
         kept, else the shard the optimizer steps."""
-        return self.device_chunk if self.device_chunk is not None else self.shard.detach()
+        return self.device_chunk if self.device_chunk is not None else self._shard_data
 
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
@@ -165,6 +170,15 @@ class ShardedParam:
                 storage.resize_(self._unsharded.numel() * self._unsharded.element_size())
         return self._unsharded_flat
 
+    def gather_target_rows(self) -> Optional[Tensor]:
+        """``gather_target()`` viewed as the (N, c) block an all-gather delivers, when the parameter
+        fills whole rows (numel = N * c) and so can be copied into in one piece; else None. The view
+        is made once and stays valid across stage 3's storage resizes."""
+        n, c = self.layout.world_size, self.padded_chunk_numel
+        if self._target_rows is None and self.layout.numel == n * c and c > 0:
+            self._target_rows = self.gather_target().view(n, c)
+        return self._target_rows
+
     def show_unsharded(self) -> None:
         at_rest = self.param.numel() == 0
         if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
@@ -177,7 +191,7 @@ class ShardedParam:
 
     def free_unsharded(self) -> None:
         """Back to rest: release the full data (see [Note: stage-3 storage])."""
-        self.param.data = torch.empty(0, dtype=self.param.dtype, device=self.device)
+        self.param.data = self._placeholder
         if self._unsharded is not None:
             self._unsharded.untyped_storage().resize_(0)
 
