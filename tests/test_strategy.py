@@ -1,6 +1,7 @@
 """ZeroStrategy through a real ``Trainer(accelerator="cpu", devices=2)``: parity with Lightning's
-DDP at every step, memory and communication per rank, checkpoints, and the training-loop features
-that must not change the result. All sub-cases run inside one spawned pair of ranks."""
+DDP at every step (optimizers, stages, bucket sizes, unused parameters) and memory and
+communication per rank. Checkpoints and the training-loop features are in ``test_strategy_loop.py``.
+All cases run inside one spawned pair of ranks."""
 
 from __future__ import annotations
 
