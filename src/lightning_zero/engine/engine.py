@@ -33,6 +33,7 @@ from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.memory import MemoryReport, measure
+from lightning_zero.engine.norms import global_norms
 from lightning_zero.engine.residency import ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
     check_optimizer,
@@ -179,19 +180,10 @@ class ZeroEngine:
         of all of them (key ``"total"``), computed from the shards with one all-reduce. The numbers
         ``lightning.pytorch.utilities.grad_norm`` gives under DDP; call it on every rank, between
         backward and the optimizer step."""
-        norm_type = float(norm_type)
         with_grad = [p for p in self.params if p.shard.grad is not None]  # the same on every rank
         if not with_grad:
             return {}
-        device = with_grad[0].shard.grad.device
-        if norm_type == float("inf"):
-            local = [p.shard.grad.detach().abs().amax() if p.owned_numel else torch.zeros((), device=device) for p in with_grad]
-            per_param = collectives.all_reduce(torch.stack(local).float(), self.group, op="max")
-            total = per_param.max()
-        else:
-            local = [p.shard.grad.detach().float().abs().pow(norm_type).sum() for p in with_grad]
-            powered = collectives.all_reduce(torch.stack(local), self.group, op="sum")
-            per_param, total = powered.pow(1.0 / norm_type), powered.sum().pow(1.0 / norm_type)
+        per_param, total = global_norms([p.shard.grad.detach() for p in with_grad], float(norm_type), self.group)
         norms = {p.name: norm for p, norm in zip(with_grad, per_param)}
         norms["total"] = total
         return norms

@@ -21,35 +21,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
-
-
-def global_grad_norm(parameters: list[torch.Tensor], group: collectives.ProcessGroup = None) -> torch.Tensor:
-    """The 2-norm of all gradients across ranks, when each rank holds a disjoint shard of them
-    (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients.
-    One norm kernel per dtype and device (foreach) and one all-reduce, however many parameters."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    if grads:
-        norms = [norm for group_grads in _by_dtype_and_device(grads) for norm in _norms(group_grads)]
-        local = torch.linalg.vector_norm(torch.stack(norms))
-        squared = (local * local).reshape(1)
-    else:
-        squared = torch.zeros(1, device=parameters[0].device if parameters else "cpu")
-    return collectives.all_reduce(squared, group, op="sum").sqrt().reshape(())
-
-
-def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each gradient's fp32 2-norm, in one foreach kernel where torch has it (2.4 may lack ``dtype``)."""
-    try:
-        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
-    except (TypeError, RuntimeError):
-        return [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
-
-
-def _by_dtype_and_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
+from lightning_zero.engine.norms import global_grad_norm, group_by_dtype_and_device
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
@@ -91,11 +63,11 @@ class _ShardedNormClipping:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
-        total_norm = global_grad_norm(parameters)
+        total_norm = global_grad_norm(parameters)  # see engine/norms.py
         # the same formula as torch.nn.utils.clip_grad_norm_ (non-finite norms propagate as there)
         clip_coef = torch.clamp(clip_val / (total_norm + 1e-6), max=1.0)
         grads = [p.grad.detach() for p in parameters if p.grad is not None]
-        for same_kind in _by_dtype_and_device(grads):  # one multiply kernel per dtype and device
+        for same_kind in group_by_dtype_and_device(grads):  # one multiply kernel per dtype and device
             torch._foreach_mul_(same_kind, clip_coef.to(same_kind[0].device, same_kind[0].dtype))
 
 

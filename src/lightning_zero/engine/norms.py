@@ -1,0 +1,60 @@
+"""Gradient norms over shards: foreach kernels per dtype and device, one all-reduce.
+
+Each rank holds a disjoint piece of every gradient (its chunk), so a global p-norm is the p-th root
+of the all-reduced sum of the local p-th powers; a max-norm all-reduces the local maxima.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine import collectives
+
+
+def group_by_dtype_and_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` in lists of one dtype and device each (what one foreach kernel takes)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """Each tensor's fp32 ``norm_type``-norm, in ``tensors``' order: one foreach kernel per dtype and
+    device where torch has it (torch 2.4's ``_foreach_norm`` may lack ``dtype``). An empty tensor's
+    norm is 0, also for the max-norm."""
+    norms: dict[int, Tensor] = {}
+    for same_kind in group_by_dtype_and_device([t for t in tensors if t.numel()]):
+        try:
+            computed = torch._foreach_norm(same_kind, norm_type, dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            computed = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in same_kind]
+        norms.update((id(t), n) for t, n in zip(same_kind, computed))
+    zero = torch.zeros((), dtype=torch.float32, device=tensors[0].device) if tensors else None
+    return [norms.get(id(t), zero) for t in tensors]
+
+
+def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGroup = None) -> Tensor:
+    """The 2-norm of all gradients across ranks, when each rank holds a disjoint shard of them
+    (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if grads:
+        local = torch.linalg.vector_norm(torch.stack(norms_of(grads)))
+        squared = (local * local).reshape(1)
+    else:
+        squared = torch.zeros(1, device=parameters[0].device if parameters else "cpu")
+    return collectives.all_reduce(squared, group, op="sum").sqrt().reshape(())
+
+
+def global_norms(shards: Sequence[Tensor], norm_type: float, group: collectives.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """Each full tensor's ``norm_type``-norm and the norm of all of them, from every rank's
+    ``shards`` (the same list of tensors on every rank, each a disjoint chunk): one all-reduce."""
+    local = torch.stack(norms_of(shards, norm_type))
+    if norm_type == float("inf"):
+        per_tensor = collectives.all_reduce(local, group, op="max")
+        return per_tensor, per_tensor.max()
+    powered = collectives.all_reduce(local.pow(norm_type), group, op="sum")
+    return powered.pow(1.0 / norm_type), powered.sum().pow(1.0 / norm_type)
