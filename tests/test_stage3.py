@@ -70,15 +70,25 @@ class _ReplaceParam(Callback):
             pl_module.model.blocks[1].mlp.fc.weight.data = torch.zeros(3, 3)
 
 
-def _divergent_training_step(self, batch, batch_idx):
-    """Rank 0 runs block 0 twice, rank 1 runs blocks 0 and 1: the ranks gather different units."""
+def _divergent_training_step(self, batch, batch_idx, orders=([0, 0], [0, 1])):
+    """Rank 0 runs block 0 twice, rank 1 runs blocks 0 and 1: the ranks gather different units
+    (as many on each rank)."""
     import torch.distributed as dist
 
     x = self.model.wte(batch[0][:, :-1])
-    order = [0, 0] if dist.get_rank() == 0 else [0, 1]
-    for i in order:
+    for i in orders[dist.get_rank()]:
         x = self.model.blocks[i](x)
     return x.float().pow(2).mean()
+
+
+def _swapped_units_training_step(self, batch, batch_idx):
+    """Rank 0 runs blocks 0 then 1, rank 1 blocks 1 then 0: the same number of gathers everywhere."""
+    return _divergent_training_step(self, batch, batch_idx, orders=([0, 1], [1, 0]))
+
+
+def _fewer_units_training_step(self, batch, batch_idx):
+    """Rank 0 runs block 0, rank 1 blocks 0 and 1: the ranks issue different numbers of gathers."""
+    return _divergent_training_step(self, batch, batch_idx, orders=([0], [0, 1]))
 
 
 GROUP = CaseGroup(world_size=2)
@@ -144,16 +154,18 @@ def summon(ctx: RankContext) -> dict:
     return _summon_checks(GPTModule())
 
 
-def error_message(ctx: RankContext, divergent: bool = False, callbacks: tuple = ()) -> Optional[str]:
+def error_message(ctx: RankContext, divergent=None, callbacks: tuple = (), **strategy_options) -> Optional[str]:
     """What fitting a GPT that goes wrong raises (None if nothing does)."""
     import lightning as L
     from lightning_helpers import GPTModule, token_data
 
+    from lightning_zero import ZeroStrategy
+
     L.seed_everything(0, verbose=False)
     module = GPTModule()
-    if divergent:
-        module.training_step = _divergent_training_step.__get__(module)
-    trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=list(callbacks))
+    if divergent is not None:
+        module.training_step = divergent.__get__(module)
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=3, **strategy_options), accelerator="cpu", devices=2, max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=list(callbacks))
     try:
         trainer.fit(module, token_data())
     except Exception as err:  # noqa: BLE001 - the message is what is tested
@@ -162,7 +174,11 @@ def error_message(ctx: RankContext, divergent: bool = False, callbacks: tuple = 
 
 
 GROUP.case(error_message, name="error_replaced", callbacks=(_ReplaceParam(),))
-GROUP.case(error_message, name="error_divergent", divergent=True)
+GROUP.case(error_message, name="error_divergent", divergent=_divergent_training_step)
+# the default on CPU checks after every gather: hang-free also with different numbers of units
+GROUP.case(error_message, name="error_fewer_units", divergent=_fewer_units_training_step)
+# as on a GPU: tags read once per backward
+GROUP.case(error_message, name="error_swapped_read_per_step", divergent=_swapped_units_training_step, check_units_every_gather=False)
 
 
 def _summon_checks(module) -> dict:
@@ -270,4 +286,14 @@ def test_replaced_parameter_fails_with_a_message(results):
 
 def test_ranks_running_different_units_fail_instead_of_hanging(results):
     for message in results["error_divergent"]:
+        assert "different ZeRO-3 units" in message
+
+
+def test_checking_every_gather_fails_when_ranks_run_different_numbers_of_units(results):
+    for message in results["error_fewer_units"]:
+        assert "different ZeRO-3 units" in message
+
+
+def test_tags_read_once_per_backward_still_fail_on_every_rank(results):
+    for message in results["error_swapped_read_per_step"]:
         assert "different ZeRO-3 units" in message

@@ -202,10 +202,11 @@ def _state_row(r: VariantResult) -> list[str]:
     floor = r.theory.model_state
     kinds = r.model_state_by_kind or {}
     where = ", ".join(f"{k} {_mb(v)}" for k, v in sorted((r.model_state_by_location or {}).items())) or "—"
-    engine = "—"
+    engine, comm_buffers = "—", "—"
     if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
         report = r.ranks[0].engine_reports[r.model_state_phase]
         engine = " / ".join(_mb(_engine_kind(report, k)) for k in ("parameters", "gradients", "optimizer_state"))
+        comm_buffers = _mb(report.get("comm_buffers"))
     return [
         f"`{r.name}`",
         r.model_state_phase or "—",
@@ -215,6 +216,7 @@ def _state_row(r: VariantResult) -> list[str]:
         where,
         _mb(floor.offloaded) if floor.offloaded else "—",
         engine,
+        comm_buffers,
     ]
 
 
@@ -253,10 +255,10 @@ def markdown(result: BenchResult) -> str:
     lines += ["", "Model states per rank, measured / floor (MB), where the total was largest:", ""]
     state_headers = [
         "variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded",
-        "engine's own report",
+        "engine's own report", "comm buffers kept",
     ]  # fmt: skip
     ran = [r for r in result.variants if r.status == OK]
-    lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrr")
+    lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrrr")
     lines += ["", "## Notes", ""]
     for r in result.variants:
         for note in r.notes:

@@ -228,6 +228,10 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
     kwargs: dict[str, Any] = {"stage": spec.stage, "bucket_size_mb": setup.bucket_size_mb}
     if spec.stage == 3 and "unit_classes" in fields:
         kwargs["unit_classes"] = (Block.__name__,)  # one unit per Block, as FSDP2 is applied
+    if spec.stage == 3 and "check_units_every_gather" in fields:
+        # the GPU setting on every device, so the host-sync column predicts a GPU run (on the CPU
+        # the default reads each gather's unit tags from host memory, which waits for nothing)
+        kwargs["check_units_every_gather"] = False
     wanted = {"offload_optimizer": spec.offload_optimizer, "offload_params": spec.offload_params}
     for name, value in wanted.items():
         if value:

@@ -16,16 +16,20 @@ from __future__ import annotations
 import enum
 import functools
 from collections import deque
-from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.sharded_param import ShardedParam
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.unit import UnitTags
 
 
 class ReductionState(enum.Enum):
@@ -36,14 +40,27 @@ class ReductionState(enum.Enum):
 
 
 class Bucket:
-    """A group of same-dtype parameters of one optimizer, reduced and gathered in one collective."""
+    """A group of same-dtype parameters, reduced and gathered in one collective per direction.
 
-    def __init__(self, index: int, params: Sequence[ShardedParam], group: collectives.ProcessGroup) -> None:
+    ``group`` carries the gradient reduce-scatters, ``gather_group`` (default: ``group``) the
+    parameter all-gathers; ``pool`` lends the communication buffers (see ``buffers.py``).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[ShardedParam],
+        group: collectives.ProcessGroup,
+        pool: Optional[BufferPool] = None,
+        gather_group: collectives.ProcessGroup = None,
+    ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
         self.index = index
         self.params = list(params)
         self.group = group
+        self.gather_group = gather_group if gather_group is not None else group
+        self.pool = pool if pool is not None else BufferPool(capacity_bytes=0, slots=0)
         self.world_size = collectives.world_size(group)
         self.dtype = params[0].param.dtype
         self.device = params[0].param.device
@@ -55,6 +72,16 @@ class Bucket:
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.layout.numel for p in self.params) * self.params[0].param.element_size()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of this bucket's largest communication buffer: the reduce-scatter's input
+        (N, S + k), which is also at least the all-gather's output (N, S + 1)."""
+        return self.world_size * (self.shard_numel + len(self.params)) * self.params[0].param.element_size()
 
     # ---- gradients -------------------------------------------------------------------------
     def mark_ready(self, param: ShardedParam) -> bool:
@@ -82,7 +109,7 @@ class Bucket:
         if self.world_size == 1:
             return self._take_local_gradients()
         n, s, k = self.world_size, self.shard_numel, len(self.params)
-        send = torch.empty(n, s + k, dtype=self.dtype, device=self.device)  # (N, S + k)
+        send = self.pool.take(n * (s + k), self.dtype, self.device).view(n, s + k)  # (N, S + k)
         flats, flags = [], torch.ones(n, k, dtype=self.dtype, device=self.device)  # (N, k)
         for i, p in enumerate(self.params):
             if _contributes(p):
@@ -96,7 +123,7 @@ class Bucket:
         received = torch.empty(s + k, dtype=self.dtype, device=self.device)  # (S + k,)
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         self.state = ReductionState.REDUCING
-        return PendingGradientReduction(self, work, received)
+        return PendingGradientReduction(self, work, received, lent=[send])
 
     def _take_local_gradients(self) -> "PendingGradientReduction":
         """World size 1: the reduced gradient is the local one and the chunk is the whole
@@ -121,30 +148,27 @@ class Bucket:
         self.state = ReductionState.COLLECTING
 
     # ---- parameters ------------------------------------------------------------------------
-    def start_param_gather(self, tag: Optional[int] = None) -> "PendingParamGather":
+    def start_param_gather(self, tags: Optional["UnitTags"] = None) -> "PendingParamGather":
         """All-gather every rank's updated chunks (cast to the parameter dtype).
 
-        With a ``tag`` (a small integer naming what is gathered), each rank appends it to its row,
-        and finishing checks that every rank gathered the same thing (see ``_check_tags``). That
-        check is a host sync per gather, deliberately: deferred (as the used flags are), ranks
-        whose forwards diverged would go on issuing different numbers of all-gathers and hang
-        before the verdict is read.
+        With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
+        finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
         """
         if self.world_size == 1:
-            tag = None  # one rank cannot disagree with itself
+            tags = None  # one rank cannot disagree with itself
             if self.params[0].keeps_full:
                 return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
-        row = s + (tag is not None)
-        send = torch.zeros(row, dtype=self.dtype, device=self.device)  # (S [+ 1],)
+        row = s + (tags is not None)
+        send = torch.empty(row, dtype=self.dtype, device=self.device)  # (S [+ 1],); padding is never read
         pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
         with torch.no_grad():  # the shards are parameters (of the optimizer)
             torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
-        if tag is not None:
-            send[s] = tag
-        gathered = torch.empty(n * row, dtype=self.dtype, device=self.device)  # (N * (S [+ 1]),)
-        work = collectives.start_all_gather(gathered, send, self.group)
-        return PendingParamGather(self, work, gathered, tag)
+        if tags is not None:
+            send[s] = tags.tag
+        gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
+        work = collectives.start_all_gather(gathered, send, self.gather_group)
+        return PendingParamGather(self, work, gathered, tags, lent=[gathered])
 
     def _write_back_locally(self) -> "PendingParamGather":
         """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the
@@ -156,12 +180,12 @@ class Bucket:
                     p.write_chunk_to(p.gather_target())
         return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
 
-    def _finish_param_gather(self, gathered: Optional[Tensor], tag: Optional[int]) -> None:
+    def _finish_param_gather(self, gathered: Optional[Tensor], tags: Optional["UnitTags"]) -> None:
         if gathered is None:
             return
         rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
-        if tag is not None:
-            _check_tags(rows[:, self.shard_numel].tolist(), tag)
+        if tags is not None:
+            tags.check(rows[:, self.shard_numel])
         with torch.no_grad():
             targets = [p.gather_target() for p in self.params]
             unpack_rows(rows, targets, self._widths, [p.gather_target_rows() for p in self.params])
@@ -174,28 +198,20 @@ def _contributes(p: ShardedParam) -> bool:
     return p.param.grad is not None and p.shard.requires_grad
 
 
-def _check_tags(tags: list[float], expected: int) -> None:
-    if any(t != expected for t in tags):
-        raise RuntimeError(
-            "The ranks gathered different ZeRO-3 units at the same point (unit tags by rank:"
-            f" {[int(t) for t in tags]}): the forward took different modules, or a different number"
-            " of them, on different ranks. Every rank must run the same modules in the same order;"
-            " make data-dependent branches agree across ranks (e.g. decide them on rank 0 and"
-            " broadcast), or run such modules outside the sharded units."
-        )
-
-
 @dataclass
 class PendingGradientReduction:
     bucket: Bucket
     work: collectives.PendingCollective
     received: Optional[Tensor]
     """(S + k,): this rank's reduced chunks and the used flags; None where nothing is left to hand
-    out (world size 1)."""
+    out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
+    lent: list[Tensor] = field(default_factory=list)
+    """Pool buffers the collective reads, given back once it is finished."""
 
     def finish(self) -> None:
         """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks."""
         self.work.wait()
+        _give_back(self.bucket.pool, self.lent)
 
     @property
     def used_flags(self) -> Tensor:
@@ -219,12 +235,21 @@ class PendingParamGather:
     work: collectives.PendingCollective
     gathered: Optional[Tensor]
     """(N * (S [+ 1]),): every rank's chunks; None where nothing is left to copy (world size 1)."""
-    tag: Optional[int] = None
+    tags: Optional["UnitTags"] = None
+    lent: list[Tensor] = field(default_factory=list)
+    """Pool buffers the collective reads or fills, given back once their contents are copied out."""
 
     def finish(self) -> None:
         """Wait for the all-gather and copy every rank's chunk into the full parameters."""
         self.work.wait()
-        self.bucket._finish_param_gather(self.gathered, self.tag)
+        self.bucket._finish_param_gather(self.gathered, self.tags)
+        _give_back(self.bucket.pool, self.lent)
+
+
+def _give_back(pool: BufferPool, lent: list[Tensor]) -> None:
+    for buffer in lent:
+        pool.give_back(buffer)
+    lent.clear()
 
 
 def assign_buckets(
@@ -232,6 +257,7 @@ def assign_buckets(
     group_key: dict[int, object],
     bucket_bytes: int,
     group: collectives.ProcessGroup,
+    pool: Optional[BufferPool] = None,
 ) -> list[Bucket]:
     """Split ``params`` into buckets of at most ``bucket_bytes`` parameter bytes.
 
@@ -256,7 +282,7 @@ def assign_buckets(
     # launch order: by the position of each bucket's first parameter in the expected order
     position = {id(p): i for i, p in enumerate(params)}
     closed.sort(key=lambda members: position[id(members[0])])
-    return [Bucket(i, members, group) for i, members in enumerate(closed)]
+    return [Bucket(i, members, group, pool) for i, members in enumerate(closed)]
 
 
 class PendingBucketWork(Protocol):

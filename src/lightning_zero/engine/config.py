@@ -83,6 +83,13 @@ class ZeroConfig:
     """Stage 3: how many units ahead to gather while the current one computes (0 disables). At most
     the root unit + 1 + ``prefetch_units`` units are gathered at once."""
 
+    check_units_every_gather: Optional[bool] = None
+    """Stage 3: read every all-gather's unit tags as soon as it lands instead of once per backward
+    (see [Note: unit tags] in ``unit.py``). It turns ranks whose forwards run a different number of
+    units from a hang into an error at the first unit where they disagree; on an accelerator it
+    costs a host sync per gather. None (default): on where parameters live in host memory (CPU
+    training, where reading the tags waits for nothing), off on accelerators."""
+
     offload_optimizer: bool = False
     """Keep the optimizer state and fp32 master chunks in host memory (pinned on CUDA) and step
     the optimizer there; gradient chunks are copied to the host as each bucket's reduce-scatter
@@ -109,6 +116,8 @@ class ZeroConfig:
                     f"`unit_classes` must be a list of module class names such as ['Block'], got {self.unit_classes!r}."
                 )
             object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
+        if not (self.check_units_every_gather is None or isinstance(self.check_units_every_gather, bool)):
+            raise TypeError(f"`check_units_every_gather` must be True, False or None (automatic), got {self.check_units_every_gather!r}.")
         for name in ("offload_optimizer", "offload_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")

@@ -64,10 +64,11 @@ class ZeroEngine:
         self.module = module
         self.optimizers = list(optimizers)
         optimizer_of = _optimizer_index_of_params(module, self.optimizers)
+        self._host_reads = HostReads()
 
         self.residency: ParameterResidency
         if config.zero_stage is ZeroStage.PARAMETERS:
-            self.residency = ShardedParameters(module, config, group, device or _device_of(module))
+            self.residency = ShardedParameters(module, config, group, device or _device_of(module), self._host_reads)
         else:
             self.residency = ReplicatedParameters(module, optimizer_of, config, group)
         self.params: list[ShardedParam] = self.residency.params
@@ -76,14 +77,14 @@ class ZeroEngine:
         sharded = {id(sp.param): sp for sp in self.params}
         self._params_of_optimizer = [rebind_param_groups(opt, sharded) for opt in self.optimizers]
 
-        self.grad_sync: GradientSync = (
-            ReduceAfterBackward(self.buckets)
-            if config.zero_stage is ZeroStage.OPTIMIZER_STATE
-            else ReduceDuringBackward(self.buckets)
-        )
+        self.grad_sync: GradientSync
+        if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
+            self.grad_sync = ReduceAfterBackward(self.buckets)
+        else:
+            stage3 = isinstance(self.residency, ShardedParameters)
+            self.grad_sync = ReduceDuringBackward(self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None)
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
-        self._host_reads = HostReads()
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
@@ -94,8 +95,8 @@ class ZeroEngine:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
+        self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
         self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
-        self.residency.end_backward()
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Make the module see the shards ``optimizer`` just updated."""
@@ -105,6 +106,7 @@ class ZeroEngine:
         """After a step's last backward and before its optimizer step, or after an evaluation step
         (stage 3 frees the root unit; see the module docstring)."""
         self.residency.end_step()
+        self._host_reads.read()  # an evaluation step's unit tags (nothing is left after a backward)
 
     # ---- state -----------------------------------------------------------------------------
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
@@ -189,8 +191,11 @@ class ZeroEngine:
         return norms
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients, optimizer state and buffers this rank holds now."""
-        return measure(self.module, self.params, list(zip(self.optimizers, self._params_of_optimizer)))
+        """Bytes of parameters, gradients, optimizer state and buffers this rank holds now, and of
+        the communication buffers kept for reuse."""
+        return measure(
+            self.module, self.params, list(zip(self.optimizers, self._params_of_optimizer)), self.residency.pool.kept_bytes
+        )
 
     def close(self) -> None:
         """Remove every hook."""

@@ -7,9 +7,12 @@ its parameters may be used anywhere in the step):
   in the previous forward;
 - forward post-hook: free U; under autograd, hook U's outputs so that the first gradient reaching
   them gathers U again (and prefetches the unit that ran before U), and hook U's inputs so that once
-  their gradients are computed — U's backward is over — U is freed again;
+  their gradients are computed — U's backward is over — U is freed again; a module called several
+  times in one forward is freed after the backward of its last pending call only (its calls'
+  hooks fire in no fixed order where one call's output is the next one's input);
 - if no input of U needs a gradient, U's backward ends with the last of its trainable parameters'
-  gradient accumulation, which then frees it;
+  gradient accumulation, which then frees it (``grad_accumulated``, called from the one
+  post-accumulate-grad hook per parameter that the gradient sync registers);
 - anything still gathered when backward ends is freed there.
 
 All-gathers are issued in forward order (and its reverse in backward) on a process group of their
@@ -25,6 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.unit import Unit, UnitState
 
 
@@ -44,13 +48,12 @@ class GatherSchedule:
         self._forward_order: list[int] = []  # unit indices in the order their forward ran
         self._previous_order: list[int] = []
         self._inputs_need_grad: dict[int, bool] = {}
+        self._backward_calls_pending: dict[int, int] = {}  # per unit: calls whose backward has not ended
         self._grads_pending: dict[int, set[int]] = {}
+        self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
         for unit in self.units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward(unit), with_kwargs=True))
-            for p in unit.params:
-                if p.param.requires_grad:
-                    self._handles.append(p.param.register_post_accumulate_grad_hook(self._grad_accumulated(unit, p)))
 
     # ---- step boundaries -----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -58,6 +61,7 @@ class GatherSchedule:
             self._previous_order = self._forward_order
         self._forward_order = []
         self._inputs_need_grad.clear()
+        self._backward_calls_pending.clear()
         self._grads_pending = {u.index: {id(p) for p in u.params if p.param.requires_grad} for u in self.units[1:]}
         self.root.unshard()
 
@@ -96,26 +100,32 @@ class GatherSchedule:
                 register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit, position), mode="any")
             if inputs:
                 self._inputs_need_grad[unit.index] = True
-                register_multi_grad_hook(inputs, lambda _: unit.reshard(), mode="all")
+                self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
+                register_multi_grad_hook(inputs, lambda _: self._call_backward_ended(unit), mode="all")
             return output
 
         return hook
+
+    def _call_backward_ended(self, unit: Unit) -> None:
+        self._backward_calls_pending[unit.index] -= 1
+        if self._backward_calls_pending[unit.index] == 0:
+            unit.reshard()
 
     def _pre_backward(self, unit: Unit, position: int) -> None:
         unit.unshard()
         for earlier in range(position - 1, max(position - 1 - self.prefetch_units, -1), -1):
             self.units[self._forward_order[earlier]].start_unshard()
 
-    def _grad_accumulated(self, unit: Unit, param: Any):
-        def hook(_: Any) -> None:
-            pending = self._grads_pending.get(unit.index)
-            if pending is None:
-                return
-            pending.discard(id(param))
-            if not pending and not self._inputs_need_grad.get(unit.index, False):
-                unit.reshard()  # see the module docstring: no input gradient follows
-
-        return hook
+    def grad_accumulated(self, param: ShardedParam) -> None:
+        """``param``'s gradient for this backward is accumulated: the last one of a unit whose
+        inputs need no gradient ends that unit's backward (see the module docstring)."""
+        unit = self._unit_of.get(id(param))
+        pending = self._grads_pending.get(unit.index) if unit is not None else None
+        if pending is None:
+            return
+        pending.discard(id(param))
+        if not pending and not self._inputs_need_grad.get(unit.index, False):
+            unit.reshard()
 
     def _prefetch_after(self, index: int, position: int) -> None:
         order = self._previous_order

@@ -8,7 +8,8 @@ what keeps ranks from deadlocking when a parameter is unused on some ranks only.
 from __future__ import annotations
 
 import abc
-from typing import Iterator, Sequence
+from collections import deque
+from typing import Callable, Iterator, Optional, Sequence
 
 from torch.utils.hooks import RemovableHandle
 
@@ -62,13 +63,25 @@ class ReduceDuringBackward(GradientSync):
     """Stage 2: a bucket's reduce-scatter starts (asynchronously, overlapping the rest of backward)
     as soon as it and every bucket before it have all their gradients, and its full gradients are
     released right then. Buckets still waiting when backward ends (unused parameters) are flushed.
+    At most ``max_in_flight`` reduce-scatters run at once (launching one more first finishes the
+    oldest), which bounds the communication buffers to that many buckets.
 
     Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
     sharded (the choice ZeRO-2 and FSDP make), at the cost of one reduce-scatter per micro-batch.
+
+    This class registers the one post-accumulate-grad hook per parameter; ``on_grad_accumulated``
+    (stage 3's gather schedule) is called from it before the bucket is told.
     """
 
-    def __init__(self, buckets: Sequence[Bucket]) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        max_in_flight: int = 2,
+        on_grad_accumulated: Optional[Callable[[ShardedParam], None]] = None,
+    ) -> None:
         super().__init__(buckets)
+        self.max_in_flight = max_in_flight
+        self._on_grad_accumulated = on_grad_accumulated
         self._bucket_of: dict[int, Bucket] = {}
         self._handles: list[RemovableHandle] = []
         for bucket in self.buckets:
@@ -76,10 +89,13 @@ class ReduceDuringBackward(GradientSync):
                 self._bucket_of[id(p.param)] = bucket
                 self._handles.append(p.param.register_post_accumulate_grad_hook(self._hook_for(p)))
         self._next_to_launch = 0
-        self._in_flight: list[PendingGradientReduction] = []
+        self._in_flight: list[PendingGradientReduction] = []  # launched in this backward
+        self._unfinished: deque[PendingGradientReduction] = deque()
 
     def _hook_for(self, param: ShardedParam):
         def on_grad_accumulated(_: object) -> None:
+            if self._on_grad_accumulated is not None:
+                self._on_grad_accumulated(param)
             if self._bucket_of[id(param.param)].mark_ready(param):
                 self._launch_ready_buckets()
 
@@ -90,13 +106,16 @@ class ReduceDuringBackward(GradientSync):
             bucket = self.buckets[self._next_to_launch]
             if not (flush or bucket.is_ready):
                 return
+            if len(self._unfinished) >= self.max_in_flight:
+                self._unfinished.popleft().finish()
             self._in_flight.append(bucket.start_gradient_reduction())
+            self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
         self._launch_ready_buckets(flush=True)
-        for pending in self._in_flight:
-            pending.finish()
+        while self._unfinished:
+            self._unfinished.popleft().finish()
         hand_out_gradients(self._in_flight, reads)
         self._in_flight.clear()
         self._next_to_launch = 0

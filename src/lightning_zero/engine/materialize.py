@@ -22,14 +22,14 @@ from torch import Tensor, nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.sharded_param import ShardedParam
-from lightning_zero.engine.unit import Unit
+from lightning_zero.engine.unit import Unit, UnitCommunication
 from lightning_zero.engine.unit_plan import plan_units
 
 
 def build_units(
     module: nn.Module,
     device: torch.device,
-    group: collectives.ProcessGroup,
+    comm: UnitCommunication,
     unit_classes: Sequence[str] = (),
     min_unit_params: int = 0,
     host: Optional[torch.device] = None,
@@ -41,6 +41,7 @@ def build_units(
     ``host``: where the chunks the optimizer steps live (None: on ``device``);
     ``keep_device_chunks``: also keep a device copy of each chunk to gather from (see ShardedParam).
     """
+    group = comm.gather_group
     rank, world_size = collectives.rank(group), collectives.world_size(group)
     plans = plan_units(module, unit_classes, min_unit_params)
     by_name = {plan.name: i for i, plan in enumerate(plans)}
@@ -69,7 +70,7 @@ def build_units(
             done.add(id(t))
     close_units_not_containing(None)  # the root closes last
     collectives.broadcast_tensors_(list(module.buffers()), src=0, group=group)
-    return [Unit(i, plan.name, plan.module, sharded[i], group) for i, plan in enumerate(plans)]
+    return [Unit(i, plan.name, plan.module, sharded[i], comm) for i, plan in enumerate(plans)]
 
 
 def _is_within(module_name: str, unit_name: str) -> bool:

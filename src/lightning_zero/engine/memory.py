@@ -46,6 +46,9 @@ class MemoryReport:
 
     device: StateBytes
     host: StateBytes
+    comm_buffers: int = 0
+    """Bytes of the communication buffers kept for reuse (``buffers.py``): not model state, the
+    engine's working memory on the device, next to it."""
 
     @property
     def parameters(self) -> int:
@@ -68,6 +71,7 @@ def measure(
     module: nn.Module,
     params: Sequence[ShardedParam],
     optimizers: Sequence[tuple[Optimizer, Sequence[ShardedParam]]],
+    comm_buffers: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now."""
 
@@ -88,4 +92,4 @@ def measure(
             place = "host" if sp.offloaded else "device"
             counts[place]["optimizer_state"] += sp.optimizer_state_bytes(optimizer.state.get(sp.shard))
     counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
-    return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]))
+    return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers)

@@ -19,15 +19,22 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.bucket import Bucket, assign_buckets, finish_pipelined
+from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gather_schedule import GatherSchedule
+from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.materialize import build_units
 from lightning_zero.engine.sharded_param import ShardedParam
-from lightning_zero.engine.unit import UnitState
+from lightning_zero.engine.unit import UnitCommunication, UnitState
 
 
 HOST = torch.device("cpu")
 """Where offloaded state lives."""
+
+IN_FLIGHT = 2
+"""Bucket collectives of one kind in flight at once (reduce-scatters in backward, gathers after a
+step at stages 1-2): enough to overlap one with the next one's copies, and what bounds the
+communication buffers."""
 
 
 class ParameterResidency(abc.ABC):
@@ -36,6 +43,8 @@ class ParameterResidency(abc.ABC):
     params: list[ShardedParam]
     grad_buckets: list[Bucket]
     """Buckets of trainable parameters, in the order their reduce-scatters are issued."""
+    pool: BufferPool
+    """The buckets' communication buffers (see ``buffers.py``)."""
 
     def begin_step(self) -> None:
         """Before a training or evaluation step."""
@@ -45,6 +54,9 @@ class ParameterResidency(abc.ABC):
 
     def end_step(self) -> None:
         """After a step's last backward (or after an evaluation step)."""
+
+    def grad_accumulated(self, param: ShardedParam) -> None:
+        """``param``'s gradient of this backward is accumulated (before its bucket hears of it)."""
 
     @abc.abstractmethod
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
@@ -86,11 +98,15 @@ class ReplicatedParameters(ParameterResidency):
         ]
         # gradients arrive roughly in reverse registration order, so buckets are filled that way
         trainable = [sp for sp in reversed(self.params) if sp.param.requires_grad]
+        # at most two buckets communicate at once (reduce-scatters in backward, gathers after a step)
+        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT)
         self.grad_buckets = assign_buckets(
-            trainable, {id(sp): optimizer_of[id(sp.param)] for sp in trainable}, config.bucket_bytes, group
+            trainable, {id(sp): optimizer_of[id(sp.param)] for sp in trainable}, config.bucket_bytes, group, self.pool
         )
+        regular = [b.buffer_bytes for b in self.grad_buckets if b.param_bytes <= config.bucket_bytes]
+        self.pool.capacity_bytes = max(regular, default=0)
 
-    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = 2) -> None:
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = IN_FLIGHT) -> None:
         """All-gather the buckets of ``optimizer``'s parameters, at most ``max_in_flight`` at once."""
         mine = {id(p) for p in optimizer_params}
         buckets = [b for b in self.grad_buckets if id(b.params[0]) in mine]  # buckets never mix optimizers
@@ -114,25 +130,44 @@ class ReplicatedParameters(ParameterResidency):
 class ShardedParameters(ParameterResidency):
     """Stage 3: only chunks at rest; units gathered around their use."""
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device) -> None:
-        gather_group = collectives.new_group_like(group)  # see GatherSchedule's docstring
+    def __init__(
+        self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device, verdicts: HostReads
+    ) -> None:
+        # buffers lent at once: the gathers of the unit in use and those prefetched, and the
+        # reduce-scatters in flight during backward
+        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT + 1 + config.prefetch_units)
+        self._verdicts = verdicts
+        comm = UnitCommunication(
+            reduce_group=group,
+            gather_group=collectives.new_group_like(group),  # see GatherSchedule's docstring
+            pool=self.pool,
+            verdicts=verdicts,
+            # reading tags in host memory waits for nothing (see ZeroConfig.check_units_every_gather)
+            check_every_gather=(
+                device.type == "cpu" if config.check_units_every_gather is None else config.check_units_every_gather
+            ),
+        )
         self.units = build_units(
             module,
             device,
-            gather_group,
+            comm,
             config.unit_classes,
             config.min_unit_params,
             host=HOST if config.offload_optimizer else None,
             keep_device_chunks=config.offload_optimizer and not config.offload_params,
         )
         self.params = [p for unit in self.units for p in unit.params]
-        self.grad_buckets = []
-        for unit in reversed(self.units):  # backward runs the units in reverse
-            trainable = [p for p in unit.params if p.param.requires_grad]
-            for dtype in dict.fromkeys(p.param.dtype for p in trainable):
-                members = [p for p in trainable if p.param.dtype == dtype]
-                self.grad_buckets.append(Bucket(len(self.grad_buckets), members, group))
+        self.grad_buckets = [b for unit in reversed(self.units) for b in unit.grad_buckets]  # backward runs units in reverse
+        # the root unit is gathered once per step and often holds the embeddings: it is not what
+        # the pool is sized for (see buffers.py)
+        regular = [b.buffer_bytes for unit in self.units[1:] for b in unit.buckets] or [
+            b.buffer_bytes for b in self.units[0].buckets
+        ]
+        self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
+
+    def grad_accumulated(self, param: ShardedParam) -> None:
+        self.schedule.grad_accumulated(param)
 
     def begin_step(self) -> None:
         self.schedule.begin_step()
@@ -158,6 +193,7 @@ class ShardedParameters(ParameterResidency):
                 yield p, p.param.detach().to(device, copy=True)
             if not was_gathered:
                 unit.reshard()
+        self._verdicts.read()
 
     @contextmanager
     def gathered(self, writeback: bool) -> Iterator[None]:
@@ -165,6 +201,7 @@ class ShardedParameters(ParameterResidency):
         was_sharded = [unit for unit in self.units if unit.state is not UnitState.UNSHARDED]
         for unit in self.units:
             unit.unshard()
+        self._verdicts.read()
         try:
             yield
         finally:
@@ -183,3 +220,4 @@ class ShardedParameters(ParameterResidency):
 
     def close(self) -> None:
         self.schedule.close()
+        self.pool.clear()

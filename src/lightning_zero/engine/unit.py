@@ -1,15 +1,35 @@
-"""A ZeRO-3 unit: parameters gathered together just before their module runs and freed after."""
+"""A ZeRO-3 unit: parameters gathered together just before their module runs and freed after.
+
+[Note: unit tags]
+Every rank must gather the same unit at the same point of the step; a forward whose control flow
+differs between ranks would otherwise swap weights between modules without an error. So each rank
+appends its unit's tag (a small integer, exact in bf16) to its all-gather row, and after the
+gather the N tags, still on the device, go to the engine's ``HostReads``: they are read with the
+step's used-parameter flags, once per backward (and once per evaluation step), and a disagreement
+raises on every rank before an optimizer step can use the wrong weights. No host sync happens in
+forward or backward for it.
+
+The price: ranks whose control flow differs can issue different numbers of all-gathers (in
+forward, or in backward, where a module called twice in a row is gathered once) and hang before
+that read. ``ZeroConfig.check_units_every_gather`` reads every gather's tags as soon as it lands
+instead, which fails at the first unit where the ranks disagree. That is the default where the
+parameters live in host memory (CPU training: the read waits for nothing); on an accelerator it
+is a host sync per all-gather, so there it is the setting to find such a divergence with.
+"""
 
 from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Sequence
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.bucket import Bucket, PendingParamGather
+from lightning_zero.engine.buffers import BufferPool
+from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -21,23 +41,64 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"  # every parameter is its full tensor
 
 
-class Unit:
-    """The parameters of one module (see ``unit_plan``) and their gather/free lifecycle."""
+@dataclass(frozen=True)
+class UnitCommunication:
+    """What every unit's buckets share: the process groups, the buffer pool and the tag reads."""
 
-    def __init__(self, index: int, name: str, module: nn.Module, params: Sequence[ShardedParam], group: collectives.ProcessGroup) -> None:
+    reduce_group: collectives.ProcessGroup
+    """Gradient reduce-scatters (in bucket order)."""
+    gather_group: collectives.ProcessGroup
+    """Parameter all-gathers (in forward order, and its reverse in backward)."""
+    pool: BufferPool
+    verdicts: HostReads
+    check_every_gather: bool = False
+    """Read each gather's tags at once (see [Note: unit tags])."""
+
+
+class UnitTags:
+    """This unit's tag and the check of every rank's tag after a gather (see [Note: unit tags])."""
+
+    def __init__(self, index: int, comm: UnitCommunication) -> None:
+        self.tag = index % 251 + 1
+        self._comm = comm
+
+    def check(self, gathered: Tensor) -> None:
+        """``gathered`` (N,): the tag every rank sent with this gather, on the device."""
+        self._comm.verdicts.add(gathered, self._verify)
+        if self._comm.check_every_gather:
+            self._comm.verdicts.read()
+
+    def _verify(self, tags: list[float]) -> None:
+        if any(t != self.tag for t in tags):
+            raise RuntimeError(
+                "The ranks gathered different ZeRO-3 units at the same point (unit tags by rank:"
+                f" {[int(t) for t in tags]}): the forward took different modules, or a different number"
+                " of them, on different ranks. Every rank must run the same modules in the same order;"
+                " make data-dependent branches agree across ranks (e.g. decide them on rank 0 and"
+                " broadcast), or run such modules outside the sharded units."
+            )
+
+
+class Unit:
+    """The parameters of one module (see ``unit_plan``), their buckets and gather/free lifecycle.
+
+    Parameters are bucketed by dtype and trainability: each bucket serves both the unit's
+    all-gather and, when trainable, its gradient reduce-scatter (frozen parameters are gathered
+    but have nothing to reduce).
+    """
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: Sequence[ShardedParam], comm: UnitCommunication) -> None:
         self.index = index
         self.name = name
         self.module = module
         self.params = list(params)
         self.state = UnitState.SHARDED
-        by_dtype: dict[object, list[ShardedParam]] = defaultdict(list)
+        members: dict[object, list[ShardedParam]] = defaultdict(list)
         for p in self.params:
-            by_dtype[p.param.dtype].append(p)
-        self._gather_buckets = [Bucket(index, members, group) for members in by_dtype.values()]
+            members[(p.param.dtype, p.param.requires_grad)].append(p)
+        self.buckets = [Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group) for ps in members.values()]
+        self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
-        # a small integer every rank appends to its all-gather row, so that ranks running
-        # different units fail loudly instead of exchanging the wrong weights; exact in bf16
-        self.tag = index % 251 + 1
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, params={len(self.params)}, {self.state.value})"
@@ -46,10 +107,15 @@ class Unit:
     def numel(self) -> int:
         return sum(p.layout.numel for p in self.params)
 
+    @property
+    def grad_buckets(self) -> list[Bucket]:
+        """The buckets of trainable parameters, whose gradients are reduce-scattered."""
+        return [b for b in self.buckets if b.params[0].param.requires_grad]
+
     def start_unshard(self) -> None:
         """Issue the all-gather (asynchronously); a no-op unless at rest."""
         if self.state is UnitState.SHARDED:
-            self._pending = [bucket.start_param_gather(tag=self.tag) for bucket in self._gather_buckets]
+            self._pending = [bucket.start_param_gather(self.tags) for bucket in self.buckets]
             self.state = UnitState.GATHERING
 
     def unshard(self) -> None:

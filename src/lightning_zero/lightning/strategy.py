@@ -64,6 +64,10 @@ class ZeroStrategy(DDPStrategy):
         min_unit_params: stage 3: candidate units with fewer parameters stay in their parent's unit.
         prefetch_units: stage 3: units gathered ahead of the one computing (0 disables); at most
             root + 1 + ``prefetch_units`` units are gathered at once.
+        check_units_every_gather: stage 3: check that every rank gathered the same unit right after
+            each all-gather rather than once per backward; turns a hang from ranks whose forwards
+            run different numbers of units into an error naming them. Default (None): on for CPU
+            training, where it is free; off on GPUs, where it is a host sync per gather.
         offload_optimizer: keep optimizer state and fp32 master chunks in host memory and step the
             optimizer there (any stage).
         offload_params: stage 3: also keep the parameter chunks in host memory between uses
@@ -91,6 +95,7 @@ class ZeroStrategy(DDPStrategy):
         unit_classes: Optional[list[str]] = None,
         min_unit_params: int = 0,
         prefetch_units: int = 1,
+        check_units_every_gather: Optional[bool] = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
         state_dict_type: StateDictType = "sharded",
@@ -108,6 +113,7 @@ class ZeroStrategy(DDPStrategy):
             unit_classes=unit_classes,
             min_unit_params=min_unit_params,
             prefetch_units=prefetch_units,
+            check_units_every_gather=check_units_every_gather,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
         )
