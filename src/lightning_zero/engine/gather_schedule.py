@@ -47,7 +47,7 @@ class GatherSchedule:
         self._handles: list[RemovableHandle] = []
         self._forward_order: list[int] = []  # unit indices in the order their forward ran
         self._previous_order: list[int] = []
-        self._inputs_need_grad: dict[int, bool] = {}
+        self._called_without_input_grads: set[int] = set()  # units with a call no input gradient ends
         self._backward_calls_pending: dict[int, int] = {}  # per unit: calls whose backward has not ended
         self._grads_pending: dict[int, set[int]] = {}
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
@@ -60,7 +60,7 @@ class GatherSchedule:
         if self._forward_order:
             self._previous_order = self._forward_order
         self._forward_order = []
-        self._inputs_need_grad.clear()
+        self._called_without_input_grads.clear()
         self._backward_calls_pending.clear()
         self._grads_pending = {u.index: {id(p) for p in u.params if p.param.requires_grad} for u in self.units[1:]}
         self.root.unshard()
@@ -98,8 +98,9 @@ class GatherSchedule:
             if outputs:
                 position = len(self._forward_order) - 1
                 register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit, position), mode="any")
+            if outputs and not inputs:
+                self._called_without_input_grads.add(unit.index)
             if inputs:
-                self._inputs_need_grad[unit.index] = True
                 self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
                 register_multi_grad_hook(inputs, lambda _: self._call_backward_ended(unit), mode="all")
             return output
@@ -107,8 +108,9 @@ class GatherSchedule:
         return hook
 
     def _call_backward_ended(self, unit: Unit) -> None:
-        self._backward_calls_pending[unit.index] -= 1
-        if self._backward_calls_pending[unit.index] == 0:
+        remaining = self._backward_calls_pending.get(unit.index, 1) - 1
+        self._backward_calls_pending[unit.index] = remaining
+        if remaining <= 0 and (unit.index not in self._called_without_input_grads or not self._grads_pending.get(unit.index)):
             unit.reshard()
 
     def _pre_backward(self, unit: Unit, position: int) -> None:
@@ -124,7 +126,7 @@ class GatherSchedule:
         if pending is None:
             return
         pending.discard(id(param))
-        if not pending and not self._inputs_need_grad.get(unit.index, False):
+        if not pending and self._backward_calls_pending.get(unit.index, 0) <= 0:
             unit.reshard()
 
     def _prefetch_after(self, index: int, position: int) -> None:
