@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -20,23 +21,31 @@ class CalledTwiceInARow(nn.Module):
         return self.blocks[1](self.blocks[0](self.blocks[0](x))).pow(2).mean()
 
 
-def test_a_module_called_twice_in_a_row_stays_gathered_for_both_backwards():
+def _losses(model: nn.Module, x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """One loss per backward of the step, each computed after the previous one's backward (a
+    model's ``losses`` method where it has several)."""
+    return model.losses(x) if hasattr(model, "losses") else iter([model(x)])
+
+
+def _assert_stage3_matches_torch(reference: nn.Module, steps: int = 3) -> None:
+    """Stage 3 at world size 1 trains ``reference``'s copy to the same weights, bitwise, running
+    each step's losses as separate backward passes, as manual optimization does."""
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
-    torch.manual_seed(0)
-    reference = CalledTwiceInARow()
     model = copy.deepcopy(reference)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
-    for step in range(3):
+    for step in range(steps):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        reference(x).backward()
+        for loss in _losses(reference, x):
+            loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         engine.begin_step()
-        model(x).backward()  # freed mid-backward, this raised a storage error
-        engine.finish_backward()
+        for loss in _losses(model, x):
+            loss.backward()
+            engine.finish_backward()
         engine.end_step()
         opt.step()
         engine.after_optimizer_step(opt)
@@ -44,3 +53,27 @@ def test_a_module_called_twice_in_a_row_stays_gathered_for_both_backwards():
     engine.release_parameters(torch.device("cpu"))
     for (name, expected), actual in zip(reference.state_dict().items(), model.state_dict().values()):
         assert torch.equal(expected, actual), name
+
+
+def test_a_module_called_twice_in_a_row_stays_gathered_for_both_backwards():
+    torch.manual_seed(0)
+    _assert_stage3_matches_torch(CalledTwiceInARow())  # freed mid-backward, this raised a storage error
+
+
+class TwoBackwardsPerStep(nn.Module):
+    """Two losses, each with its own forward and backward in one step (a GAN's generator and
+    critic losses under manual optimization); ``blocks[0]``'s input never needs a gradient, so
+    its parameters' accumulation is what ends its backward, in both passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 1)])
+
+    def losses(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        yield self.blocks[1](self.blocks[0](x)).mean()
+        yield self.blocks[1](self.blocks[0](x)).pow(2).mean()
+
+
+def test_each_backward_of_a_step_keeps_units_gathered_until_their_gradients_accumulate():
+    torch.manual_seed(0)
+    _assert_stage3_matches_torch(TwoBackwardsPerStep())  # the 2nd backward freed blocks[0] after its bias

@@ -47,9 +47,10 @@ class GatherSchedule:
         self._handles: list[RemovableHandle] = []
         self._forward_order: list[int] = []  # unit indices in the order their forward ran
         self._previous_order: list[int] = []
-        self._called_without_input_grads: set[int] = set()  # units with a call no input gradient ends
-        self._backward_calls_pending: dict[int, int] = {}  # per unit: calls whose backward has not ended
-        self._grads_pending: dict[int, set[int]] = {}
+        # What ends each unit's backward; filled by its forward calls, cleared by each backward's end
+        # (manual optimization runs several backwards per step):
+        self._backward_calls_pending: dict[int, int] = {}  # calls with an input that needs a gradient
+        self._grads_pending: dict[int, set[int]] = {}  # for a call without one: its trainable parameters
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
         for unit in self.units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
@@ -60,14 +61,17 @@ class GatherSchedule:
         if self._forward_order:
             self._previous_order = self._forward_order
         self._forward_order = []
-        self._called_without_input_grads.clear()
-        self._backward_calls_pending.clear()
-        self._grads_pending = {u.index: {id(p) for p in u.params if p.param.requires_grad} for u in self.units[1:]}
+        self._forget_backward()
         self.root.unshard()
 
     def end_backward(self) -> None:
         for unit in self.units[1:]:
             unit.reshard()
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        self._backward_calls_pending.clear()
+        self._grads_pending.clear()
 
     def end_step(self) -> None:
         for unit in self.units:
@@ -99,7 +103,7 @@ class GatherSchedule:
                 position = len(self._forward_order) - 1
                 register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit, position), mode="any")
             if outputs and not inputs:
-                self._called_without_input_grads.add(unit.index)
+                self._grads_pending[unit.index] = {id(p) for p in unit.params if p.param.requires_grad}
             if inputs:
                 self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
                 register_multi_grad_hook(inputs, lambda _: self._call_backward_ended(unit), mode="all")
@@ -110,7 +114,7 @@ class GatherSchedule:
     def _call_backward_ended(self, unit: Unit) -> None:
         remaining = self._backward_calls_pending.get(unit.index, 1) - 1
         self._backward_calls_pending[unit.index] = remaining
-        if remaining <= 0 and (unit.index not in self._called_without_input_grads or not self._grads_pending.get(unit.index)):
+        if remaining <= 0 and not self._grads_pending.get(unit.index):
             unit.reshard()
 
     def _pre_backward(self, unit: Unit, position: int) -> None:
