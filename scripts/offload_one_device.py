@@ -61,6 +61,8 @@ def measure(config: ZeroConfig, args: argparse.Namespace) -> dict:
         "peak_device_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "model_state_device_bytes": report.device.total,
         "model_state_host_bytes": report.host.total,
+        # offload keeps each bucket's gradient row on the host for good, also between steps
+        "host_gradient_bytes": report.host.gradients,
         "losses": losses,
     }
 

@@ -119,11 +119,17 @@ class GPTModule(L.LightningModule):
     """
 
     def __init__(
-        self, frozen: bool = False, unused_branch: bool = False, in_configure_model: bool = False, reused: bool = False
+        self,
+        frozen: bool = False,
+        unused_branch: bool = False,
+        in_configure_model: bool = False,
+        reused: bool = False,
+        fused_adamw: bool = False,
     ) -> None:
         super().__init__()
         self.frozen, self.unused_branch, self.in_configure_model = frozen, unused_branch, in_configure_model
         self.reused = reused
+        self.fused_adamw = fused_adamw  # the optimizer's own `fused=True` kernel
         self.model: Optional[nn.Module] = None
         if not in_configure_model:
             self._build()
@@ -173,7 +179,8 @@ class GPTModule(L.LightningModule):
         return self(batch[0][:, :-1])[0]
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1, fused=self.fused_adamw or None)
 
 
 class TiedMLPStack(nn.Module):

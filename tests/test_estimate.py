@@ -52,18 +52,59 @@ def test_breakdown_by_term_for_each_stage():
 
 
 def test_offload_moves_terms_to_the_host_of_each_node():
+    # See [Note: offloaded state]: per rank the host keeps the master chunk (4 B) and the gradient
+    # chunk (4 B), both pinned, and Adam's moments (8 B), not pinned.
     psi, devices, nodes = 16_000, 4, 2
     n = devices * nodes
     by_label = {e.layout.label: e for e in est.estimate_all(psi, MIXED, est.Topology(devices, nodes))}
 
-    zero2 = by_label["zero2 + offload optimizer"]
-    assert zero2.device == est.StateBytes(2 * psi, 2 * psi // n, 0)
-    # The host holds the optimizer shards of the node's `devices` ranks, not of all n.
-    assert zero2.host == est.StateBytes(optimizer_state=devices * 12 * psi // n)
+    zero1 = by_label["zero1 + offload optimizer"]
+    assert zero1.device == est.StateBytes(2 * psi, 2 * psi, 0)  # stage 1 keeps full gradients
+    assert zero1.host_per_rank == est.StateBytes(gradients=4 * psi // n, optimizer_state=12 * psi // n)
+    assert zero1.pinned_per_rank == 8 * psi // n
 
-    zero3 = by_label["zero3 + offload optimizer, params"]
-    assert zero3.device == est.StateBytes(0, 2 * psi // n, 0)
-    assert zero3.host == est.StateBytes(parameters=devices * 2 * psi // n, optimizer_state=devices * 12 * psi // n)
+    zero2 = by_label["zero2 + offload optimizer"]
+    assert zero2.device == est.StateBytes(2 * psi, 0, 0)
+    # The host holds the chunks of the node's `devices` ranks, not of all n.
+    assert zero2.host == est.StateBytes(gradients=devices * 4 * psi // n, optimizer_state=devices * 12 * psi // n)
+    assert zero2.pinned == devices * 8 * psi // n
+
+    # Half-precision weights: the device keeps the half chunk to gather from, with or without
+    # offload_params; the host keeps the fp32 master, so offloading parameters moves nothing more.
+    for label in ("zero3 + offload optimizer", "zero3 + offload optimizer, params"):
+        zero3 = by_label[label]
+        assert zero3.device == est.StateBytes(2 * psi // n, 0, 0), label
+        assert zero3.host_per_rank == est.StateBytes(gradients=4 * psi // n, optimizer_state=12 * psi // n), label
+        assert zero3.pinned_per_rank == 8 * psi // n, label
+
+
+def test_offload_with_fp32_weights_leaves_nothing_on_the_device_at_stage_3():
+    psi, n = 8_000, 4
+    by_label = {e.layout.label: e for e in est.estimate_all(psi, FP32, est.Topology(n))}
+    # Only the optimizer offloaded: the device keeps the fp32 chunk to gather from, the host a master copy.
+    zero3 = by_label["zero3 + offload optimizer"]
+    assert zero3.device == est.StateBytes(parameters=4 * psi // n)
+    assert zero3.host_per_rank == est.StateBytes(gradients=4 * psi // n, optimizer_state=12 * psi // n)
+    # With parameters offloaded the host chunk is the weight's only copy (a parameter, as memory_report() counts it).
+    params = by_label["zero3 + offload optimizer, params"]
+    assert params.device == est.StateBytes() and params.device.total == 0
+    assert params.host_per_rank == est.StateBytes(parameters=4 * psi // n, gradients=4 * psi // n, optimizer_state=8 * psi // n)
+    assert params.pinned_per_rank == 8 * psi // n == params.host_per_rank.total - 8 * psi // n  # the moments are not pinned
+    # Stage 2: full fp32 weights on the device, the same 16 B per parameter and rank on the host.
+    zero2 = by_label["zero2 + offload optimizer"]
+    assert zero2.device == est.StateBytes(parameters=4 * psi)
+    assert zero2.host_per_rank.total == 16 * psi // n and zero2.pinned_per_rank == 8 * psi // n
+    # Without offload nothing is on the host, so nothing is pinned.
+    assert all(e.pinned == 0 for label, e in by_label.items() if "offload" not in label)
+
+
+def test_schemes_split_the_master_copy_from_the_moments():
+    assert (MIXED.master_bytes, MIXED.moment_bytes, MIXED.offload_chunk_bytes) == (4, 8, 4)
+    assert (FP32.master_bytes, FP32.moment_bytes, FP32.offload_chunk_bytes) == (0, 8, 4)
+    # No master copy in the scheme, but the engine steps half weights through an fp32 chunk when offloading.
+    assert (HALF.master_bytes, HALF.moment_bytes, HALF.offload_chunk_bytes) == (0, 8, 4)
+    with pytest.raises(ValueError, match="master_bytes"):
+        est.PrecisionScheme("bad", 2, 2, 4, "master as large as the optimizer term", master_bytes=4)
 
 
 def test_uneven_shards_round_up():
@@ -79,8 +120,8 @@ def test_uneven_shards_round_up():
         (80 * GB, "zero1"),  # DDP needs 120 GB
         (30 * GB, "zero2"),  # 28.125 GB
         (20 * GB, "zero3"),  # 15 GB
-        (10 * GB, "zero3 + offload optimizer"),  # 3.75 GB; zero1/zero2 with offload still need 30/16.875
-        (2 * GB, "zero3 + offload optimizer, params"),  # 1.875 GB
+        (10 * GB, "zero3 + offload optimizer"),  # 1.875 GB; zero1/zero2 with offload still need 30/15
+        (2 * GB, "zero3 + offload optimizer"),  # offloading parameters saves nothing more: the half chunk stays
     ],
 )
 def test_recommend_prefers_lower_stages_then_offload(gpu_memory, expected):
@@ -98,10 +139,19 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
     assert nothing.choice is None
     assert "No layout fits" in nothing.message and "1.875 GB" in nothing.message
 
-    # Offloading the optimizer needs 90 GB of host memory on the node: with 64 GB no offload layout
-    # fits, and at 10 GB per device no on-device layout does either.
-    assert est.recommend(estimates, 10 * GB, host_memory=64 * GB).choice is None
-    assert est.recommend(estimates, 10 * GB, host_memory=100 * GB).choice.layout.label == "zero3 + offload optimizer"
+    # Offloading the optimizer needs 16 B per parameter of host memory on the node, 120 GB: with 100 GB
+    # no offload layout fits, and at 10 GB per device no on-device layout does either.
+    assert est.recommend(estimates, 10 * GB, host_memory=100 * GB).choice is None
+    enough = est.recommend(estimates, 10 * GB, host_memory=128 * GB)
+    assert enough.choice.layout.label == "zero3 + offload optimizer"
+    assert "120 GB of host memory per node (60 GB of it pinned)" in enough.message
+
+
+def test_recommend_offloads_fp32_parameters_when_the_device_holds_nothing_else():
+    estimates = est.estimate_all(7_500_000_000, FP32, est.Topology(8))
+    recommendation = est.recommend(estimates, 1 * GB, host_memory=128 * GB)
+    assert recommendation.choice.layout.label == "zero3 + offload optimizer, params"
+    assert recommendation.choice.device.total == 0
 
 
 def test_invalid_configurations_are_refused():
@@ -121,6 +171,57 @@ def test_format_bytes():
     assert est.format_bytes(28_125_000_000) == "28.125 GB"
     assert est.format_bytes(120 * GB) == "120 GB"
     assert est.format_bytes(16_000_000) == "16 MB"
+
+
+def test_format_count():
+    assert est.format_count(1_209_000_000) == "1.21B"
+    assert est.format_count(125_000_000) == "125M"
+    assert est.format_count(999_600_000) == "1B"
+    assert est.format_count(950) == "950"
+
+
+# --- the largest model a budget holds ---------------------------------------------------------------
+
+
+def test_largest_model_exact_on_small_numbers():
+    one = est.Topology(1)
+    # On the device, fp32 Adam costs 16 B per parameter: 10 parameters in 160 B (and in 175 B).
+    assert est.largest_model(FP32, one, gpu_memory=175).num_params == 10
+    on_device = est.largest_model(FP32, one, gpu_memory=160)
+    assert (on_device.num_params, on_device.estimate.layout.label) == (10, "ddp")  # the first of equals
+    assert "without offload" in on_device.message
+    # With a host: zero3 offloading parameters puts nothing on the device and 16 B per parameter on
+    # the host, 8 of them pinned: 62 parameters in 1000 B (992 B), 63 would need 1008 B.
+    offload = est.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
+    assert offload.num_params == 62
+    assert offload.estimate.layout.label == "zero3 + offload optimizer, params"
+    assert (offload.estimate.device.total, offload.estimate.host.total, offload.estimate.pinned) == (0, 992, 496)
+    # Mixed precision keeps the 2 B half chunk on the device: the device bounds it at 80 B.
+    assert est.largest_model(MIXED, one, gpu_memory=160, host_memory=1000).num_params == 62
+    assert est.largest_model(MIXED, one, gpu_memory=100, host_memory=10_000).num_params == 50
+    # Two ranks share the sharded terms: each rank's shard is ceil(Ψ/2).
+    two = est.largest_model(FP32, est.Topology(2), gpu_memory=160, host_memory=1000)
+    assert two.num_params == 62  # the host holds both ranks' chunks: 2 x 16 x 31 = 992 B
+    assert est.largest_model(FP32, one, gpu_memory=15).num_params == 0
+    assert est.largest_model(FP32, one, gpu_memory=15).estimate is None
+
+
+@pytest.mark.parametrize("scheme", [MIXED, FP32, HALF], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    ("devices", "gpu_memory", "host_memory"),
+    [(1, 141 * GB, 128 * GB), (1, 80 * GB, None), (8, 80 * GB, 1024 * GB), (4, 24 * GB, 256 * GB), (1, 16 * GB, 2048 * GB)],
+)
+def test_largest_model_fits_and_one_more_parameter_does_not(scheme, devices, gpu_memory, host_memory):
+    topology = est.Topology(devices)
+    largest = est.largest_model(scheme, topology, gpu_memory, host_memory)
+    assert largest.num_params > 10**8
+    assert est.fits(largest.estimate, gpu_memory, host_memory)
+    assert largest.estimate == est.estimate(largest.num_params, largest.estimate.layout, scheme, topology)
+    for layout in est.LAYOUTS:
+        if layout.offload_optimizer and host_memory is None:
+            continue
+        for more in (largest.num_params + 1, int(largest.num_params * 1.01)):
+            assert not est.fits(est.estimate(more, layout, scheme, topology), gpu_memory, host_memory), layout.label
 
 
 # --- counting parameters on the meta device ---------------------------------------------------------
@@ -181,6 +282,24 @@ def test_cli_plain_output_has_the_figures(capsys):
     assert rows["zero2"][1] == "28.125"
     assert rows["zero3"][1] == "15.000"
     assert "Recommended for 80 GB per device: zero1" in out
+    # 16 B per parameter on 8 devices: 40B parameters in 80 GB each, as ddp would fit 5B.
+    assert "Largest model for 80 GB per device without offload" in out
+    assert "40,000,000,000 parameters (40B), as zero3: 80 GB per device" in out
+    assert "activations and the terms left out reduce it" in out
+
+
+def test_cli_states_host_and_pinned_memory(capsys):
+    argv = ["estimate", "--params", "1.2e9", "--devices", "1", "--precision", "fp32"]
+    assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB"]) == 0
+    out = capsys.readouterr().out
+    assert "host per node (GB)" in out and "of which pinned" in out
+    rows = {line.split("  ")[0].strip(): line.split()[-7:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, host per node, of which pinned, fits
+    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "0.000", "0.000", "yes"]
+    # 1.2B fp32 parameters offloaded: 4 B master + 4 B gradient (pinned) + 8 B moments on the host.
+    assert rows["zero3 + offload optimizer, params"] == ["0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "yes"]
+    # The host holds 16 B per parameter and the device 141 GB / 16: on one H200 the device holds more.
+    assert "Largest model for 141 GB per device and 128 GB of host memory per node: 8,812,500,000" in out
 
 
 def test_cli_counts_a_model(capsys):

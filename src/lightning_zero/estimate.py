@@ -19,8 +19,30 @@ Model states only: weights, gradients and optimizer states. A real run also need
 - the caching allocator's fragmentation and the CUDA context (roughly 0.5-1 GB per device),
 - per-parameter padding of shards (at most N-1 elements per parameter, see `shard_numel`),
 - frozen parameters, which are counted here as if trained (an upper bound: they have no gradients
-  and no optimizer state).
+  and no optimizer state),
+- on the host, with offload: torch's caching host allocator rounds every pinned buffer (one per
+  bucket or unit and kind) up to a power of two, up to twice the pinned figure; a second pinned
+  gradient buffer per bucket while gradients accumulate over micro-batches (or when
+  `zero_grad(set_to_none=False)` keeps them); Adam's step counters; and the process itself (Python,
+  the CUDA context's host side, data loading).
 Keep a margin between the estimate and the device's capacity for all of these.
+
+[Note: offloaded state]
+With `offload_optimizer`, each rank keeps in host memory, per parameter and for its chunk (Ψ/N):
+- the master chunk the CPU optimizer steps, in the master dtype (fp32 for half-precision weights,
+  else the weights' own dtype: 4 B in every scheme here), pinned;
+- the gradient chunk, in the same dtype, pinned and kept between steps (each bucket's reduced
+  gradients land there during backward);
+- the optimizer's own state (Adam: two fp32 moments, 8 B), allocated by the optimizer and not
+  pinned, since it never crosses the bus.
+Pinned means page-locked: copies to and from the device run asynchronously at the bus's speed, and
+the operating system can never swap or reclaim it. The pinned figure is for CUDA machines; on a
+CPU-only one the same bytes are plain memory.
+What stays on the device: the weights (full at stages 1-2; at stage 3 the chunk the all-gather
+sends, in the weights' dtype) and, at stage 1, the full gradients. Stage 3 with `offload_params` and
+half-precision weights still keeps the half chunk on the device (the cast happens there); with fp32
+weights the host's fp32 chunk is the only copy of the weight (counted as parameters, as
+`memory_report()` does) and the device keeps no model state at all.
 """
 
 from __future__ import annotations
@@ -35,9 +57,13 @@ from lightning_zero.engine.memory import StateBytes
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
     "stage 3's gathered units (full weights of the running and the prefetched unit), "
-    "communication buckets, allocator fragmentation and the CUDA context. Leave a margin."
+    "communication buckets, allocator fragmentation and the CUDA context; with offload, pinned buffers "
+    "are rounded up to a power of two. Leave a margin."
 )
 """One-paragraph summary of [Note: what the estimate leaves out], for command-line output."""
+
+FP32_BYTES = 4
+"""The engine's optimizer steps half-precision weights through an fp32 master chunk."""
 
 _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1))
 """Decimal units, largest first: GPU spec sheets ("80 GB") and the ZeRO paper's figures use 1e9."""
@@ -61,16 +87,31 @@ class PrecisionScheme:
     """Everything the optimizer keeps per parameter: an fp32 master copy if any, Adam's two moments."""
     description: str
     """One line saying where the numbers come from."""
+    master_bytes: int = 0
+    """The part of `optimizer_bytes` that is an fp32 master copy of the weights (0 where there is none)."""
 
     def __post_init__(self) -> None:
         for field in ("weight_bytes", "gradient_bytes", "optimizer_bytes"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        if not 0 <= self.master_bytes < self.optimizer_bytes:
+            raise ValueError(f"master_bytes must be at least 0 and less than optimizer_bytes, got {self.master_bytes}")
 
     @property
     def total_bytes(self) -> int:
         """Bytes per parameter with nothing sharded (DDP)."""
         return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def moment_bytes(self) -> int:
+        """What the optimizer allocates itself (Adam's moments): `optimizer_bytes` less the master copy."""
+        return self.optimizer_bytes - self.master_bytes
+
+    @property
+    def offload_chunk_bytes(self) -> int:
+        """Bytes per element of the master and gradient chunks offload keeps on the host: the engine's
+        master dtype, fp32 for half-precision weights, else the weights' own (`ShardedParam.master_dtype`)."""
+        return max(self.weight_bytes, FP32_BYTES)
 
 
 SCHEMES: Mapping[str, PrecisionScheme] = {
@@ -82,6 +123,7 @@ SCHEMES: Mapping[str, PrecisionScheme] = {
             gradient_bytes=2,
             # fp32 master weights (4) + Adam's fp32 momentum (4) and variance (4): the paper's K = 12.
             optimizer_bytes=12,
+            master_bytes=4,
             description="fp16/bf16 weights and gradients; fp32 master copy + Adam moments (ZeRO's K=12)",
         ),
         PrecisionScheme(
@@ -182,11 +224,19 @@ class MemoryEstimate:
     host_per_rank: StateBytes
     """In host memory, for each rank: the terms it offloads."""
     devices_per_node: int
+    pinned_per_rank: int = 0
+    """The part of `host_per_rank` that is pinned (page-locked) on a CUDA machine: the master and
+    gradient chunks the copies read and fill (see [Note: offloaded state])."""
 
     @property
     def host(self) -> StateBytes:
         """On each node: the offloaded terms of all the node's ranks together."""
         return self.host_per_rank.scaled(self.devices_per_node)
+
+    @property
+    def pinned(self) -> int:
+        """On each node: the pinned part of `host`."""
+        return self.pinned_per_rank * self.devices_per_node
 
 
 def shard_numel(num_params: int, world_size: int) -> int:
@@ -201,30 +251,40 @@ def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology:
 
     Per device, with w, g, o the scheme's bytes per parameter:
     DDP (w+g+o)Ψ; stage 1 (w+g)Ψ + oΨ/N; stage 2 wΨ + (g+o)Ψ/N; stage 3 (w+g+o)Ψ/N.
-    Offloading moves a term from each device to its host unchanged: the optimizer term (master copy
-    and moments), and with parameter offload the weight shard too. Gradients stay on the device: in
-    ZeRO-Offload the reduced gradient shard is copied to the host for the CPU step, but that copy is
-    transient and in the same dtype, so it is not counted twice.
+    With offload the optimizer term leaves the device and the host keeps, per rank, the master and
+    gradient chunks (pinned) and the optimizer's moments: see [Note: offloaded state].
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
     shard = shard_numel(num_params, topology.world_size)
     stage = layout.stage
-    on_device = StateBytes(
-        parameters=scheme.weight_bytes * (shard if stage.shards_parameters else num_params),
-        gradients=scheme.gradient_bytes * (shard if stage.shards_gradients else num_params),
-        optimizer_state=scheme.optimizer_bytes * (shard if stage.shards_optimizer_state else num_params),
-    )
-    offloaded = StateBytes(
-        parameters=on_device.parameters if layout.offload_params else 0,
-        optimizer_state=on_device.optimizer_state if layout.offload_optimizer else 0,
-    )
+
+    def held(sharded: bool) -> int:
+        return shard if sharded else num_params
+
+    if not layout.offload_optimizer:
+        device = StateBytes(
+            parameters=scheme.weight_bytes * held(stage.shards_parameters),
+            gradients=scheme.gradient_bytes * held(stage.shards_gradients),
+            optimizer_state=scheme.optimizer_bytes * held(stage.shards_optimizer_state),
+        )
+        return MemoryEstimate(layout=layout, device=device, host_per_rank=StateBytes(), devices_per_node=topology.devices)
+
+    chunk = scheme.offload_chunk_bytes * shard  # the master chunk; the gradient chunk is as large
+    # fp32 weights with offload_params: the host's master chunk is the weight's only copy
+    host_only_weights = layout.offload_params and scheme.weight_bytes == scheme.offload_chunk_bytes
     device = StateBytes(
-        parameters=on_device.parameters - offloaded.parameters,
-        gradients=on_device.gradients,
-        optimizer_state=on_device.optimizer_state - offloaded.optimizer_state,
+        parameters=0 if host_only_weights else scheme.weight_bytes * held(stage.shards_parameters),
+        gradients=0 if stage.shards_gradients else scheme.gradient_bytes * num_params,
     )
-    return MemoryEstimate(layout=layout, device=device, host_per_rank=offloaded, devices_per_node=topology.devices)
+    host = StateBytes(
+        parameters=chunk if host_only_weights else 0,
+        gradients=chunk,
+        optimizer_state=(0 if host_only_weights else chunk) + scheme.moment_bytes * shard,
+    )
+    return MemoryEstimate(
+        layout=layout, device=device, host_per_rank=host, devices_per_node=topology.devices, pinned_per_rank=2 * chunk
+    )
 
 
 def estimate_all(num_params: int, scheme: PrecisionScheme, topology: Topology) -> tuple[MemoryEstimate, ...]:
@@ -265,8 +325,8 @@ class Recommendation:
             )
         choice = self.choice
         line = f"Recommended for {budget}: {choice.layout.label}, {format_bytes(choice.device.total)} per device"
-        if self.choice.host.total:
-            line += f" and {format_bytes(self.choice.host.total)} of host memory per node"
+        if choice.host.total:
+            line += f" and {host_memory_phrase(choice)}"
         return f"{line}. {LEFT_OUT}"
 
 
@@ -282,6 +342,95 @@ def recommend(
     choice = next((e for e in estimates if fits(e, gpu_memory, host_memory)), None)
     smallest = min(estimates, key=lambda e: (e.device.total, e.host.total))
     return Recommendation(choice=choice, smallest=smallest, gpu_memory=gpu_memory, host_memory=host_memory)
+
+
+def host_memory_phrase(candidate: MemoryEstimate) -> str:
+    """E.g. `19.2 GB of host memory per node (9.6 GB of it pinned)`."""
+    return f"{format_bytes(candidate.host.total)} of host memory per node ({format_bytes(candidate.pinned)} of it pinned)"
+
+
+@dataclass(frozen=True)
+class LargestModel:
+    """The most parameters whose model states fit a budget, and the layout that holds them."""
+
+    num_params: int
+    """0 when not even one parameter fits."""
+    estimate: Optional[MemoryEstimate]
+    """That layout's bytes at `num_params` (None when nothing fits)."""
+    gpu_memory: int
+    host_memory: Optional[int]
+    """None: only layouts that keep everything on the device were searched."""
+
+    @property
+    def message(self) -> str:
+        """One sentence for a person: the count, the layout and its bytes, and what reduces it."""
+        budget = f"{format_bytes(self.gpu_memory)} per device"
+        if self.host_memory is None:
+            budget += " without offload (give the host memory to count offload)"
+        else:
+            budget += f" and {format_bytes(self.host_memory)} of host memory per node"
+        if self.estimate is None:
+            return f"Largest model for {budget}: none, not even one parameter's model states fit."
+        e = self.estimate
+        line = (
+            f"Largest model for {budget}: {self.num_params:,} parameters ({format_count(self.num_params)}), as "
+            f"{e.layout.label}: {format_bytes(e.device.total)} per device"
+        )
+        if e.host.total:
+            line += f" and {host_memory_phrase(e)}"
+        return f"{line}. Model states only: activations and the terms left out reduce it."
+
+
+def largest_model(
+    scheme: PrecisionScheme,
+    topology: Topology,
+    gpu_memory: int,
+    host_memory: Optional[int] = None,
+    layouts: Sequence[Layout] = LAYOUTS,
+) -> LargestModel:
+    """The largest parameter count whose model states `fits` in some layout of `layouts` (the first in
+    their order when several hold the same count). Offload layouts are searched only when
+    `host_memory` is given: without a host budget they would have no bound."""
+    if gpu_memory < 1:
+        raise ValueError(f"gpu_memory must be a positive number of bytes, got {gpu_memory}")
+    best = LargestModel(num_params=0, estimate=None, gpu_memory=gpu_memory, host_memory=host_memory)
+    for layout in layouts:
+        if layout.offload_optimizer and host_memory is None:
+            continue
+        num_params = _largest_fitting(layout, scheme, topology, gpu_memory, host_memory)
+        if num_params > best.num_params:
+            best = LargestModel(num_params, estimate(num_params, layout, scheme, topology), gpu_memory, host_memory)
+    return best
+
+
+def _largest_fitting(
+    layout: Layout, scheme: PrecisionScheme, topology: Topology, gpu_memory: int, host_memory: Optional[int]
+) -> int:
+    """The largest Ψ whose model states fit in `layout`, or 0: bytes grow with Ψ, so double an upper
+    bound, then bisect. Every layout costs at least one byte per parameter somewhere, and both places
+    searched have a budget, so the doubling ends."""
+
+    def fits_at(num_params: int) -> bool:
+        return fits(estimate(num_params, layout, scheme, topology), gpu_memory, host_memory)
+
+    if not fits_at(1):
+        return 0
+    good, bad = 1, 2
+    while fits_at(bad):
+        good, bad = bad, 2 * bad
+    while bad - good > 1:  # invariant: `good` fits, `bad` does not
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits_at(middle) else (good, middle)
+    return good
+
+
+def format_count(num_params: int) -> str:
+    """A parameter count the way models are named: `1.21B`, `125M`, `350K`."""
+    rounded = float(f"{num_params:.3g}")  # three significant digits first, so 999.6M reads 1B
+    for suffix, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if rounded >= size:
+            return f"{rounded / size:g}{suffix}"
+    return str(num_params)
 
 
 def decimal_unit(nbytes: float) -> tuple[str, int]:

@@ -1,6 +1,7 @@
 """`lightning-zero estimate`: the model-state table of `lightning_zero.estimate` for a parameter
-count or a model spec (`--model`, counted on the meta device by `model_spec`), with a
-recommendation when the device memory is given."""
+count or a model spec (`--model`, counted on the meta device by `model_spec`), with the host memory
+offload needs (and how much of it is pinned); given the device memory (and the host's), a
+recommendation and the largest model that fits."""
 
 from __future__ import annotations
 
@@ -42,13 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory",
         type=parse_memory,
         metavar="SIZE",
-        help="memory per device, e.g. 80GB or 80 (GB); recommends the cheapest layout that fits",
+        help="memory per device, e.g. 80GB or 80 (GB); recommends the cheapest layout that fits and "
+        "prints the largest model that fits",
     )
     parser.add_argument(
         "--host-memory",
         type=parse_memory,
         metavar="SIZE",
-        help="memory per node for offloaded states, e.g. 1TB; only used with --gpu-memory",
+        help="memory per node for offloaded states, e.g. 1TB; only used with --gpu-memory (without it, "
+        "offload layouts are not limited by the host and the largest model is searched without offload)",
     )
 
 
@@ -61,10 +64,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     scheme = est.precision_scheme(args.precision)
     topology = est.Topology(devices=args.devices, nodes=args.nodes)
     estimates = est.estimate_all(num_params, scheme, topology)
-    recommendation = None
+    recommendation = largest = None
     if args.gpu_memory is not None:
         recommendation = est.recommend(estimates, args.gpu_memory, args.host_memory)
-    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation)
+        largest = est.largest_model(scheme, topology, args.gpu_memory, args.host_memory)
+    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest)
     if sys.stdout.isatty():
         _print_rich(report)
     else:
@@ -91,6 +95,7 @@ class _EstimateReport:
     topology: est.Topology
     estimates: tuple[est.MemoryEstimate, ...]
     recommendation: Optional[est.Recommendation]
+    largest: Optional[est.LargestModel]
 
     @property
     def title(self) -> str:
@@ -116,6 +121,7 @@ class _EstimateReport:
             "gradients",
             "optimizer",
             f"host per node ({unit})",
+            "of which pinned",
         ]
         return headers + (["fits"] if self.recommendation else [])
 
@@ -135,6 +141,7 @@ class _EstimateReport:
                 number(e.device.gradients),
                 number(e.device.optimizer_state),
                 number(e.host.total),
+                number(e.pinned),
             ]
             if self.recommendation:
                 r = self.recommendation
@@ -144,7 +151,9 @@ class _EstimateReport:
 
     @property
     def footer(self) -> str:
-        return self.recommendation.message if self.recommendation else est.LEFT_OUT
+        if self.recommendation is None:
+            return est.LEFT_OUT
+        return f"{self.recommendation.message}\n{self.largest.message}"
 
 
 def _print_plain(report: _EstimateReport) -> None:

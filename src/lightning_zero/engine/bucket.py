@@ -24,6 +24,8 @@ from torch import Tensor
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.buffers import BufferPool
+from lightning_zero.engine.copy_stream import CopyStream, Event
+from lightning_zero.engine.host_chunks import HostChunks
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.sharded_param import ShardedParam
@@ -43,7 +45,9 @@ class Bucket:
     """A group of same-dtype parameters, reduced and gathered in one collective per direction.
 
     ``group`` carries the gradient reduce-scatters, ``gather_group`` (default: ``group``) the
-    parameter all-gathers; ``pool`` lends the communication buffers (see ``buffers.py``).
+    parameter all-gathers; ``pool`` lends the communication buffers (see ``buffers.py``). With
+    ``copies``, offloaded parameters keep their chunks in the bucket's ``host`` buffers (see
+    [Note: offloaded bucket] in ``host_chunks.py``).
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class Bucket:
         group: collectives.ProcessGroup,
         pool: Optional[BufferPool] = None,
         gather_group: collectives.ProcessGroup = None,
+        copies: Optional[CopyStream] = None,
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -69,6 +74,9 @@ class Bucket:
         self._row_sizes = interleaved_sizes([p.owned_numel for p in self.params], self._widths)
         self.state = ReductionState.COLLECTING
         self._ready: set[int] = set()
+        self.host: Optional[HostChunks] = None
+        if copies is not None and self.params[0].offloaded:
+            self.host = HostChunks(self.params, self._row_sizes, copies, trainable=self.params[0].param.requires_grad)
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
@@ -80,8 +88,11 @@ class Bucket:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of this bucket's largest communication buffer: the reduce-scatter's input
-        (N, S + k), which is also at least the all-gather's output (N, S + 1)."""
-        return self.world_size * (self.shard_numel + len(self.params)) * self.params[0].param.element_size()
+        (N, S + k), which is also at least the all-gather's output (N, S + 1); offloaded half
+        weights also cast a row (S + k) to fp32 on the device."""
+        row = self.shard_numel + len(self.params)
+        staged = row * self.params[0].master_dtype.itemsize if self.host is not None else 0
+        return max(self.world_size * row * self.params[0].param.element_size(), staged)
 
     # ---- gradients -------------------------------------------------------------------------
     def mark_ready(self, param: ShardedParam) -> bool:
@@ -106,7 +117,7 @@ class Bucket:
         reduce-scatter. Parameters without a gradient contribute zeros and a 0 used-flag."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        if self.world_size == 1:
+        if self.world_size == 1 and self.host is None:
             return self._take_local_gradients()
         n, s, k = self.world_size, self.shard_numel, len(self.params)
         send = self.pool.take(n * (s + k), self.dtype, self.device).view(n, s + k)  # (N, S + k)
@@ -120,10 +131,16 @@ class Bucket:
             p.param.grad = None  # the full-size gradient is released once copied in
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / n)  # see [Note: batched copies]
         del flats
-        received = torch.empty(s + k, dtype=self.dtype, device=self.device)  # (S + k,)
-        work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         self.state = ReductionState.REDUCING
-        return PendingGradientReduction(self, work, received, lent=[send])
+        if n == 1:  # offloaded at world size 1: the packed row is the reduced one, bound for the host
+            return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=[send])
+        if self.host is not None:  # copied to the host once reduced, so lent for the collective only
+            received = self.pool.take(s + k, self.dtype, self.device)
+            lent = [send, received]
+        else:  # its chunks become the gradient shards as they are
+            received, lent = torch.empty(s + k, dtype=self.dtype, device=self.device), [send]
+        work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
+        return PendingGradientReduction(self, work, received, lent=lent)
 
     def _take_local_gradients(self) -> "PendingGradientReduction":
         """World size 1: the reduced gradient is the local one and the chunk is the whole
@@ -139,7 +156,9 @@ class Bucket:
         """Hand each parameter its chunk of the reduced gradients in ``received`` (S + k,), skipping
         those no rank used (see [Note: used flags]); ``used_anywhere`` is the flags read on the host.
         ``received`` None: the gradients were taken locally already (world size 1)."""
-        if received is not None:
+        if self.host is not None:
+            self.host.accept(received, used_anywhere)
+        elif received is not None:
             pieces = torch.split_with_sizes(received, [*self._row_sizes, len(self.params)])
             for i, p in enumerate(self.params):
                 if used_anywhere[i] > 0:
@@ -161,23 +180,36 @@ class Bucket:
         n, s = self.world_size, self.shard_numel
         row = s + (tags is not None)
         send = torch.empty(row, dtype=self.dtype, device=self.device)  # (S [+ 1],); padding is never read
-        pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
-        with torch.no_grad():  # the shards are parameters (of the optimizer)
-            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
+        if self._sends_from_host:
+            self.host.copy_master_to(send[:s])
+        else:
+            pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
+            with torch.no_grad():  # the shards are parameters (of the optimizer)
+                torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
         if tags is not None:
             send[s] = tags.tag
         gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
 
+    @property
+    def _sends_from_host(self) -> bool:
+        """Whether the all-gather's send row comes from the host chunks (offloaded, and the device
+        keeps no copy of them)."""
+        return self.host is not None and not self.host.device_chunks
+
     def _write_back_locally(self) -> "PendingParamGather":
         """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the
         only work is copying the shards that do not alias their parameter (fp32 masters of half
         parameters, offloaded chunks) back into it; nothing is left to finish."""
         with torch.no_grad():
-            for p in self.params:
-                if not p.aliases_param:
-                    p.write_chunk_to(p.gather_target())
+            if self.host is not None:  # one copy of the bucket to the device, then into the parameters
+                row = self.host.copies.to_device(self.host.master)
+                unpack_rows(row.view(1, -1), [p.gather_target() for p in self.params], self._widths)
+            else:
+                for p in self.params:
+                    if not p.aliases_param:
+                        p.write_chunk_to(p.gather_target())
         return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
 
     def _finish_param_gather(self, gathered: Optional[Tensor], tags: Optional["UnitTags"]) -> None:
@@ -207,16 +239,24 @@ class PendingGradientReduction:
     out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads, given back once it is finished."""
+    _flags: Optional[Tensor] = None
 
     def finish(self) -> None:
-        """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks."""
+        """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks. An
+        offloaded bucket's row starts its copy to the host here, during backward."""
         self.work.wait()
-        _give_back(self.bucket.pool, self.lent)
+        copy = None
+        host = self.bucket.host
+        if host is not None and self.received is not None:
+            self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
+            self.received, copy = host.receive(self.received, self.bucket.pool)
+        _give_back(self.bucket.pool, self.lent, copy)
 
     @property
     def used_flags(self) -> Tensor:
-        """(k,): per parameter, how many ranks produced a gradient (see [Note: used flags])."""
-        return self.received[self.bucket.shard_numel :]
+        """(k,): per parameter, how many ranks produced a gradient (see [Note: used flags]); on the
+        device, also for an offloaded bucket, so reading them waits for no copy."""
+        return self._flags if self._flags is not None else self.received[self.bucket.shard_numel :]
 
 
 def hand_out_gradients(reductions: Sequence[PendingGradientReduction], reads: HostReads) -> None:
@@ -246,9 +286,9 @@ class PendingParamGather:
         _give_back(self.bucket.pool, self.lent)
 
 
-def _give_back(pool: BufferPool, lent: list[Tensor]) -> None:
+def _give_back(pool: BufferPool, lent: list[Tensor], copy: Event = None) -> None:
     for buffer in lent:
-        pool.give_back(buffer)
+        pool.give_back(buffer, copy)
     lent.clear()
 
 
@@ -258,6 +298,7 @@ def assign_buckets(
     bucket_bytes: int,
     group: collectives.ProcessGroup,
     pool: Optional[BufferPool] = None,
+    copies: Optional[CopyStream] = None,
 ) -> list[Bucket]:
     """Split ``params`` into buckets of at most ``bucket_bytes`` parameter bytes.
 
@@ -282,7 +323,7 @@ def assign_buckets(
     # launch order: by the position of each bucket's first parameter in the expected order
     position = {id(p): i for i, p in enumerate(params)}
     closed.sort(key=lambda members: position[id(members[0])])
-    return [Bucket(i, members, group, pool) for i, members in enumerate(closed)]
+    return [Bucket(i, members, group, pool, copies=copies) for i, members in enumerate(closed)]
 
 
 class PendingBucketWork(Protocol):

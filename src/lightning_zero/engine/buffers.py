@@ -12,13 +12,18 @@ A buffer is lent with :meth:`BufferPool.take` and comes back with :meth:`BufferP
 its collective has finished and its contents were copied out; the bucket's ``Pending*`` result
 carries it until then, so a buffer is never written while a collective still reads or fills it.
 On CUDA the copies that fill it and read it run on the current stream after ``wait()``, so reuse
-is ordered by the stream, not by a host sync.
+is ordered by the stream, not by a host sync; a buffer a copy on another stream still reads comes
+back with that copy's event, which its next borrower's stream waits for (``copy_stream.py``).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+from lightning_zero.engine.copy_stream import Event
 
 
 class BufferPool:
@@ -32,7 +37,7 @@ class BufferPool:
     def __init__(self, capacity_bytes: int, slots: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.slots = slots
-        self._free: dict[torch.device, list[Tensor]] = {}
+        self._free: dict[torch.device, list[tuple[Tensor, Event]]] = {}  # byte buffer, copy to wait for
         self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
         self.allocations = 0
         """Byte buffers the pool has allocated: flat after the first step."""
@@ -47,7 +52,9 @@ class BufferPool:
             return torch.empty(numel, dtype=dtype, device=device)
         free = self._free.setdefault(torch.device(device), [])
         if free:
-            base = free.pop()
+            base, copy = free.pop()
+            if copy is not None:
+                torch.cuda.current_stream(base.device).wait_event(copy)
         else:
             self.allocations += 1
             base = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
@@ -55,14 +62,15 @@ class BufferPool:
         self._lent[view.data_ptr()] = base
         return view
 
-    def give_back(self, buffer: Tensor) -> None:
-        """Return a buffer from :meth:`take` once nothing reads or fills it any more."""
+    def give_back(self, buffer: Tensor, after: Event = None) -> None:
+        """Return a buffer from :meth:`take` once nothing on the compute stream reads or fills it
+        any more; ``after``: the event of a copy on another stream that still may."""
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
         free = self._free.setdefault(base.device, [])
         if len(free) < self.slots:
-            free.append(base)
+            free.append((base, after))
 
     @property
     def kept_bytes(self) -> int:

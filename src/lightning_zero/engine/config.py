@@ -99,6 +99,12 @@ class ZeroConfig:
     """Stage 3: also keep the parameter chunks at rest in host memory, copied to the device only
     for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those chunks)."""
 
+    fused_host_step: bool = True
+    """With ``offload_optimizer``: step Adam, AdamW, SGD and Adagrad with torch's fused CPU kernel
+    (one multithreaded pass per group, 10-35x faster than the per-tensor path). Offloaded runs then
+    match non-offloaded ones to float rounding instead of bitwise (see ``host_step.py``). False:
+    keep the kernel the optimizer was configured with."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ENGINE_STAGES}:
             raise ValueError(
@@ -118,7 +124,7 @@ class ZeroConfig:
             object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         if not (self.check_units_every_gather is None or isinstance(self.check_units_every_gather, bool)):
             raise TypeError(f"`check_units_every_gather` must be True, False or None (automatic), got {self.check_units_every_gather!r}.")
-        for name in ("offload_optimizer", "offload_params"):
+        for name in ("offload_optimizer", "offload_params", "fused_host_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         check_offload(self.zero_stage, self.offload_optimizer, self.offload_params)

@@ -72,24 +72,39 @@ def measure(
     params: Sequence[ShardedParam],
     optimizers: Sequence[tuple[Optimizer, Sequence[ShardedParam]]],
     comm_buffers: int = 0,
+    host_gradient_buffers: Sequence[torch.Tensor] = (),
 ) -> MemoryReport:
-    """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now."""
+    """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
+    ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
+    ``host_chunks.py``); counted whole, also between steps, and the gradients viewing them not again.
+
+    Each tensor counts where it is: in host memory when it is a CPU tensor and either its parameter
+    is offloaded or the parameter computes on an accelerator. So offloaded state that something
+    moved to the device counts as device memory, and on a CPU-only machine offload stays visible.
+    """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
+    def place(t: torch.Tensor, sp: ShardedParam) -> str:
+        on_host = t.device.type == "cpu" and (sp.offloaded or sp.device.type != "cpu")
+        return "host" if on_host else "device"
+
     counts = {"device": Counter(), "host": Counter()}
+    counts["host"]["gradients"] += sum(nbytes(b) for b in host_gradient_buffers)
+    held = {b.untyped_storage().data_ptr() for b in host_gradient_buffers}
     for sp in params:
-        chunk_place = "host" if sp.offloaded else "device"
         counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
         counts["device"]["gradients"] += nbytes(sp.param.grad)
-        counts[chunk_place]["gradients"] += nbytes(sp.shard.grad)
+        if sp.shard.grad is not None and sp.shard.grad.untyped_storage().data_ptr() not in held:
+            counts[place(sp.shard.grad, sp)]["gradients"] += nbytes(sp.shard.grad)
         if not sp.aliases_param:
             only_copy = not sp.keeps_full and not sp.holds_master_copy and sp.device_chunk is None
-            counts[chunk_place]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
+            counts[place(sp.shard, sp)]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
     for optimizer, optimizer_params in optimizers:
         for sp in optimizer_params:
-            place = "host" if sp.offloaded else "device"
-            counts[place]["optimizer_state"] += sp.optimizer_state_bytes(optimizer.state.get(sp.shard))
+            for t in (optimizer.state.get(sp.shard) or {}).values():
+                if isinstance(t, torch.Tensor):
+                    counts[place(t, sp)]["optimizer_state"] += nbytes(t)
     counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
     return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers)

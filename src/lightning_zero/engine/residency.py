@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from contextlib import AbstractContextManager, contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.bucket import Bucket, assign_buckets, finish_pipelined
 from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.config import ZeroConfig
+from lightning_zero.engine.copy_stream import CopyStream
 from lightning_zero.engine.gather_schedule import GatherSchedule
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.materialize import build_units
@@ -45,6 +46,18 @@ class ParameterResidency(abc.ABC):
     """Buckets of trainable parameters, in the order their reduce-scatters are issued."""
     pool: BufferPool
     """The buckets' communication buffers (see ``buffers.py``)."""
+    copies: Optional[CopyStream]
+    """Host↔device copies of offloaded buckets (None without offload; see ``host_chunks.py``)."""
+
+    @property
+    def host_allocations(self) -> int:
+        """Host buffers the offloaded buckets have allocated (flat after the first step)."""
+        return sum(b.host.allocations for b in self.buckets_with_host)
+
+    @property
+    def buckets_with_host(self) -> list[Bucket]:
+        """Every offloaded bucket (at stage 3 also those of frozen parameters)."""
+        return [b for b in self.grad_buckets if b.host is not None]
 
     def begin_step(self) -> None:
         """Before a training or evaluation step."""
@@ -91,6 +104,7 @@ class ReplicatedParameters(ParameterResidency):
     ) -> None:
         rank, world_size = collectives.rank(group), collectives.world_size(group)
         host = HOST if config.offload_optimizer else None
+        self.copies = CopyStream(_device_of_params(module)) if host is not None else None
         self.params = [
             ShardedParam(name, p, rank, world_size, keep_full=True, host=host)
             for name, p in module.named_parameters()
@@ -98,10 +112,16 @@ class ReplicatedParameters(ParameterResidency):
         ]
         # gradients arrive roughly in reverse registration order, so buckets are filled that way
         trainable = [sp for sp in reversed(self.params) if sp.param.requires_grad]
-        # at most two buckets communicate at once (reduce-scatters in backward, gathers after a step)
-        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT)
+        # at most two buckets communicate at once (reduce-scatters in backward, gathers after a
+        # step), each with up to three buffers when offloaded (send, received, fp32 cast)
+        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if host is not None else 1))
         self.grad_buckets = assign_buckets(
-            trainable, {id(sp): optimizer_of[id(sp.param)] for sp in trainable}, config.bucket_bytes, group, self.pool
+            trainable,
+            {id(sp): optimizer_of[id(sp.param)] for sp in trainable},
+            config.bucket_bytes,
+            group,
+            self.pool,
+            self.copies,
         )
         regular = [b.buffer_bytes for b in self.grad_buckets if b.param_bytes <= config.bucket_bytes]
         self.pool.capacity_bytes = max(regular, default=0)
@@ -134,8 +154,10 @@ class ShardedParameters(ParameterResidency):
         self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device, verdicts: HostReads
     ) -> None:
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
-        # reduce-scatters in flight during backward
-        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT + 1 + config.prefetch_units)
+        # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
+        offload = config.offload_optimizer
+        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if offload else 1) + 1 + config.prefetch_units)
+        self.copies = CopyStream(device) if offload else None
         self._verdicts = verdicts
         comm = UnitCommunication(
             reduce_group=group,
@@ -146,6 +168,7 @@ class ShardedParameters(ParameterResidency):
             check_every_gather=(
                 device.type == "cpu" if config.check_units_every_gather is None else config.check_units_every_gather
             ),
+            copies=self.copies,
         )
         self.units = build_units(
             module,
@@ -153,8 +176,8 @@ class ShardedParameters(ParameterResidency):
             comm,
             config.unit_classes,
             config.min_unit_params,
-            host=HOST if config.offload_optimizer else None,
-            keep_device_chunks=config.offload_optimizer and not config.offload_params,
+            host=HOST if offload else None,
+            keep_device_chunks=offload and not config.offload_params,
         )
         self.params = [p for unit in self.units for p in unit.params]
         self.grad_buckets = [b for unit in reversed(self.units) for b in unit.grad_buckets]  # backward runs units in reverse
@@ -165,6 +188,10 @@ class ShardedParameters(ParameterResidency):
         ]
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
+
+    @property
+    def buckets_with_host(self) -> list[Bucket]:
+        return [b for unit in self.units for b in unit.buckets if b.host is not None]
 
     def grad_accumulated(self, param: ShardedParam) -> None:
         self.schedule.grad_accumulated(param)
@@ -179,8 +206,10 @@ class ShardedParameters(ParameterResidency):
         self.schedule.end_step()
 
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
-        for p in optimizer_params:
-            p.refresh_device_chunk()
+        mine = {id(p) for p in optimizer_params}
+        for bucket in self.buckets_with_host:
+            if id(bucket.params[0]) in mine:  # one copy and one cast per bucket
+                bucket.host.refresh_device_chunks()
         self.schedule.refresh_gathered()
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
@@ -221,3 +250,7 @@ class ShardedParameters(ParameterResidency):
     def close(self) -> None:
         self.schedule.close()
         self.pool.clear()
+
+
+def _device_of_params(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))

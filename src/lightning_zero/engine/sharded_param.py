@@ -55,8 +55,10 @@ class ShardedParam:
             shard_data = _copy_to(chunk.detach(), host or chunk.device, self.master_dtype)
         self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
         self.offloaded = host is not None
-        # stage 3 with only the optimizer offloaded: the chunk the all-gather sends stays on the
-        # device in the parameter dtype, refreshed from the host after each step
+        # stage 3 with only the optimizer offloaded, or with half-precision weights: the chunk the
+        # all-gather sends stays on the device in the parameter dtype, refreshed from the host
+        # after each step (so casts stay on the device; see [Note: offloaded bucket])
+        keep_device_chunk = keep_device_chunk or (self.offloaded and not keep_full and self.holds_master_copy)
         self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
         self._storage_ptr = param.data_ptr()
         # stages 1-2: the flat view all-gathers write into, made once (``check_storage_unchanged``
@@ -100,6 +102,14 @@ class ShardedParam:
         """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
         kept, else the shard the optimizer steps."""
         return self.device_chunk if self.device_chunk is not None else self._shard_data
+
+    def move_shard_into(self, storage: Tensor) -> None:
+        """Keep ``shard``'s value in ``storage`` from now on (its place in a bucket's host buffer,
+        see [Note: offloaded bucket] in ``host_chunks.py``); the optimizer's parameter object stays."""
+        with torch.no_grad():
+            storage.copy_(self._shard_data)
+        self.shard.data = storage
+        self._shard_data = self.shard.detach()
 
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
@@ -195,16 +205,9 @@ class ShardedParam:
         if self._unsharded is not None:
             self._unsharded.untyped_storage().resize_(0)
 
-    def optimizer_state_bytes(self, state: Optional[dict]) -> int:
-        if not state:
-            return 0
-        return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
 
 
 def _copy_to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """A copy on ``device``; pinned when it is host memory feeding a CUDA device, so the copies
-    between them can run asynchronously."""
-    pin = device.type == "cpu" and tensor.device.type == "cuda"
-    out = torch.empty(tensor.shape, dtype=dtype, device=device, pin_memory=pin)
-    out.copy_(tensor)
-    return out
+    """A copy on ``device`` in ``dtype`` (an offloaded shard moves into its bucket's pinned host
+    buffer afterwards, see ``host_chunks.py``)."""
+    return tensor.to(device=device, dtype=dtype, copy=True)

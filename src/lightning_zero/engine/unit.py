@@ -22,13 +22,14 @@ from __future__ import annotations
 import enum
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from torch import Tensor, nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.bucket import Bucket, PendingParamGather
 from lightning_zero.engine.buffers import BufferPool
+from lightning_zero.engine.copy_stream import CopyStream
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.sharded_param import ShardedParam
 
@@ -53,6 +54,8 @@ class UnitCommunication:
     verdicts: HostReads
     check_every_gather: bool = False
     """Read each gather's tags at once (see [Note: unit tags])."""
+    copies: Optional[CopyStream] = None
+    """Host↔device copies of offloaded buckets (see ``host_chunks.py``); None without offload."""
 
 
 class UnitTags:
@@ -96,7 +99,9 @@ class Unit:
         members: dict[object, list[ShardedParam]] = defaultdict(list)
         for p in self.params:
             members[(p.param.dtype, p.param.requires_grad)].append(p)
-        self.buckets = [Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group) for ps in members.values()]
+        self.buckets = [
+            Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies) for ps in members.values()
+        ]
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
 

@@ -24,8 +24,9 @@ the engine holds under each Lightning precision:
 Any other precision is logged without an estimate.
 
 Where measurement and estimate differ by design:
-- With offload, the engine keeps the gradient chunks of offloaded parameters on the host (the CPU
-  optimizer steps them there); the estimator counts gradients on the device.
+- With offload, the engine keeps each offloaded bucket's gradient row on the host for good (the CPU
+  optimizer steps them there), and so does the estimator; during accumulation a second row (the
+  landing buffer, see ``engine/host_chunks.py``) is not in the estimate.
 - The estimator has no buffers term; the engine's ``buffers`` are logged, not estimated.
 - The estimator rounds Ψ/N up once; the engine pads each parameter's chunk, so the first ranks hold
   up to N-1 elements per parameter more, the last ones less (a fraction of a percent for real models).

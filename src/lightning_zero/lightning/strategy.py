@@ -72,6 +72,9 @@ class ZeroStrategy(DDPStrategy):
             optimizer there (any stage).
         offload_params: stage 3: also keep the parameter chunks in host memory between uses
             (needs ``offload_optimizer``).
+        fused_host_step: with offload, step Adam/AdamW/SGD/Adagrad with torch's fused CPU kernel
+            (default; matches a non-offloaded run to float rounding, not bitwise). False keeps the
+            optimizer's configured kernel.
         state_dict_type: "sharded" (default): ``trainer.save_checkpoint(path)`` writes a directory
             in which every rank writes its own chunks in parallel; it reloads at any world size and
             stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
@@ -98,6 +101,7 @@ class ZeroStrategy(DDPStrategy):
         check_units_every_gather: Optional[bool] = None,
         offload_optimizer: bool = False,
         offload_params: bool = False,
+        fused_host_step: bool = True,
         state_dict_type: StateDictType = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -116,6 +120,7 @@ class ZeroStrategy(DDPStrategy):
             check_units_every_gather=check_units_every_gather,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
+            fused_host_step=fused_host_step,
         )
         super().__init__(
             accelerator=accelerator,

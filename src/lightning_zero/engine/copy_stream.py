@@ -1,0 +1,80 @@
+"""Copies between host memory and the device, off the compute stream.
+
+On CUDA every copy runs on one side stream, ``non_blocking`` between pinned host memory and the
+device, so it overlaps backward and forward:
+
+- device → host: the copy stream first waits for the compute stream (the data is produced there);
+  the host reads the copy only after :meth:`CopyStream.synchronize`, once per backward.
+- host → device: the copy lands in a buffer allocated on the copy stream, so it starts at once
+  instead of after the compute queued before it; the compute stream waits for the copy's event
+  only where the data is used (never the host), and the buffer is not reused before that use ends.
+
+A device buffer a copy reads or fills is handed back to its pool with the copy's event, so the
+pool's next user waits for the copy on the device (see ``buffers.py``).
+
+Elsewhere (CPU training, where "host" and "device" are the same memory) copies are plain and
+synchronous, and the same code runs without streams or events.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+Event = Optional["torch.cuda.Event"]
+"""Marks a finished copy on CUDA; None where copies are synchronous."""
+
+
+class CopyStream:
+    """Host↔device copies for one compute ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.pinned = self._stream is not None
+        """Whether host buffers for these copies are pinned (page-locked): what makes CUDA copies
+        asynchronous and as fast as the bus."""
+
+    def to_host(self, host: Tensor, device_data: Tensor) -> Event:
+        """Copy ``device_data`` (ready on the compute stream) into ``host`` (pinned, same shape and
+        dtype). The host may read ``host`` only after :meth:`synchronize`."""
+        if self._stream is None:
+            host.copy_(device_data)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(device_data, non_blocking=True)
+            device_data.record_stream(self._stream)  # for a buffer freed (not pooled) before the copy ran
+            return self._record()
+
+    def to_device(self, host: Tensor) -> Tensor:
+        """A device copy of ``host`` (pinned), for kernels issued on the compute stream after this
+        call to read; the host does not wait. Where host and device are one memory: ``host``."""
+        if self._stream is None:
+            return host if host.device == self.device else host.to(self.device)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            device_data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            device_data.copy_(host, non_blocking=True)
+            event = self._record()
+        compute.wait_event(event)
+        device_data.record_stream(compute)  # its memory is not reused before the compute stream is done with it
+        return device_data
+
+    def synchronize(self) -> None:
+        """The host waits for every copy issued so far: before it reads what came to the host, and
+        before it writes host memory a copy to the device may still read (the optimizer step)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _record(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
+    """A 1D host buffer (contents undefined), pinned when copies to a CUDA device read or fill it."""
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned)
