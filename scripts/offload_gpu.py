@@ -46,7 +46,7 @@ from lightning_zero.engine import ZeroConfig, ZeroEngine, ZeroStage
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload_one_device import VARIANTS  # noqa: E402  (zero3 and zero3_offload, shared with issue 6's check)
+from offload_one_device import VARIANTS, timed_step  # noqa: E402  (shared with issue 6's check)
 
 RATIO_TARGET = 1.25
 """zero3_offload step <= 1.25 x (zero3 step + CPU optimizer step alone)."""
@@ -113,7 +113,6 @@ def train(config: ZeroConfig, n_layer: int, batch_size: int, steps: int, args: a
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine = ZeroEngine(model, [optimizer], config, device=device)
     data = torch.randint(0, 256, (batch_size, args.block_size + 1), device=device)  # (B, T + 1) bytes
-    inputs, targets = data[:, :-1], data[:, 1:]  # (B, T), (B, T)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -121,20 +120,9 @@ def train(config: ZeroConfig, n_layer: int, batch_size: int, steps: int, args: a
     times, losses = [], []
     try:
         for step in range(steps):
-            start = time.perf_counter()
-            engine.begin_step()
-            with amp:
-                _, loss = model(inputs, targets)
-            loss.backward()
-            engine.finish_backward()
-            engine.end_step()
-            optimizer.step()
-            engine.after_optimizer_step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+            seconds, loss = timed_step(engine, model, optimizer, data, amp)
+            times.append(seconds)
+            losses.append(loss)
             log(f"  {n_layer} layers, step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}")
         report = engine.memory_report()
         return {

@@ -10,6 +10,7 @@ is what lets a single device train a model larger than its memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,6 +29,23 @@ VARIANTS = {
 }
 
 
+def timed_step(engine: ZeroEngine, model: GPT, optimizer: torch.optim.Optimizer, data: torch.Tensor, amp=None) -> tuple[float, float]:
+    """One training step through the engine API (under ``amp`` when given): seconds, loss."""
+    start = time.perf_counter()
+    engine.begin_step()
+    with amp if amp is not None else contextlib.nullcontext():
+        _, loss = model(data[:, :-1], data[:, 1:])
+    loss.backward()
+    engine.finish_backward()
+    engine.end_step()
+    optimizer.step()
+    engine.after_optimizer_step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    if data.device.type == "cuda":
+        torch.cuda.synchronize(data.device)
+    return time.perf_counter() - start, loss.item()
+
+
 def measure(config: ZeroConfig, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -40,19 +58,9 @@ def measure(config: ZeroConfig, args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for _ in range(args.warmup + args.steps):
-        start = time.perf_counter()
-        engine.begin_step()
-        _, loss = model(data[:, :-1], data[:, 1:])
-        loss.backward()
-        engine.finish_backward()
-        engine.end_step()
-        optimizer.step()
-        engine.after_optimizer_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        seconds, loss = timed_step(engine, model, optimizer, data)
+        times.append(seconds)
+        losses.append(loss)
     report = engine.memory_report()
     engine.close()
     return {
