@@ -85,6 +85,8 @@ class ParameterResidency(abc.ABC):
 
     def write_back(self) -> None:
         """Copy edits of the full parameters into the chunks the optimizer steps."""
+        if self.copies is not None:
+            self.copies.synchronize()  # no copy to the device still reads the host chunks
         for p in self.params:
             p.sync_master_from_param()
 
