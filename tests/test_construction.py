@@ -11,10 +11,34 @@ import lightning_zero
 from lightning_zero import ZeroStrategy
 
 
-@pytest.mark.parametrize("stage", [0, 4, "2", 2.5, True, None])
+@pytest.mark.parametrize("stage", [0, 4, "2", 2.5, 3.0, 2.0, True, None])
 def test_bad_stage_is_refused_at_construction(stage):
     with pytest.raises(ValueError, match="must be one of 1, 2 or 3"):
         ZeroStrategy(stage=stage)
+
+
+@pytest.mark.parametrize(
+    "stage, options",
+    [
+        (1, {"unit_classes": ["Block"]}),
+        (2, {"prefetch_units": 2}),
+        (2, {"min_unit_params": 1000}),
+        (1, {"check_units_every_gather": False}),
+        (2, {"unit_classes": ["Block"], "prefetch_units": 0}),
+    ],
+)
+def test_stage_3_options_at_stages_1_and_2_are_refused(stage, options):
+    with pytest.raises(ValueError, match="only apply at stage 3") as err:
+        ZeroStrategy(stage=stage, **options)
+    for name in options:
+        assert f"`{name}`" in str(err.value)
+    ZeroStrategy(stage=3, **options)  # where they do apply
+
+
+def test_fused_host_step_without_offload_is_refused():
+    with pytest.raises(ValueError, match="only applies with `offload_optimizer=True`"):
+        ZeroStrategy(stage=2, fused_host_step=False)
+    ZeroStrategy(stage=2, fused_host_step=False, offload_optimizer=True)
 
 
 @pytest.mark.parametrize("size", [0, -1, float("nan"), float("inf")])

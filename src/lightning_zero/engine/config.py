@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 
@@ -34,6 +34,8 @@ class ZeroStage(enum.IntEnum):
 
 
 ENGINE_STAGES = (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
+STAGE_3_OPTIONS = ("unit_classes", "min_unit_params", "prefetch_units", "check_units_every_gather")
+"""Options of how stage 3 gathers parameters; at stages 1-2 they would do nothing."""
 
 
 def check_offload(stage: ZeroStage, offload_optimizer: bool, offload_params: bool) -> None:
@@ -106,7 +108,7 @@ class ZeroConfig:
     keep the kernel the optimizer was configured with."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in {int(s) for s in ENGINE_STAGES}:
+        if type(self.stage) is not int or self.stage not in {int(s) for s in ENGINE_STAGES}:  # not 3.0, not True
             raise ValueError(
                 f"ZeRO `stage` must be one of 1, 2 or 3 (1 shards optimizer state, 2 also gradients,"
                 f" 3 also parameters), got {self.stage!r}."
@@ -132,6 +134,27 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
+        self._check_options_apply()
+
+    def _check_options_apply(self) -> None:
+        """An option that does nothing with the chosen stage raises rather than being ignored: a
+        user who sets ``unit_classes`` at stage 2 believes something is sharded that is not. (A
+        LightningCLI config switched from zero3 to zero2 with the stage-3 options left in gets
+        this message too, naming the options to delete; a warning would scroll by unread.)"""
+        defaults = {f.name: f.default for f in fields(self)}
+        given = [name for name in STAGE_3_OPTIONS if getattr(self, name) != defaults[name]]
+        if given and not self.zero_stage.shards_parameters:
+            raise ValueError(
+                f"{', '.join(f'`{n}`' for n in given)} only apply at stage 3 (they say how parameters"
+                f" are gathered), but `stage={self.stage}` keeps full parameters on every rank. Remove"
+                " them, or use `stage=3`."
+            )
+        if self.fused_host_step is not defaults["fused_host_step"] and not self.offload_optimizer:
+            raise ValueError(
+                "`fused_host_step` only applies with `offload_optimizer=True` (it picks the kernel of the"
+                " optimizer step on the host); without offload the optimizer keeps its own settings."
+                " Remove it, or set `offload_optimizer=True`."
+            )
 
     @property
     def zero_stage(self) -> ZeroStage:

@@ -13,6 +13,10 @@ strategy or a plain training loop can call them the same way::
         loss = model(batch); loss.backward(); engine.finish_backward()
         engine.end_step()  # after the step's last backward, before the optimizer step
         optimizer.step(); engine.after_optimizer_step(optimizer); optimizer.zero_grad()
+    with torch.no_grad():
+        for batch in eval_data:  # ranks may run different numbers of evaluation steps
+            engine.begin_evaluation_step(); model(batch); engine.end_step()
+        engine.finish_evaluation()
 
 ``end_step`` has this one place: after the last backward of a step (with gradient accumulation,
 after the last micro-batch's), before the optimizer step, and after each evaluation step. Stage 3
@@ -35,6 +39,7 @@ from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.host_step import fuse_host_steps
 from lightning_zero.engine.memory import MemoryReport, measure
 from lightning_zero.engine.norms import global_norms
+from lightning_zero.engine.param_guard import ParameterReplacementGuard
 from lightning_zero.engine.residency import HOST, ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
     check_optimizer,
@@ -88,15 +93,27 @@ class ZeroEngine:
             self.grad_sync = ReduceDuringBackward(self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None)
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
+        self._replacement_guard = ParameterReplacementGuard(module, self.params)
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Before each training/evaluation step (stage 3 gathers the root unit here)."""
         self.residency.begin_step()
 
+    def begin_evaluation_step(self) -> None:
+        """Before each evaluation (validation, test, predict) step, instead of ``begin_step``."""
+        self.residency.announce_evaluation_step()
+        self.residency.begin_step()
+
+    def finish_evaluation(self) -> None:
+        """After this rank's last evaluation step of a loop (on every rank): ranks may run
+        different numbers of evaluation steps (see ``evaluation_join.py``)."""
+        self.residency.finish_evaluation()
+
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
+        self.residency.finish_backward_gathers()
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
         self._wait_for_host_copies()
@@ -187,6 +204,7 @@ class ZeroEngine:
         every hook (stage 3 gathers one unit at a time)."""
         self.grad_sync.close()
         self._close_fused_host_steps()
+        self._replacement_guard.close()
         self.residency.release_to(device)
 
     def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
@@ -223,6 +241,7 @@ class ZeroEngine:
         self.grad_sync.close()
         self.residency.close()
         self._close_fused_host_steps()
+        self._replacement_guard.close()
 
     def _close_fused_host_steps(self) -> None:
         for step in self._fused_host_steps:

@@ -6,7 +6,7 @@ its parameters may be used anywhere in the step):
 - forward pre-hook: gather U (waiting for its prefetch), then prefetch the units that followed U
   in the previous forward;
 - forward post-hook: free U; under autograd, hook U's outputs so that the first gradient reaching
-  them gathers U again (and prefetches the unit that ran before U), and hook U's inputs so that once
+  them gathers U again (see [Note: backward gather order]), and hook U's inputs so that once
   their gradients are computed — U's backward is over — U is freed again; a module called several
   times in one forward is freed after the backward of its last pending call only (its calls'
   hooks fire in no fixed order where one call's output is the next one's input);
@@ -17,11 +17,24 @@ its parameters may be used anywhere in the step):
 
 All-gathers are issued in forward order (and its reverse in backward) on a process group of their
 own, so they never interleave with the reduce-scatters, whose order is fixed by the buckets.
+
+[Note: backward gather order]
+Collectives are matched by the order each rank issues them, so every rank must issue the same
+backward all-gathers in the same order, even where the ranks' backwards differ: a rank whose loss
+is detached from the first blocks (or that skips a unit's backward for any data-dependent reason)
+never reaches those units' gradient hooks, and would leave its peers waiting in an all-gather
+forever. So the backward gathers follow a queue that every rank derives from its forward, not from
+its gradients: the units whose outputs needed a gradient, in reverse order of their last forward
+call. A unit's first gradient issues the queue up to that unit (and ``prefetch_units`` beyond);
+units that are never reached are issued by ``finish_backward_gathers`` before the gradients are
+reduced, gathered and freed at once. The forwards agree across ranks (the unit tags check that),
+hence so do the queues. A unit reached again after its backward freed it (a recomputing
+checkpoint) is gathered on demand, as every rank does alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -51,6 +64,11 @@ class GatherSchedule:
         # (manual optimization runs several backwards per step):
         self._backward_calls_pending: dict[int, int] = {}  # calls with an input that needs a gradient
         self._grads_pending: dict[int, set[int]] = {}  # for a call without one: its trainable parameters
+        # the backward gather queue (see [Note: backward gather order]):
+        self._called_with_grad: list[int] = []  # units whose forward output needs a gradient, in call order
+        self._backward_queue: Optional[list[Unit]] = None  # made at this backward's first gradient hook
+        self._queue_position: dict[int, int] = {}
+        self._issued = 0  # queue entries whose gather has been issued
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
         for unit in self.units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
@@ -69,13 +87,38 @@ class GatherSchedule:
             unit.reshard()
         self._forget_backward()
 
+    def finish_backward_gathers(self) -> None:
+        """Gather (and free) the units this rank's backward never reached, in queue order, so that
+        peers whose backward does reach them are not left waiting (see [Note: backward gather
+        order]). Called after backward, before its gradients are reduced."""
+        queue = self._queue()
+        while self._issued < len(queue):
+            unit = queue[self._issued]
+            self._issued += 1
+            if unit.state is UnitState.SHARDED:
+                unit.unshard()
+                unit.reshard()
+
     def _forget_backward(self) -> None:
         self._backward_calls_pending.clear()
         self._grads_pending.clear()
+        self._called_with_grad.clear()
+        self._backward_queue, self._queue_position, self._issued = None, {}, 0
 
     def end_step(self) -> None:
         for unit in self.units:
             unit.reshard()
+
+    def replay_evaluation_step(self) -> None:
+        """Issue the gathers of an evaluation step without running it: those of this rank's last
+        step, in its forward order (a rank out of batches shadowing its peers, see
+        ``evaluation_join.py``)."""
+        order = self._forward_order or self._previous_order or [unit.index for unit in self.units[1:]]
+        self.root.unshard()
+        for index in order:
+            self.units[index].unshard()
+            self.units[index].reshard()
+        self.root.reshard()
 
     def refresh_gathered(self) -> None:
         """After an optimizer step: gathered units hold stale weights; gather them anew."""
@@ -100,8 +143,8 @@ class GatherSchedule:
                 return output
             outputs, inputs = _grad_tensors(output), _grad_tensors(args, kwargs)
             if outputs:
-                position = len(self._forward_order) - 1
-                register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit, position), mode="any")
+                self._called_with_grad.append(unit.index)
+                register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit), mode="any")
             if outputs and not inputs:
                 self._grads_pending[unit.index] = {id(p) for p in unit.params if p.param.requires_grad}
             if inputs:
@@ -117,10 +160,31 @@ class GatherSchedule:
         if remaining <= 0 and not self._grads_pending.get(unit.index):
             unit.reshard()
 
-    def _pre_backward(self, unit: Unit, position: int) -> None:
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue()
+        position = self._queue_position.get(unit.index)
+        freed_after_its_turn = position is not None and position < self._issued and unit.state is UnitState.SHARDED
+        if position is None or freed_after_its_turn:  # not queued, or reached again: on demand
+            unit.unshard()
+            return
+        self._issue_through(position)
         unit.unshard()
-        for earlier in range(position - 1, max(position - 1 - self.prefetch_units, -1), -1):
-            self.units[self._forward_order[earlier]].start_unshard()
+        self._issue_through(position + self.prefetch_units)
+
+    def _queue(self) -> list[Unit]:
+        """This backward's gather queue, made from the forward calls before it (see [Note:
+        backward gather order])."""
+        if self._backward_queue is None:
+            order = list(dict.fromkeys(reversed(self._called_with_grad)))  # reverse order of last call
+            self._backward_queue = [self.units[i] for i in order]
+            self._queue_position = {index: position for position, index in enumerate(order)}
+        return self._backward_queue
+
+    def _issue_through(self, position: int) -> None:
+        queue = self._queue()
+        while self._issued <= min(position, len(queue) - 1):
+            queue[self._issued].start_unshard()
+            self._issued += 1
 
     def grad_accumulated(self, param: ShardedParam) -> None:
         """``param``'s gradient for this backward is accumulated: the last one of a unit whose

@@ -22,6 +22,7 @@ from lightning_zero.engine.bucket import Bucket, assign_buckets, finish_pipeline
 from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.copy_stream import CopyStream
+from lightning_zero.engine.evaluation_join import EvaluationJoin
 from lightning_zero.engine.gather_schedule import GatherSchedule
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.materialize import build_units
@@ -61,6 +62,17 @@ class ParameterResidency(abc.ABC):
 
     def begin_step(self) -> None:
         """Before a training or evaluation step."""
+
+    def announce_evaluation_step(self) -> None:
+        """Before an evaluation step: stage 3 tells ranks that ran out of batches that this one
+        still runs a step (see ``evaluation_join.py``)."""
+
+    def finish_evaluation(self) -> None:
+        """After this rank's last evaluation step: stage 3 shadows the steps its peers still run."""
+
+    def finish_backward_gathers(self) -> None:
+        """After each backward, before its gradients are reduced: stage 3 issues the gathers its
+        peers may still wait for (see [Note: backward gather order] in ``gather_schedule.py``)."""
 
     def end_backward(self) -> None:
         """After each backward, once the gradients are reduced."""
@@ -190,6 +202,7 @@ class ShardedParameters(ParameterResidency):
         ]
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
+        self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
     def buckets_with_host(self) -> list[Bucket]:
@@ -200,6 +213,16 @@ class ShardedParameters(ParameterResidency):
 
     def begin_step(self) -> None:
         self.schedule.begin_step()
+
+    def announce_evaluation_step(self) -> None:
+        self.join.announce_step()
+
+    def finish_evaluation(self) -> None:
+        self.join.shadow_until_all_done(self.schedule.replay_evaluation_step)
+        self._verdicts.read()
+
+    def finish_backward_gathers(self) -> None:
+        self.schedule.finish_backward_gathers()
 
     def end_backward(self) -> None:
         self.schedule.end_backward()

@@ -202,8 +202,16 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Back to rest: release the full data (see [Note: stage-3 storage])."""
         self.param.data = self._placeholder
-        if self._unsharded is not None:
-            self._unsharded.untyped_storage().resize_(0)
+        if self._unsharded is None:
+            return
+        storage = self._unsharded.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:
+            # someone holds the memory outside torch (``.numpy()`` makes a storage non-resizable,
+            # e.g. to export a weight inside ``summon_full_params``): leave it to them, with the
+            # values it had, and gather into a new tensor next time
+            self._unsharded = self._unsharded_flat = self._target_rows = None
 
 
 

@@ -35,6 +35,7 @@ from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import StateDictType, ZeroCheckpointing, unwrap_optimizer
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
+from lightning_zero.lightning.uneven_evaluation import run_first
 
 STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
@@ -183,6 +184,7 @@ class ZeroStrategy(DDPStrategy):
                 self.lightning_module, self.optimizers if fitting else [], self.zero_config, device=self.root_device
             )
             use_true_sizes_in_model_summary(trainer, self._engine)
+            run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)
         else:
             self.model_to_device()
             # every replica starts from rank 0's weights and buffers, as under DDP
@@ -287,7 +289,7 @@ class ZeroStrategy(DDPStrategy):
     def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._engine is None:
             return step(*args, **kwargs)
-        self._engine.begin_step()
+        self._engine.begin_evaluation_step()
         try:
             return step(*args, **kwargs)
         finally:
