@@ -145,9 +145,9 @@ class ZeroConfig:
         given = [name for name in STAGE_3_OPTIONS if getattr(self, name) != defaults[name]]
         if given and not self.zero_stage.shards_parameters:
             raise ValueError(
-                f"{', '.join(f'`{n}`' for n in given)} only apply at stage 3 (they say how parameters"
-                f" are gathered), but `stage={self.stage}` keeps full parameters on every rank. Remove"
-                " them, or use `stage=3`."
+                f"{', '.join(f'`{n}`' for n in given)} only {'applies' if len(given) == 1 else 'apply'} at"
+                f" stage 3 (how parameters are gathered), but `stage={self.stage}` keeps full parameters"
+                " on every rank. Remove them, or use `stage=3`."
             )
         if self.fused_host_step is not defaults["fused_host_step"] and not self.offload_optimizer:
             raise ValueError(
