@@ -1,10 +1,20 @@
-"""Checkpoints: sharded directories (torch.distributed.checkpoint), atomic saves, conversion.
+"""Checkpoints: sharded directories (torch.distributed.checkpoint), checksums, atomic saves,
+conversion and verification.
 
 Like ``engine/collectives.py`` for communication, this package is the one place that talks to
 ``torch.distributed.checkpoint`` and DTensor.
 """
 
 from lightning_zero.checkpoint.convert import convert_checkpoint
+from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, is_sharded_checkpoint
+from lightning_zero.checkpoint.verify import verify_checkpoint
 
-__all__ = ["Manifest", "convert_checkpoint", "is_sharded_checkpoint"]
+__all__ = [
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "Manifest",
+    "convert_checkpoint",
+    "is_sharded_checkpoint",
+    "verify_checkpoint",
+]

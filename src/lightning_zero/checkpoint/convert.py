@@ -21,22 +21,26 @@ import torch
 
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
 from lightning_zero.checkpoint.directory import OPTIMIZERS_KEY
+from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
+from lightning_zero.checkpoint.integrity import check_directory
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
-from lightning_zero.checkpoint.sharded import SHARDED, TENSOR, read_meta, read_tensors, tensor_metadata
+from lightning_zero.checkpoint.sharded import SHARDED, TENSOR
+from lightning_zero.checkpoint.storage import read_meta, read_tensors, tensor_metadata
 
 
 def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False) -> Path:
     """Write the single-file form of the sharded checkpoint ``src`` to ``dst``; returns ``dst``.
 
-    Refuses to overwrite ``src`` itself; an existing ``dst`` file is replaced only once the new
-    one is complete.
+    Refuses to overwrite ``src`` itself, or to convert a damaged one (every file is checked against
+    the checksum in its manifest first); an existing ``dst`` file is replaced only once the new one
+    is complete.
     """
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise ValueError(f"convert_checkpoint would overwrite its source {str(src)!r}; choose another destination.")
     if dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
-    manifest = Manifest.read(src)
+    manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src)
     metadata = tensor_metadata(src)
 
@@ -63,7 +67,12 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
         ]
     dst.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
-    torch.save(checkpoint, temporary)
+    try:
+        with open(temporary, "wb") as f:  # an open file, so that a full disk is reported in the OS's words
+            torch.save(checkpoint, f)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        temporary.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"{str(dst)!r} could not be written: {describe(err, with_filename=False)}.") from err
     commit(temporary, dst)
     return dst
 

@@ -13,15 +13,9 @@ from typing import Any, Optional, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.manifest import Manifest, PathLike
-from lightning_zero.checkpoint.sharded import (
-    CheckpointGroup,
-    build_manifest,
-    load_model,
-    load_optimizer,
-    read_meta,
-    write_directory,
-)
+from lightning_zero.checkpoint.manifest import PathLike
+from lightning_zero.checkpoint.sharded import build_manifest, load_model, load_optimizer
+from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
 from lightning_zero.engine import ZeroEngine
 
 OPTIMIZERS_KEY = "lightning_zero_optimizers"
@@ -53,8 +47,9 @@ def load_directory(
 ) -> dict[str, Any]:
     """Load the weights (and the ``optimizers``' state, when given) straight into this rank's
     chunks, at any world size and stage; returns the rest of the checkpoint for Lightning, with
-    empty ``state_dict`` / ``optimizer_states`` entries (already restored)."""
-    manifest = Manifest.read(directory)
+    empty ``state_dict`` / ``optimizer_states`` entries (already restored). Every file is checked
+    against its checksum first, each rank checking a share."""
+    manifest = verify_on_ranks(directory, group)
     meta = read_meta(directory)
     load_model(directory, manifest, module, engine, group, strict=strict)
     if engine is not None:

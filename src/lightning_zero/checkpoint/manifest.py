@@ -1,8 +1,10 @@
 """The manifest of a sharded checkpoint directory: what it holds, written last.
 
-A directory counts as a complete checkpoint only with a readable manifest; saves also happen in a
-temporary directory renamed into place once complete (``atomic.py``), so an interrupted save is
-never found under the checkpoint's name.
+A directory counts as a complete checkpoint only with a readable manifest whose files are all there
+at their recorded sizes; saves also happen in a temporary directory switched into place once
+complete (``atomic.py``), so an interrupted save is never found under the checkpoint's name.
+
+Format 2 adds a CRC-32 of every file (``integrity.py``); format 1 directories (sizes only) still load.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
-FORMAT = "lightning-zero/sharded/1"
+from lightning_zero.checkpoint.errors import CorruptCheckpointError
+
+FORMAT = "lightning-zero/sharded/2"
+READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT)
+"""Format 2 only adds ``checksums``. The version moved so that an older lightning-zero refuses a new
+checkpoint by naming its format, rather than calling its manifest corrupted (unknown field)."""
 MANIFEST_NAME = "lightning_zero.json"
 META_NAME = "meta.pt"
 """Everything of the Lightning checkpoint that is not a tensor shard (loops, callbacks, LR
@@ -38,6 +45,9 @@ class Manifest:
     files: dict[str, int] = field(default_factory=dict)
     """Every other file of the directory and its size in bytes, checked on reading so that a
     truncated or missing shard is named instead of read as garbage."""
+    checksums: dict[str, int] = field(default_factory=dict)
+    """CRC-32 of every file of ``files`` (format 2; empty in format 1), checked before loading so that
+    bytes changed in place are named instead of trained on."""
     format: str = FORMAT
 
     def write(self, directory: PathLike) -> None:
@@ -63,26 +73,35 @@ class Manifest:
             data = json.loads(path.read_text())
             manifest = cls(**data)
         except (ValueError, TypeError) as err:
-            raise ValueError(f"The checkpoint manifest {str(path)!r} is corrupted: {err}") from err
-        if manifest.format != FORMAT:
+            raise CorruptCheckpointError(f"The checkpoint manifest {str(path)!r} is corrupted: {err}") from err
+        if manifest.format not in READABLE_FORMATS:
             raise ValueError(
                 f"{str(directory)!r} was written in format {manifest.format!r}; this version of"
-                f" lightning-zero reads {FORMAT!r}."
+                f" lightning-zero reads {' and '.join(map(repr, READABLE_FORMATS))}."
             )
-        for name, size in manifest.files.items():
-            found = directory / name
-            if not found.is_file():
-                raise ValueError(f"Checkpoint {str(directory)!r} is incomplete: {name} is missing.")
-            if found.stat().st_size != size:
-                raise ValueError(
-                    f"Checkpoint {str(directory)!r} is damaged: {name} is truncated or corrupted"
-                    f" ({found.stat().st_size} bytes, written as {size})."
-                )
+        for name in manifest.files:
+            problem = manifest.size_problem(directory, name)
+            if problem is not None:
+                raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {problem}.")
         return manifest
 
-    def record_files(self, directory: PathLike) -> None:
-        """Note the size of every file now in ``directory`` (all but the manifest itself)."""
+    def size_problem(self, directory: PathLike, name: str) -> Optional[str]:
+        """What is wrong with file ``name`` short of reading it (missing, other size), or None."""
+        try:
+            size = (Path(directory) / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size != self.files[name]:
+            return f"{name} is truncated or corrupted ({size} bytes, written as {self.files[name]})"
+        return None
+
+    def record_files(self, directory: PathLike, checksums: dict[str, int]) -> None:
+        """Note the size and checksum of every file now in ``directory`` (all but the manifest)."""
         self.files = {p.name: p.stat().st_size for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST_NAME}
+        unsummed = sorted(set(self.files) - set(checksums))
+        if unsummed:
+            raise RuntimeError(f"lightning-zero bug: no checksum was taken of {unsummed} in {str(directory)!r}.")
+        self.checksums = {name: checksums[name] for name in self.files}
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:

@@ -4,7 +4,8 @@ Layout of ``<path>/``::
 
     .metadata, __<rank>_0.distcp   DCP: every rank writes its own chunks, in parallel
     meta.pt                        rank 0: the rest of the Lightning checkpoint
-    lightning_zero.json            the manifest, written last (see manifest.py)
+    lightning_zero.json            the manifest, written last (see manifest.py), with the size and
+                                   CRC-32 of every other file (see integrity.py)
 
 DCP keys (flat, "/"-separated so that parameter names keep their dots)::
 
@@ -20,52 +21,28 @@ Why DTensor: plain tensors saved under one key by every rank are deduplicated by
 replicated, silently keeping rank 0's chunk only. A DTensor tells DCP which slice each rank
 holds, so a checkpoint loads at any world size and any stage: loading asks for the slices the
 new layout needs.
+
+Reading and writing the files (with checksums and errors that name the file) is ``storage.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.manifest import META_NAME, Manifest, PathLike
+from lightning_zero.checkpoint.manifest import Manifest, PathLike
+from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.sharded_param import ShardedParam
 
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
-
-
-class CheckpointGroup:
-    """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
-    chunks are staged on the CPU, whatever backend training uses. Created on first use (a
-    collective call, made by every rank at the same save or load)."""
-
-    def __init__(self) -> None:
-        self._group: Optional[dist.ProcessGroup] = None
-        self._mesh: Optional[DeviceMesh] = None
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        if self._group is None:
-            self._group = (
-                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-            )
-        return self._group
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.group, "cpu")
-        return self._mesh
 
 
 def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -168,26 +145,7 @@ def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, li
     return {name: list(sharded.get(id(p), p.shape)) for name, p in module.named_parameters()}
 
 
-def write_directory(directory: PathLike, tensors: dict[str, Tensor], meta: dict[str, Any], manifest: Manifest, group: CheckpointGroup) -> None:
-    """Every rank writes its chunks into ``directory``; rank 0 then writes meta.pt and, last, the manifest."""
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True), process_group=group.group)
-    if dist.get_rank() == 0:  # DCP's save returns once every rank's shards and .metadata are written
-        torch.save(meta, Path(directory) / META_NAME)
-        manifest.record_files(directory)
-        manifest.write(directory)
-
-
 # ---- what is loaded -----------------------------------------------------------------------------
-def read_meta(directory: PathLike) -> dict[str, Any]:
-    path = Path(directory) / META_NAME
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise ValueError(f"Checkpoint {str(directory)!r} has no {META_NAME}: it is incomplete.") from None
-    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
-        raise ValueError(f"{str(path)!r} is truncated or corrupted ({type(err).__name__}: {err}).") from err
-
-
 def check_model_matches(manifest: Manifest, expected: dict[str, list[int]], directory: PathLike, strict: bool) -> None:
     """Names and shapes of the checkpoint against the model's, with every difference named."""
     missing = sorted(set(expected) - set(manifest.params))
@@ -304,24 +262,3 @@ def load_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def tensor_metadata(directory: PathLike) -> dict[str, Any]:
-    """DCP's metadata of every tensor saved in ``directory``, by key (full shapes and dtypes)."""
-    try:
-        return dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    except Exception as err:  # noqa: BLE001
-        raise ValueError(f"Checkpoint {str(directory)!r}: its DCP metadata cannot be read ({type(err).__name__}: {err}).") from err
-
-
-def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup]) -> None:
-    """Fill ``targets`` (plain tensors or DTensor shards, by key) from ``directory``; ``group=None``
-    reads in this process alone (the converter), else collectively over ``group``."""
-    try:
-        if group is None:
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-        else:
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), process_group=group.group)
-    except Exception as err:  # noqa: BLE001 - DCP wraps file errors in CheckpointException
-        raise ValueError(
-            f"Checkpoint {str(directory)!r} could not be read: a shard file is missing, truncated or"
-            f" corrupted ({type(err).__name__}: {str(err)[:500]})."
-        ) from err

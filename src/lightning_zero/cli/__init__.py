@@ -1,6 +1,6 @@
 """The `lightning-zero` console script: one module per subcommand, this one only dispatches.
 
-Each subcommand module (`estimate`, `convert`, `bench`) defines a `Subcommand`: a name, a line of
+Each subcommand module (`estimate`, `convert`, `verify`, `bench`) defines a `Subcommand`: a name, a line of
 help, a function that adds its arguments and one that runs it. Bad input exits with status 2 and an
 argparse-style message, as argparse itself does. Nothing else in the package imports this one.
 """
@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 from lightning_zero.cli.bench import BENCH
 from lightning_zero.cli.convert import CONVERT
 from lightning_zero.cli.estimate import ESTIMATE
+from lightning_zero.cli.verify import VERIFY
 
-SUBCOMMANDS = (ESTIMATE, CONVERT, BENCH)
+SUBCOMMANDS = (ESTIMATE, CONVERT, VERIFY, BENCH)
 """Every subcommand, in `--help` order."""
 
 

@@ -1,5 +1,7 @@
 """`lightning-zero convert`: a sharded checkpoint directory to one plain Lightning checkpoint file
-(`lightning_zero.checkpoint.convert_checkpoint`), in one CPU process."""
+(`lightning_zero.checkpoint.convert_checkpoint`), in one CPU process. The source is checked against
+its checksums first; a missing, damaged or unwritable checkpoint exits with status 2 and one line
+naming the file and the cause, no traceback."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer)
-    except (FileNotFoundError, ValueError, IsADirectoryError) as err:
+    except (OSError, ValueError) as err:  # missing, damaged (CorruptCheckpointError), or a full disk
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0

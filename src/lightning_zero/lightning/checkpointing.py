@@ -4,22 +4,34 @@ delegates its checkpoint hooks to.
 It holds only checkpoint state (the format, the DCP process group, where the last restore came
 from); the engine and the module are handed in by the strategy at each call. The formats and their
 guarantees are in the ``lightning_zero.checkpoint`` package.
+
+Every save ends with one outcome shared by all ranks: each raises the same error, or none does.
+``RecoveringLauncher`` puts back checkpoints that a crash left under a sibling name before Lightning
+resolves ``ckpt_path="last"`` (see ``checkpoint/atomic.py``).
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_zero.checkpoint.atomic import commit, temporary_sibling
+from lightning_zero.checkpoint.atomic import commit, recover, recover_folder, temporary_sibling
 from lightning_zero.checkpoint.directory import load_directory, save_directory
+from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
+from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.sharded import CheckpointGroup, model_tensors, optimizer_shards
+from lightning_zero.checkpoint.sharded import model_tensors, optimizer_shards
+from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine import ZeroEngine
 
 StateDictType = Literal["sharded", "full"]
@@ -75,18 +87,21 @@ class ZeroCheckpointing:
     ) -> None:
         """Write ``filepath`` (a directory when sharded, else one file written by rank 0 with
         ``write_file``) so that it appears only once complete: an interrupted save leaves the previous
-        checkpoint there untouched. A collective."""
+        checkpoint there untouched. A collective; if any rank fails, every rank raises the same
+        ``CheckpointWriteError``, the cause and the file on its first line."""
         path = Path(ranks.broadcast(str(filepath)))
         temporary = temporary_sibling(path, ranks.broadcast(uuid.uuid4().hex[:8]))
-        if self.saves_directory(engine):
-            assert engine is not None
-            save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group)
-        elif ranks.is_global_zero:
-            write_file(checkpoint, temporary)
-        ranks.barrier("lightning_zero.save_checkpoint")
-        if ranks.is_global_zero:
-            commit(temporary, path)
-        ranks.barrier("lightning_zero.save_checkpoint.commit")
+        try:
+            if self.saves_directory(engine):
+                assert engine is not None
+                save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group)
+            else:
+                _on_rank_zero(ranks, lambda: write_file(checkpoint, temporary), f"while writing {temporary.name}")
+            _on_rank_zero(ranks, lambda: commit(temporary, path), f"while moving {temporary.name} into its place")
+        except CheckpointWriteError as err:
+            raise CheckpointWriteError(
+                f"Checkpoint {str(path)!r} was not saved: {err.detail}; the checkpoint saved there before, if any, is untouched."
+            ) from err
 
     def load(
         self,
@@ -99,17 +114,21 @@ class ZeroCheckpointing:
     ) -> dict[str, Any]:
         """A sharded directory is read straight into the shards (any world size, any stage) and what
         Lightning restores itself (loops, schedulers, callbacks, ...) is returned; a file (ours with
-        ``state_dict_type="full"``, or one written by DDP) is read with ``read_file``."""
+        ``state_dict_type="full"``, or one written by DDP) is read with ``read_file``. Both are checked
+        against their checksums first; a checkpoint that a crash left under a sibling name while it
+        was being replaced is moved back first."""
         path = Path(checkpoint_path)
+        recover(path)  # every rank: they agree on which sibling, whoever moves it
         self.restored_from_directory = path.is_dir()
         if path.is_dir():
             return load_directory(path, module, engine, optimizers, strict, self.group)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
+        check_zip(path)  # the same bytes on every rank, so the same verdict
         try:
             return read_file(path)
         except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
-            raise ValueError(f"Checkpoint {str(path)!r} is truncated or corrupted ({type(err).__name__}: {err}).") from err
+            raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupted ({describe(err)}).") from err
 
     @staticmethod
     def load_full_optimizer_states(engine: ZeroEngine, optimizers: Sequence[Optimizer], states: Sequence[Any]) -> None:
@@ -123,6 +142,51 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
+
+
+def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:
+    """Rank 0 runs ``work`` (a file write or the commit); every rank then raises the same
+    ``CheckpointWriteError`` if it failed. The broadcast doubles as the barrier that ends the step."""
+    error = None
+    if ranks.is_global_zero:
+        try:
+            work()
+        except Exception as err:  # noqa: BLE001 - shared with every rank, raised there
+            error = f"{describe(err)} {doing} (rank 0)"
+    error = ranks.broadcast(error)
+    if error is not None:
+        raise CheckpointWriteError(error)
+
+
+class RecoveringLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher for ranks started as scripts, which first puts back the checkpoints that a
+    save interrupted while replacing them left under a sibling name (``checkpoint/atomic.py``), in
+    the folders where ``ckpt_path="last"`` looks: Lightning resolves "last" before the strategy
+    sees a path, and would otherwise start again from step 0."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        if trainer is not None:
+            for folder in checkpoint_folders(trainer):
+                recover_folder(folder)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:
+    """Where ``ckpt_path="last"`` looks: each ``ModelCheckpoint``'s folder, resolved by its own rule
+    (its ``dirpath``, else the logger's), and each ``OnExceptionCheckpoint``'s."""
+    folders = set()
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)  # private in Lightning 2.x
+            folder = callback.dirpath if callback.dirpath is not None or resolve is None else resolve(trainer)
+        elif isinstance(callback, OnExceptionCheckpoint):
+            folder = callback.dirpath
+        else:
+            continue
+        if folder is not None:
+            folders.add(os.fspath(folder))
+    return folders
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

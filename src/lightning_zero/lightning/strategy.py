@@ -32,7 +32,12 @@ from typing_extensions import override
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
-from lightning_zero.lightning.checkpointing import StateDictType, ZeroCheckpointing, unwrap_optimizer
+from lightning_zero.lightning.checkpointing import (
+    RecoveringLauncher,
+    StateDictType,
+    ZeroCheckpointing,
+    unwrap_optimizer,
+)
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
@@ -193,6 +198,13 @@ class ZeroStrategy(DDPStrategy):
                 self.setup_optimizers(trainer)
                 self._engine = ZeroEngine(self.lightning_module, self.optimizers, self.zero_config)
         self.setup_precision_plugin()
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Lightning's launcher (ours always starts ranks as scripts, `start_method="popen"`) that
+        # first puts back checkpoints a crash left mid-commit, before `ckpt_path="last"` is resolved
+        assert self.cluster_environment is not None
+        self._launcher = RecoveringLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @property
     @override

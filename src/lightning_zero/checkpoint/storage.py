@@ -1,0 +1,255 @@
+"""The files of a sharded checkpoint directory, written and read through torch.distributed.checkpoint
+(DCP), checksummed, with one outcome for all ranks.
+
+Failures: DCP reports a failed rank without the file or the cause on top (``CheckpointException
+ranks:dict_keys([0])``), so DCP opens every file through ``_NamingFileSystem`` and its errors are
+re-raised with the checkpoint, the file and the cause on the first line. Every step whose outcome
+can differ between ranks (checksums, rank 0's meta.pt and manifest, the checks before a load) ends
+in ``on_every_rank``, so all ranks raise the same error and none waits alone in a collective.
+
+What the tensors are (DCP keys, DTensor layout) is ``sharded.py``'s business; this module moves bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Generator, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, ShardFileError, describe
+from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
+from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, PathLike
+
+T = TypeVar("T")
+
+
+class CheckpointGroup:
+    """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
+    chunks are staged on the CPU, whatever backend training uses. Created on first use (a
+    collective call, made by every rank at the same save or load)."""
+
+    def __init__(self) -> None:
+        self._group: Optional[dist.ProcessGroup] = None
+        self._mesh: Optional[DeviceMesh] = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            self._group = (
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            )
+        return self._group
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, "cpu")
+        return self._mesh
+
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+
+def on_every_rank(group: CheckpointGroup, work: Callable[[], T]) -> list[T]:
+    """Run ``work`` on this rank and gather every rank's result. If it raised on any rank, every rank
+    raises the lowest such rank's exception: all fail alike, with one message, and no rank is left
+    waiting in a collective for one that gave up."""
+    try:
+        outcome: tuple[Optional[Exception], Any] = (None, work())
+    except Exception as err:  # noqa: BLE001 - handed to every rank, raised there
+        outcome = (_picklable(err), None)
+    gathered = group.all_gather(outcome)
+    for err, _ in gathered:
+        if err is not None:
+            raise err
+    return [result for _, result in gathered]
+
+
+def _picklable(err: Exception) -> Exception:
+    try:
+        pickle.dumps(err)
+        return err
+    except Exception:  # noqa: BLE001 - an exception carrying something unpicklable
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+class _NamingFileSystem(FileSystem):
+    """DCP's local file access, with any error raised while a file is open (opening, reading,
+    unpickling, writing, syncing) re-raised as ``ShardFileError`` naming that file."""
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as err:  # noqa: BLE001 - tagged and re-raised
+            raise ShardFileError(Path(path).name, describe(err, with_filename=False)) from err
+
+
+def _writer(directory: PathLike) -> dcp.FileSystemWriter:
+    writer = dcp.FileSystemWriter(str(directory), sync_files=True)
+    writer.fs = _NamingFileSystem()
+    return writer
+
+
+def _reader(directory: PathLike) -> dcp.FileSystemReader:
+    reader = dcp.FileSystemReader(str(directory))
+    reader.fs = _NamingFileSystem()
+    return reader
+
+
+def _dcp_failure(err: BaseException) -> tuple[Optional[str], str, str]:
+    """(file, cause, which ranks) of a DCP failure: the lowest failing rank's error, unwrapped."""
+    if isinstance(err, CheckpointException) and err.failures:
+        ranks = sorted(err.failures)
+        first = err.failures[ranks[0]][0]
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    else:
+        first, who = err, f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+    if isinstance(first, ShardFileError):
+        return first.name, first.cause, who
+    return None, describe(first), who
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def write_directory(directory: PathLike, tensors: dict[str, Tensor], meta: dict[str, Any], manifest: Manifest, group: CheckpointGroup) -> None:
+    """Every rank writes its chunks into ``directory`` and checksums them; rank 0 then writes meta.pt
+    and, last, the manifest with every file's size and checksum. If any of it fails, every rank
+    raises the same ``CheckpointWriteError``."""
+    directory = Path(directory)
+    try:
+        dcp.save(tensors, storage_writer=_writer(directory), process_group=group.group)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank
+        name, cause, who = _dcp_failure(err)
+        detail = f"{cause} while writing {directory.name}/{name} ({who})" if name else f"{cause} ({who})"
+        raise CheckpointWriteError(f"Checkpoint {str(directory)!r} could not be written: {detail}.", detail) from err
+    # DCP's save returns once every rank's shards and .metadata are written
+    rank = group.rank
+    checksums: dict[str, int] = {}
+    for sums in on_every_rank(group, lambda: _checksum_own_files(directory, rank, group.size)):
+        checksums.update(sums)
+    on_every_rank(group, lambda: _write_meta_and_manifest(directory, meta, manifest, checksums) if rank == 0 else None)
+
+
+def _checksum_own_files(directory: Path, rank: int, world_size: int) -> dict[str, int]:
+    """Read back right after writing, so still in the page cache: the cheapest moment."""
+    with _writing(directory, "while reading back the shard files for their checksums", rank):
+        return checksum_files(directory, _written_by(directory, rank, world_size))
+
+
+def _write_meta_and_manifest(directory: Path, meta: dict[str, Any], manifest: Manifest, checksums: dict[str, int]) -> None:
+    buffer = io.BytesIO()  # serialized first, so that a full disk is reported as the OS words it
+    with _writing(directory, f"while writing {directory.name}/{META_NAME}", 0):
+        torch.save(meta, buffer)
+        with open(directory / META_NAME, "wb") as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+    with _writing(directory, f"while writing {directory.name}/{MANIFEST_NAME}", 0):
+        manifest.record_files(directory, {**checksums, META_NAME: bytes_checksum(buffer.getbuffer())})
+        manifest.write(directory)
+
+
+@contextmanager
+def _writing(directory: Path, doing: str, rank: int) -> Generator[None, None, None]:
+    """Errors inside become ``CheckpointWriteError`` naming the checkpoint, the cause and the file."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        detail = f"{describe(err)} {doing} (rank {rank})"
+        raise CheckpointWriteError(f"Checkpoint {str(directory)!r} could not be written: {detail}.", detail) from err
+
+
+_DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _written_by(directory: Path, rank: int, world_size: int) -> list[str]:
+    """The files DCP's ``FileSystemWriter`` wrote for ``rank`` (it names them ``__<rank>_<n>.distcp``,
+    by rank in the process group); rank 0, DCP's coordinator, also takes .metadata and anything else."""
+
+    def owner(name: str) -> int:
+        match = _DCP_SHARD.fullmatch(name)
+        return int(match[1]) if match and int(match[1]) < world_size else 0
+
+    return [p.name for p in sorted(directory.iterdir()) if owner(p.name) == rank]
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def verify_on_ranks(directory: PathLike, group: CheckpointGroup) -> Manifest:
+    """The manifest, once every rank has checked its share of the files (sizes and checksums) and
+    all agree that none is damaged; otherwise every rank raises the same error, naming the file."""
+    manifest: list[Manifest] = []
+
+    def check_share() -> None:
+        manifest.append(Manifest.read(directory))
+        check_files(directory, manifest[0], share(manifest[0].files, group.rank, group.size))
+
+    on_every_rank(group, check_share)
+    return manifest[0]
+
+
+def read_meta(directory: PathLike) -> dict[str, Any]:
+    path = Path(directory) / META_NAME
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {META_NAME} is missing.") from None
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
+        raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {META_NAME} cannot be read ({describe(err)}).") from err
+
+
+def tensor_metadata(directory: PathLike) -> dict[str, Any]:
+    """DCP's metadata of every tensor saved in ``directory``, by key (full shapes and dtypes)."""
+    return _read_metadata(directory).state_dict_metadata
+
+
+def storage_items(directory: PathLike) -> list[tuple[str, int, int]]:
+    """Where DCP's metadata says each saved item lies: (file, offset, length in bytes)."""
+    return sorted((info.relative_path, info.offset, info.length) for info in _read_metadata(directory).storage_data.values())
+
+
+def _read_metadata(directory: PathLike) -> Any:
+    try:
+        return _reader(directory).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a missing file or a failed unpickling
+        cause = str(err) if isinstance(err, ShardFileError) else f".metadata: {describe(err)}"
+        raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: its DCP metadata cannot be read ({cause}).") from err
+
+
+def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup]) -> None:
+    """Fill ``targets`` (plain tensors or DTensor shards, by key) from ``directory``; ``group=None``
+    reads in this process alone (the converter), else collectively over ``group``."""
+    try:
+        if group is None:
+            dcp.load(targets, storage_reader=_reader(directory), no_dist=True)
+        else:
+            dcp.load(targets, storage_reader=_reader(directory), process_group=group.group)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank
+        name, cause, who = _dcp_failure(err)
+        who = "" if group is None else f"; {who}"
+        if name is None:
+            raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} could not be read: {cause}{who}.") from err
+        raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {name} cannot be read ({cause}{who}).") from err

@@ -1,0 +1,37 @@
+"""`lightning-zero verify PATH`: check a checkpoint on disk without loading a model
+(`lightning_zero.checkpoint.verify_checkpoint`) — for a sharded directory the manifest, every file's
+size and checksum, DCP's metadata and meta.pt; for a single file its zip records' checksums.
+
+Prints one `OK` line and exits 0, or names the damaged file and the cause and exits 1; a path that
+does not exist or is not a checkpoint exits 2, as bad input does in every subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_zero.checkpoint import CorruptCheckpointError, verify_checkpoint
+from lightning_zero.cli.arguments import Subcommand
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("path", help="a sharded checkpoint directory or a checkpoint file")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        summary = verify_checkpoint(args.path)
+    except CorruptCheckpointError as err:
+        parser.exit(1, f"lightning-zero verify: error: {err}\n")
+    except (OSError, ValueError) as err:  # missing, or not a checkpoint
+        parser.exit(2, f"lightning-zero verify: error: {err}\n")
+    print(summary)
+    return 0
+
+
+VERIFY = Subcommand(
+    name="verify",
+    help="Check a checkpoint's files (sizes, checksums, metadata) without loading a model.",
+    add_arguments=add_arguments,
+    run=run,
+)
