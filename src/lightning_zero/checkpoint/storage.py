@@ -58,6 +58,9 @@ class CheckpointGroup:
             self._mesh = DeviceMesh.from_group(self.group, "cpu")
         return self._mesh
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_group": None, "_mesh": None}  # a process group belongs to its process: made anew on use
+
 
     @property
     def rank(self) -> int:

@@ -116,6 +116,7 @@ class ZeroEngine:
         self.residency.finish_backward_gathers()
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
+        self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._wait_for_host_copies()
         self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
 
@@ -265,8 +266,10 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _optimizer_index_of_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[int, int]:
-    """Map ``id(param)`` to the index of the optimizer that holds it, checking that optimizers hold
-    only the module's parameters, each at most once, and that something is trainable."""
+    """Map ``id(param)`` to the index of the first optimizer that holds it (its buckets go with
+    that optimizer's), checking that optimizers hold only the module's parameters, each at most once
+    per optimizer, and that something is trainable. A parameter several optimizers step (a shared
+    layer in a GAN) has one shard that each of them steps, as under DDP."""
     optimizers = [opt for opt in optimizers if opt.param_groups]  # Lightning's stand-in when there is none
     if optimizers and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
@@ -285,10 +288,10 @@ def _optimizer_index_of_params(module: nn.Module, optimizers: Sequence[Optimizer
                         " not a parameter of the module; lightning-zero can only shard the module's"
                         " own parameters. Build the optimizer from `self.parameters()` (or a subset)."
                     )
-                if id(p) in owner:
+                if owner.get(id(p)) == index:
                     raise ValueError(
-                        f"Parameter {names[id(p)]!r} is held by two optimizers (#{owner[id(p)]} and"
-                        f" #{index}); each parameter may be stepped by one optimizer only."
+                        f"Parameter {names[id(p)]!r} appears twice in {type(optimizer).__name__} (#{index});"
+                        " list each parameter in one param group of an optimizer."
                     )
-                owner[id(p)] = index
+                owner.setdefault(id(p), index)
     return owner

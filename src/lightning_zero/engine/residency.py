@@ -95,6 +95,19 @@ class ParameterResidency(abc.ABC):
     def gathered(self, writeback: bool) -> AbstractContextManager[None]:
         """A context in which every parameter is its full tensor on every rank."""
 
+    def adopt_assigned_data(self) -> None:
+        """After each backward, before any optimizer step: keep the values of parameters whose
+        ``.data`` was assigned (see ``ShardedParam.adopt_assigned_data``)."""
+        assigned = [p for p in self._placed_params() if p.data_was_assigned()]
+        if assigned and self.copies is not None:
+            self.copies.synchronize()  # no copy to the device still reads the host chunks
+        for p in assigned:
+            p.adopt_assigned_data()
+
+    def _placed_params(self) -> Sequence[ShardedParam]:
+        """The parameters whose full data the engine has placed in the module now."""
+        return self.params
+
     def write_back(self) -> None:
         """Copy edits of the full parameters into the chunks the optimizer steps."""
         if self.copies is not None:
@@ -143,9 +156,9 @@ class ReplicatedParameters(ParameterResidency):
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = IN_FLIGHT) -> None:
         """All-gather the buckets of ``optimizer``'s parameters, at most ``max_in_flight`` at once."""
         mine = {id(p) for p in optimizer_params}
-        buckets = [b for b in self.grad_buckets if id(b.params[0]) in mine]  # buckets never mix optimizers
+        buckets = [b for b in self.grad_buckets if any(id(p) in mine for p in b.params)]
         for p in (p for bucket in buckets for p in bucket.params):
-            p.check_storage_unchanged()
+            p.check_data_not_assigned()
         finish_pipelined((bucket.start_param_gather() for bucket in buckets), max_in_flight)
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
@@ -224,6 +237,9 @@ class ShardedParameters(ParameterResidency):
     def finish_backward_gathers(self) -> None:
         self.schedule.finish_backward_gathers()
 
+    def _placed_params(self) -> Sequence[ShardedParam]:
+        return [p for unit in self.units if unit.state is UnitState.UNSHARDED for p in unit.params]
+
     def end_backward(self) -> None:
         self.schedule.end_backward()
 
@@ -233,7 +249,7 @@ class ShardedParameters(ParameterResidency):
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
         mine = {id(p) for p in optimizer_params}
         for bucket in self.buckets_with_host:
-            if id(bucket.params[0]) in mine:  # one copy and one cast per bucket
+            if any(id(p) in mine for p in bucket.params):  # one copy and one cast per bucket
                 bucket.host.refresh_device_chunks()
         self.schedule.refresh_gathered()
 

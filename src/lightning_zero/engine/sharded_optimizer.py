@@ -47,11 +47,24 @@ def check_optimizer_type(optimizer: object) -> None:
         )
 
 
+SHARDING_OPTIMIZER_MODULES = ("torch.distributed.optim", "fairscale.optim", "deepspeed")
+"""Where optimizers that shard or synchronize their own state live (``ZeroRedundancyOptimizer``,
+FairScale's ``OSS``, DeepSpeed's): wrapping one in ZeRO would shard twice, and its state would
+need a consolidation step our checkpoints never make."""
+
+
 def check_optimizer(optimizer: object) -> None:
     """Raise for anything that cannot be sharded element-wise; warn for optimizer classes we
     cannot vouch for."""
     check_optimizer_type(optimizer)
     assert isinstance(optimizer, Optimizer)  # for type checkers
+    cls = type(optimizer)
+    if cls.__module__.startswith(SHARDING_OPTIMIZER_MODULES):
+        raise ValueError(
+            f"{cls.__name__} ({cls.__module__}) is a distributed optimizer: it shards or synchronizes"
+            " its state itself, and lightning-zero already shards the optimizer state. HINT: return the"
+            " plain optimizer it wraps from `configure_optimizers` (e.g. `torch.optim.AdamW(self.parameters())`)."
+        )
     if isinstance(optimizer, NOT_ELEMENTWISE_OPTIMIZERS):
         raise ValueError(
             f"{type(optimizer).__name__} is not element-wise (it looks across whole tensors), so"

@@ -61,8 +61,8 @@ class ShardedParam:
         keep_device_chunk = keep_device_chunk or (self.offloaded and not keep_full and self.holds_master_copy)
         self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
         self._storage_ptr = param.data_ptr()
-        # stages 1-2: the flat view all-gathers write into, made once (``check_storage_unchanged``
-        # guards that it still is the parameter's storage)
+        # stages 1-2: the flat view all-gathers write into, made once (``data_was_assigned`` tells
+        # when it stopped being the parameter's storage)
         self._full_flat = param.detach().view(-1) if keep_full else None
         self._unsharded_flat: Optional[Tensor] = None
         self._target_rows: Optional[Tensor] = None  # the gather target as (N, c), where it fills whole rows
@@ -139,15 +139,46 @@ class ShardedParam:
             self.shard.copy_(chunk.reshape(self.shard.shape))
             self.refresh_device_chunk()
 
-    # ---- stages 1-2: the full parameter is the module's -----------------------------------
-    def check_storage_unchanged(self) -> None:
-        """Fail loudly when the parameter's storage was replaced after setup, e.g. by
-        ``module.to(...)`` or assigning ``param.data``: the shard would silently stop aliasing it."""
-        if self.param.data_ptr() != self._storage_ptr or self.param.shape != self.shape:
+    # ---- `param.data = new_tensor` during training ------------------------------------------
+    # DDP allows it, and callbacks do it (spike detection, pruning, weight averaging): the module
+    # then holds a tensor the engine never placed. ``adopt_assigned_data`` copies its values into
+    # the engine's storage and the chunk the optimizer steps, and points the parameter back at that
+    # storage; a new shape, dtype or device cannot be adopted and fails, naming both.
+    def data_was_assigned(self) -> bool:
+        """``param.data`` is a tensor the engine did not place (at stage 3: while gathered)."""
+        if self.keeps_full:
+            return self.param.data_ptr() != self._storage_ptr
+        placed = self._unsharded.data_ptr() if self._unsharded is not None else None
+        return self.param.numel() != 0 and self.param.data_ptr() != placed
+
+    def adopt_assigned_data(self) -> None:
+        new = self.param.data
+        placed = self._full_flat if self.keeps_full else self._placeholder
+        if (new.shape, new.dtype, new.device) != (self.shape, placed.dtype, placed.device):
             raise RuntimeError(
-                f"Parameter {self.name!r} was replaced or resized after lightning-zero sharded it"
-                f" (now shape {tuple(self.param.shape)}, was {tuple(self.shape)}). Move, cast or resize"
-                " the model before `trainer.fit` (or in `configure_model`), never during training."
+                f"Parameter {self.name!r} was assigned a tensor of shape {tuple(new.shape)} ({new.dtype},"
+                f" {new.device}) after lightning-zero sharded it as shape {tuple(self.shape)} ({placed.dtype},"
+                f" {placed.device}). Assigning `.data` with the same shape, dtype and device works (the new"
+                " values are kept, as under DDP); change shapes, dtypes or devices before `trainer.fit` (or"
+                " in `configure_model`)."
+            )
+        with torch.no_grad():
+            full = self.gather_target()  # the storage the engine placed (at stage 3 grown again if freed)
+            full.copy_(new.reshape(-1))
+            self.param.data = full.view(self.shape)
+            start, end = self.layout.owned_range(self.rank)
+            if not self.aliases_param:
+                self.shard.copy_(full[start:end])
+            self.refresh_device_chunk()
+
+    def check_data_not_assigned(self) -> None:
+        """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned
+        between the backward (where it is adopted) and the step could not be stepped."""
+        if self.data_was_assigned():
+            raise RuntimeError(
+                f"Parameter {self.name!r} was assigned a new `.data` between the backward and the"
+                " optimizer step, which stepped its previous values. Assign it before the forward (e.g."
+                " in `training_step` or `on_train_batch_start`) or after the step."
             )
 
     def sync_master_from_param(self) -> None:
@@ -201,6 +232,8 @@ class ShardedParam:
 
     def free_unsharded(self) -> None:
         """Back to rest: release the full data (see [Note: stage-3 storage])."""
+        if self.data_was_assigned():
+            self.adopt_assigned_data()
         self.param.data = self._placeholder
         if self._unsharded is None:
             return

@@ -145,6 +145,13 @@ class ZeroStrategy(DDPStrategy):
         self._finished: Optional[ZeroEngine] = None
         self._failed = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a Trainer pickled after `fit` (by a hyperparameter search, a queue, a copy) carries the
+        # options, not this process's engine, hooks and process groups
+        state = super().__getstate__()  # Lightning's: without its optimizer wrappers
+        state["_engine"] = state["_finished"] = None
+        return state
+
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
         plugin = self._precision_plugin

@@ -1,0 +1,214 @@
+"""Things DDP allows that Lightning code does, at every stage, compared with DDP doing the same:
+``param.data = new_tensor`` during training (kept, as under DDP; a new shape fails naming both), a
+parameter stepped by two optimizers, a distributed optimizer refused at setup, and a Trainer that
+pickles after ``fit``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from case_groups import CaseGroup, GroupResults, RankContext
+
+STEPS = 3
+STAGES = (1, 2, 3)
+
+
+def _strategy(name: str):
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroStrategy
+
+    timeout = timedelta(seconds=60)  # a hang becomes an error
+    if name.startswith("ddp"):
+        return DDPStrategy(timeout=timeout, find_unused_parameters=name == "ddp_find_unused")
+    return ZeroStrategy(stage=int(name[-1]), timeout=timeout)
+
+
+# ---- param.data = new_tensor ----------------------------------------------------------------------
+def _assigning_training_step(self, batch, batch_idx, in_a_block: bool = True):
+    """What spike-detection and pruning callbacks do: new `.data` for a weight, here in the step:
+    the root unit's `ln_f.weight` (gathered there at stage 3), and (at stages 1-2, where every
+    weight is a full tensor) a block's."""
+    model = self.model
+    if batch_idx == 0:
+        model.ln_f.weight.data = torch.zeros_like(model.ln_f.weight)
+    if batch_idx == 1 and in_a_block:
+        fc = model.blocks[1].mlp.fc.weight
+        fc.data = torch.full_like(fc, 0.01)
+    return self(batch[0][:, :-1], batch[0][:, 1:])[1]
+
+
+def _resizing_training_step(self, batch, batch_idx):
+    loss = self(batch[0][:, :-1], batch[0][:, 1:])[1]
+    if batch_idx == 1:  # after the forward, which would refuse it itself (an embedding's backward does not read it)
+        self.model.wpe.weight.data = torch.zeros(8, 16)
+    return loss
+
+
+def data_assignment(ctx: RankContext, strategy: str, step=_assigning_training_step, **step_options: Any) -> Any:
+    """Weights after each step (or the error) of a GPT fit whose step assigns `.data`."""
+    import functools
+
+    import lightning as L
+    from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
+
+    L.seed_everything(0, verbose=False)
+    module = GPTModule()
+    module.training_step = functools.partial(step, module, **step_options)
+    recorder = WeightRecorder()
+    try:
+        make_trainer(_strategy(strategy), STEPS, callbacks=[recorder]).fit(module, token_data())
+    except RuntimeError as err:
+        return str(err)
+    return recorder.history
+
+
+GROUP = CaseGroup(world_size=2, timeout=300)
+for _name in ("ddp", "zero1", "zero2"):
+    GROUP.case(data_assignment, name=f"assign_{_name}", strategy=_name)
+for _name in ("ddp", "zero3"):  # at stage 3 a block's weights exist only inside its forward
+    GROUP.case(data_assignment, name=f"assign_root_{_name}", strategy=_name, in_a_block=False)
+for _stage in STAGES:
+    GROUP.case(data_assignment, name=f"resize_zero{_stage}", strategy=f"zero{_stage}", step=_resizing_training_step)
+
+
+# ---- one parameter, two optimizers ----------------------------------------------------------------
+class SharedLayerGAN(nn.Module):
+    """A generator and a critic that share their first layer; each optimizer steps it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(7, 7)
+        self.generator = nn.Sequential(nn.Tanh(), nn.Linear(7, 3))
+        self.critic = nn.Sequential(nn.Linear(3, 7), nn.Tanh(), nn.Linear(7, 1))
+
+
+def _shared_parameter_module():
+    import lightning as L
+
+    class SharedParameterGAN(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = SharedLayerGAN()
+
+        def training_step(self, batch, batch_idx) -> None:
+            x, y = batch
+            net = self.net
+            opt_g, opt_c = self.optimizers()
+            self.toggle_optimizer(opt_g)  # the shared layer stays trainable: both optimizers hold it
+            fake = net.generator(net.shared(x))
+            self.manual_backward(nn.functional.mse_loss(fake, y) - net.critic(fake).mean())
+            opt_g.step()
+            opt_g.zero_grad()
+            self.untoggle_optimizer(opt_g)
+            self.toggle_optimizer(opt_c)
+            loss_c = net.critic(net.generator(net.shared(x)).detach()).mean() + net.shared(x).pow(2).mean()
+            self.manual_backward(loss_c)
+            opt_c.step()
+            opt_c.zero_grad()
+            self.untoggle_optimizer(opt_c)
+
+        def configure_optimizers(self):
+            net = self.net
+            generator = [*net.shared.parameters(), *net.generator.parameters()]
+            critic = [*net.shared.parameters(), *net.critic.parameters()]
+            return torch.optim.AdamW(generator, lr=1e-2), torch.optim.SGD(critic, lr=1e-2, momentum=0.9)
+
+    return SharedParameterGAN()
+
+
+def shared_parameter(ctx: RankContext, strategy: str) -> list:
+    import lightning as L
+    from lightning_helpers import WeightRecorder, make_trainer, regression_data
+
+    L.seed_everything(0, verbose=False)
+    recorder = WeightRecorder()
+    make_trainer(_strategy(strategy), STEPS, callbacks=[recorder]).fit(_shared_parameter_module(), regression_data())
+    return recorder.history
+
+
+for _name in ("ddp_find_unused", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(shared_parameter, name=f"shared_{_name}", strategy=_name)
+
+
+# ---- a distributed optimizer; pickling the Trainer after fit ----------------------------------------
+@GROUP.case
+def distributed_optimizer(ctx: RankContext) -> Optional[str]:
+    import lightning as L
+    from lightning_helpers import RegressionModule, make_trainer, regression_data
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    module = RegressionModule()
+    module.configure_optimizers = lambda: ZeroRedundancyOptimizer(module.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    L.seed_everything(0, verbose=False)
+    try:
+        make_trainer(_strategy("zero2"), STEPS).fit(module, regression_data())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@GROUP.case
+def pickled_after_fit(ctx: RankContext) -> dict:
+    import pickle
+
+    from lightning_helpers import fit_and_record
+
+    sizes = {}
+    for name in ("ddp", *(f"zero{s}" for s in STAGES)):
+        _, _, trainer = fit_and_record(_strategy(name), 2)
+        pickled = pickle.dumps(trainer)
+        assert pickle.loads(pickled).strategy.__class__ is trainer.strategy.__class__
+        sizes[name] = len(pickled)
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("drop_in"))
+
+
+# ---- the tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", STAGES)
+def test_assigning_param_data_keeps_the_new_values_as_under_ddp(results, stage):
+    from lightning_helpers import max_abs_diff
+
+    prefix = "assign_root" if stage == 3 else "assign"
+    for ddp, zero in zip(results[f"{prefix}_ddp"], results[f"{prefix}_zero{stage}"]):
+        assert not isinstance(zero, str), zero
+        assert [max_abs_diff(a, b) for a, b in zip(ddp, zero)] == [0.0] * STEPS
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_assigning_param_data_of_another_shape_fails_naming_both(results, stage):
+    for message in results[f"resize_zero{stage}"]:
+        assert isinstance(message, str), "the fit did not fail"
+        assert "'model.wpe.weight' was assigned a tensor of shape (8, 16)" in message
+        assert "sharded it as shape (16, 16)" in message
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_parameter_in_two_optimizers_trains_as_under_ddp(results, stage):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["shared_ddp_find_unused"], results[f"shared_zero{stage}"]):
+        assert len(zero) == len(ddp) == STEPS // 2 + 1  # two optimizer steps per batch
+        worst = [{k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])} for a, b in zip(ddp, zero)]
+        assert worst == [{}] * len(ddp)
+
+
+def test_a_distributed_optimizer_is_refused_at_setup_on_every_rank(results):
+    for message in results["distributed_optimizer"]:
+        assert message is not None and "ZeroRedundancyOptimizer" in message and "HINT" in message
+
+
+def test_the_trainer_pickles_after_fit(results):
+    for sizes in results["pickled_after_fit"]:
+        assert all(size > 0 for size in sizes.values())
