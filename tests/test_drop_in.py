@@ -170,6 +170,28 @@ def pickled_after_fit(ctx: RankContext) -> dict:
     return sizes
 
 
+# ---- Lightning's checkpoint flows with the default sharded directories -------------------------------
+@GROUP.case
+def checkpoint_flows(ctx: RankContext) -> dict:
+    """ModelCheckpoint keeps the best step; `validate(ckpt_path="best")` and
+    `load_from_checkpoint(checkpoint_file(best))`, DDP and zero3 alike."""
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_helpers import GPTModule, fit_gpt, token_data
+
+    from lightning_zero import checkpoint_file
+
+    out = {}
+    for name in ("ddp", "zero3"):
+        best = ModelCheckpoint(dirpath=os.path.join(ctx.tmpdir, f"flows_{name}"), monitor="val_loss", save_top_k=1)
+        _, _, trainer = fit_gpt(_strategy(name), 4, callbacks=[best], enable_checkpointing=True, val_check_interval=2)
+        validated = trainer.validate(ckpt_path="best", dataloaders=token_data(8), verbose=False)[0]["val_loss"]
+        loaded = GPTModule.load_from_checkpoint(checkpoint_file(best.best_model_path))
+        out[name] = {"best": os.path.basename(best.best_model_path), "validated": validated, "loaded": loaded.state_dict()}
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("drop_in"))
@@ -212,3 +234,12 @@ def test_a_distributed_optimizer_is_refused_at_setup_on_every_rank(results):
 def test_the_trainer_pickles_after_fit(results):
     for sizes in results["pickled_after_fit"]:
         assert all(size > 0 for size in sizes.values())
+
+
+def test_lightning_checkpoint_flows_work_with_sharded_directories(results):
+    from lightning_helpers import max_abs_diff
+
+    for r in results["checkpoint_flows"]:
+        assert r["zero3"]["best"] == r["ddp"]["best"]
+        assert r["zero3"]["validated"] == r["ddp"]["validated"]
+        assert max_abs_diff(r["ddp"]["loaded"], r["zero3"]["loaded"]) == 0.0

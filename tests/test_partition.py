@@ -123,10 +123,26 @@ def test_half_precision_parameters_get_an_fp32_master_and_fp32_ones_alias():
     assert not sp_full.holds_master_copy and sp_full.shard.data_ptr() == full.data_ptr() + 4 * 4
 
 
-def test_replacing_a_parameter_after_sharding_is_detected():
+def test_assigned_data_is_adopted_into_the_storage_the_shard_aliases():
     p = nn.Parameter(torch.randn(6))
     (sp,) = _sharded([p])
-    p.data = torch.randn(6)
-    with pytest.raises(RuntimeError, match="replaced or resized"):
-        sp.check_storage_unchanged()
+    storage = p.data_ptr()
+    new = torch.arange(6.0)
+    p.data = new
+    assert sp.data_was_assigned()
+    with pytest.raises(RuntimeError, match="between the backward and the optimizer step"):
+        sp.check_data_not_assigned()
+    sp.adopt_assigned_data()
+    assert p.data_ptr() == storage and not sp.data_was_assigned()
+    assert torch.equal(p.detach(), new) and torch.equal(sp.shard.detach(), new[: sp.owned_numel])
+
+
+@pytest.mark.parametrize("assigned", [torch.zeros(3), torch.zeros(6, dtype=torch.float64)])
+def test_assigned_data_of_another_shape_or_dtype_is_refused_naming_both(assigned):
+    p = nn.Parameter(torch.randn(6))
+    (sp,) = _sharded([p])
+    p.data = assigned
+    with pytest.raises(RuntimeError, match=r"was assigned a tensor of shape \((3|6),\) \(torch.float(32|64)") as err:
+        sp.adopt_assigned_data()
+    assert "sharded it as shape (6,) (torch.float32" in str(err.value)
 

@@ -191,6 +191,36 @@ def numpy_in_summon(ctx: RankContext) -> dict:
     return out
 
 
+# ---- the strategy's `timeout` bounds stage 3's own all-gathers too ------------------------------------
+class _StallRank1(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 1 and trainer.global_rank == 1:
+            import time
+
+            time.sleep(20)  # rank 0 meanwhile waits in the step's first all-gather
+
+
+@GROUP.case
+def stalled_peer(ctx: RankContext) -> dict:
+    """Last in the group: it leaves the process groups broken. Returns what each rank raised and
+    how long it took."""
+    import time
+
+    import lightning as L
+    from lightning_helpers import GPTModule, make_trainer, token_data
+
+    from lightning_zero import ZeroStrategy
+
+    L.seed_everything(0, verbose=False)
+    strategy = ZeroStrategy(stage=3, timeout=timedelta(seconds=5))
+    start = time.monotonic()
+    try:
+        make_trainer(strategy, STEPS, callbacks=[_StallRank1()]).fit(GPTModule(), token_data())
+    except Exception as err:  # noqa: BLE001 - the message is what is tested
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("reliability"))
@@ -267,3 +297,9 @@ def test_a_parameter_replaced_on_one_rank_fails_it_and_its_peer_promptly():
     assert outcomes[1] is None  # it exited, as a launched process does
     assert outcomes[0] is not None and outcomes[0] != "finished"
     assert time.monotonic() - start < 100
+
+
+def test_the_strategy_timeout_bounds_stage_3_all_gathers(results):
+    rank0 = results["stalled_peer"][0]
+    assert rank0["error"] is not None and "imed out" in rank0["error"]  # gloo: "Timed out waiting ..."
+    assert rank0["seconds"] < 20  # the 5 s timeout, not torch's 30 minutes (rank 1 sleeps 20 s)

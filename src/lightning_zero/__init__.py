@@ -15,7 +15,7 @@ The packages, with dependencies pointing one way (``cli`` → ``bench``, ``check
 - ``models``: the GPT the example, the bench and the tests train.
 """
 
-from lightning_zero.checkpoint import convert_checkpoint
+from lightning_zero.checkpoint import checkpoint_file, convert_checkpoint
 from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage
 from lightning_zero.lightning import ZeroMemoryMonitor, ZeroStrategy
 
@@ -27,5 +27,6 @@ __all__ = [
     "ZeroStage",
     "ZeroStrategy",
     "ZeroMemoryMonitor",
+    "checkpoint_file",
     "convert_checkpoint",
 ]

@@ -5,7 +5,7 @@ Like ``engine/collectives.py`` for communication, this package is the one place 
 ``torch.distributed.checkpoint`` and DTensor.
 """
 
-from lightning_zero.checkpoint.convert import convert_checkpoint
+from lightning_zero.checkpoint.convert import checkpoint_file, convert_checkpoint, full_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, is_sharded_checkpoint
 from lightning_zero.checkpoint.verify import verify_checkpoint
@@ -14,7 +14,9 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "Manifest",
+    "checkpoint_file",
     "convert_checkpoint",
+    "full_checkpoint",
     "is_sharded_checkpoint",
     "verify_checkpoint",
 ]

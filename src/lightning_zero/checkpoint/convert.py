@@ -13,9 +13,10 @@ file, so the peak is close to the output's size — where DeepSpeed's ``zero_to_
 
 from __future__ import annotations
 
+import io
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -40,6 +41,39 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
         raise ValueError(f"convert_checkpoint would overwrite its source {str(src)!r}; choose another destination.")
     if dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
+    checkpoint = full_checkpoint(src, include_optimizer)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
+    try:
+        with open(temporary, "wb") as f:  # an open file, so that a full disk is reported in the OS's words
+            torch.save(checkpoint, f)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        temporary.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"{str(dst)!r} could not be written: {describe(err, with_filename=False)}.") from err
+    commit(temporary, dst)
+    return dst
+
+
+def checkpoint_file(path: PathLike) -> Union[Path, io.BytesIO]:
+    """What code that reads one checkpoint *file* can take: ``path`` itself when it is a file, the
+    single-file form of a sharded directory (weights and the rest, no optimizer state) in memory
+    when it is one. For Lightning's file-only readers::
+
+        model = MyModel.load_from_checkpoint(checkpoint_file(trainer.checkpoint_callback.best_model_path))
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    buffer = io.BytesIO()
+    torch.save(full_checkpoint(path), buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def full_checkpoint(src: PathLike, include_optimizer: bool = False) -> dict[str, Any]:
+    """The sharded checkpoint ``src`` as the one dict a plain Lightning checkpoint file holds
+    (checked against its checksums first); see the module's docstring."""
+    src = Path(src)
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src)
     metadata = tensor_metadata(src)
@@ -65,16 +99,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
         checkpoint["optimizer_states"] = [
             _full_optimizer_state(src, manifest, meta, metadata, i) for i in range(len(manifest.optimizers))
         ]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
-    try:
-        with open(temporary, "wb") as f:  # an open file, so that a full disk is reported in the OS's words
-            torch.save(checkpoint, f)
-    except Exception as err:  # noqa: BLE001 - re-raised with the file named
-        temporary.unlink(missing_ok=True)
-        raise CheckpointWriteError(f"{str(dst)!r} could not be written: {describe(err, with_filename=False)}.") from err
-    commit(temporary, dst)
-    return dst
+    return checkpoint
 
 
 def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: dict, index: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -133,14 +134,16 @@ def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> 
                 offset += t.numel()
 
 
-def new_group_like(group: ProcessGroup) -> ProcessGroup:
+def new_group_like(group: ProcessGroup, timeout: Optional[timedelta] = None) -> ProcessGroup:
     """A second process group over the same ranks (every rank must call this, in the same order).
 
     Collectives on different groups are ordered independently: stage 3 issues all-gathers in
     forward/backward order and reduce-scatters in bucket order, and giving each its own group keeps
-    those two orders from having to agree across ranks.
+    those two orders from having to agree across ranks. ``timeout``: how long a collective waits
+    for its peers before failing (the user's, e.g. Lightning's ``timeout``; None: torch's default,
+    which a new group takes instead of the default group's).
     """
     if world_size(group) == 1:
         return group
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks=ranks)
+    return dist.new_group(ranks=ranks, timeout=timeout)

@@ -26,6 +26,7 @@ then frees the root unit, so ``after_optimizer_step`` has nothing gathered to re
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -54,7 +55,9 @@ class ZeroEngine:
     """Shards ``optimizers``' state, gradients (stage ≥ 2) and parameters (stage 3) over ``group``.
 
     ``device``: where stage 3 materializes and keeps the parameter chunks (default: where the
-    module's parameters are; meta-device parameters need it given).
+    module's parameters are; meta-device parameters need it given). ``timeout``: how long the
+    process group stage 3 creates for its all-gathers waits for peers (give the one ``group`` was
+    created with; None: torch's default).
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class ZeroEngine:
         config: ZeroConfig,
         group: collectives.ProcessGroup = None,
         device: Optional[torch.device] = None,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -74,7 +78,7 @@ class ZeroEngine:
 
         self.residency: ParameterResidency
         if config.zero_stage is ZeroStage.PARAMETERS:
-            self.residency = ShardedParameters(module, config, group, device or _device_of(module), self._host_reads)
+            self.residency = ShardedParameters(module, config, group, device or _device_of(module), self._host_reads, timeout)
         else:
             self.residency = ReplicatedParameters(module, optimizer_of, config, group)
         self.params: list[ShardedParam] = self.residency.params

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -178,7 +179,13 @@ class ShardedParameters(ParameterResidency):
     """Stage 3: only chunks at rest; units gathered around their use."""
 
     def __init__(
-        self, module: nn.Module, config: ZeroConfig, group: collectives.ProcessGroup, device: torch.device, verdicts: HostReads
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        group: collectives.ProcessGroup,
+        device: torch.device,
+        verdicts: HostReads,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
@@ -188,7 +195,7 @@ class ShardedParameters(ParameterResidency):
         self._verdicts = verdicts
         comm = UnitCommunication(
             reduce_group=group,
-            gather_group=collectives.new_group_like(group),  # see GatherSchedule's docstring
+            gather_group=collectives.new_group_like(group, timeout),  # see GatherSchedule's docstring
             pool=self.pool,
             verdicts=verdicts,
             # reading tags in host memory waits for nothing (see ZeroConfig.check_units_every_gather)

@@ -193,7 +193,11 @@ class ZeroStrategy(DDPStrategy):
             if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
                 self.setup_optimizers(trainer)
             self._engine = ZeroEngine(
-                self.lightning_module, self.optimizers if fitting else [], self.zero_config, device=self.root_device
+                self.lightning_module,
+                self.optimizers if fitting else [],
+                self.zero_config,
+                device=self.root_device,
+                timeout=self._timeout,  # also for the all-gathers' own process group
             )
             use_true_sizes_in_model_summary(trainer, self._engine)
             run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)
