@@ -77,3 +77,34 @@ class TwoBackwardsPerStep(nn.Module):
 def test_each_backward_of_a_step_keeps_units_gathered_until_their_gradients_accumulate():
     torch.manual_seed(0)
     _assert_stage3_matches_torch(TwoBackwardsPerStep())  # the 2nd backward freed blocks[0] after its bias
+
+
+def test_a_parameter_at_rest_refuses_to_be_read_and_names_itself():
+    """Outside its unit's forward and backward (see [Note: parameters at rest]): what describes the
+    parameter works, what reads its values fails naming it; gathered, it is a plain parameter."""
+    import pytest
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    model = CalledTwiceInARow()
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+    weight = model.blocks[1].weight
+    assert weight.numel() == 0 and weight.requires_grad and weight.dtype == torch.float32 and weight.grad is None
+    reads = {
+        "clone": lambda: weight.clone(),
+        "detach": lambda: weight.detach(),
+        "sum": lambda: weight.sum(),
+        "data": lambda: weight.data,
+        "state_dict": lambda: model.state_dict(),
+        "deepcopy": lambda: copy.deepcopy(model),
+        "to": lambda: model.to(torch.float64),
+    }
+    for what, read in reads.items():
+        with pytest.raises(RuntimeError, match=r"parameter 'blocks\.[01]\.(weight|bias)', which lightning-zero holds sharded") as err:
+            read()
+        assert "summon_full_params" in str(err.value), what
+    with engine.gathered():
+        assert type(weight) is nn.Parameter and weight.clone().shape == (8, 8)
+    assert model(torch.randn(2, 8)).isfinite()  # a unit's forward sees its full parameters
+    engine.close()
+    assert type(weight) is nn.Parameter  # the engine gone, a plain parameter again

@@ -112,18 +112,21 @@ def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) 
             " Define `reset_parameters()` on it, or create the model in `LightningModule.__init__`."
         )
     kept: dict[int, Tensor] = {}
-    for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-        if t.is_meta:
-            # meta and real tensors cannot share `.data`; swapping keeps the Python object, so
-            # optimizers built from the meta model (with the true shapes) keep pointing at it
-            torch.utils.swap_tensors(t, _same_kind(t, torch.empty_like(t, device=device)))
-        elif id(t) in done:
-            kept[id(t)] = t.detach().clone()
-    with torch.no_grad():
-        reset()
+    # a tensor already sharded (shared with a module materialized before) is at rest: `reset()` may
+    # touch its placeholder, and it gets its kept value back (see [Note: parameters at rest])
+    with torch._C.DisableTorchFunctionSubclass():
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-            if id(t) in kept:
-                t.copy_(kept[id(t)])
+            if t.is_meta:
+                # meta and real tensors cannot share `.data`; swapping keeps the Python object, so
+                # optimizers built from the meta model (with the true shapes) keep pointing at it
+                torch.utils.swap_tensors(t, _same_kind(t, torch.empty_like(t, device=device)))
+            elif id(t) in done:
+                kept[id(t)] = t.detach().clone()
+        with torch.no_grad():
+            reset()
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                if id(t) in kept:
+                    t.copy_(kept[id(t)])
 
 
 def _same_kind(like: Tensor, data: Tensor) -> Tensor:

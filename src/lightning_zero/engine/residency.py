@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.at_rest import ParameterAtRest, wake
 from lightning_zero.engine.bucket import Bucket, assign_buckets, finish_pipelined
 from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.config import ZeroConfig
@@ -222,6 +223,7 @@ class ShardedParameters(ParameterResidency):
         ]
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
+        ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
@@ -298,6 +300,9 @@ class ShardedParameters(ParameterResidency):
     def close(self) -> None:
         self.schedule.close()
         self.pool.clear()
+        for p in self.params:  # plain parameters again (with their placeholders, unless released)
+            wake(p.param)
+            ParameterAtRest.names.pop(id(p.param), None)
 
 
 def _device_of_params(module: nn.Module) -> torch.device:

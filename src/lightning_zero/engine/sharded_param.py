@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.engine.at_rest import put_to_rest, wake
 from lightning_zero.engine.partition import ChunkLayout
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -228,6 +229,7 @@ class ShardedParam:
                 f" (it has shape {tuple(self.param.shape)}). Parameters of a ZeRO-3 model may not be"
                 " reassigned after setup; edit them inside `strategy.summon_full_params(writeback=True)`."
             )
+        wake(self.param)
         self.param.data = self._unsharded
 
     def free_unsharded(self) -> None:
@@ -235,6 +237,7 @@ class ShardedParam:
         if self.data_was_assigned():
             self.adopt_assigned_data()
         self.param.data = self._placeholder
+        put_to_rest(self.param)
         if self._unsharded is None:
             return
         storage = self._unsharded.untyped_storage()

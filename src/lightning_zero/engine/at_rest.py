@@ -1,0 +1,83 @@
+"""A stage-3 parameter at rest refuses to be read, instead of silently reading nothing.
+
+[Note: parameters at rest]
+Between its unit's uses a stage-3 parameter holds an empty placeholder (see [Note: stage-3 storage]
+in ``sharded_param.py``). Code that reads it then — a callback averaging weights, ``p.clone()``,
+``module.state_dict()``, ``copy.deepcopy(module)`` — would compute on zero elements without an
+error and go on with wrong values. So while at rest the parameter's class is
+:class:`ParameterAtRest`, whose ``__torch_function__`` lets through what describes the tensor
+(shape, dtype, device, ``requires_grad``, ``grad``, ``numel``, hooks) and refuses everything that
+would read or write its values, naming the parameter and ``summon_full_params``. Gathering puts
+the parameter's own class back, so a unit's forward and backward pay nothing for this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+DESCRIBING = frozenset(
+    {
+        "numel", "nelement", "dim", "size", "stride", "is_contiguous", "storage_offset", "element_size",
+        "data_ptr", "untyped_storage", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+        "__hash__", "__len__",
+    }
+)  # fmt: skip
+"""Tensor methods that describe a tensor without its values (property getters and setters pass too,
+except ``.data``, whose getter would hand out the empty placeholder)."""
+
+
+class ParameterAtRest(nn.Parameter):
+    """The class of a stage-3 parameter while only this rank's chunk of it exists."""
+
+    names: dict[int, str] = {}
+    """``id(param)`` → its name in the module, for the message (filled and emptied by the engine)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if _describes(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        at_rest = next((a for a in args if isinstance(a, ParameterAtRest)), None)
+        raise RuntimeError(_message(at_rest, getattr(func, "__name__", str(func))))
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(_message(self, "copy.deepcopy"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(_message(self, "pickle"))
+
+    def __repr__(self) -> str:
+        name = ParameterAtRest.names.get(id(self), "?")
+        return f"ParameterAtRest({name!r}, shape=(0,) on this rank: sharded by lightning-zero stage 3)"
+
+
+def _describes(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property: only `.data`'s getter hands out values
+        return not (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
+    return name in DESCRIBING
+
+
+def _message(param: Any, operation: str) -> str:
+    name = ParameterAtRest.names.get(id(param), "a parameter") if param is not None else "a parameter"
+    return (
+        f"`{operation}` on parameter {name!r}, which lightning-zero holds sharded (stage 3): outside its"
+        " unit's forward and backward only this rank's chunk exists, so it would see no values. HINT:"
+        " read or edit it inside `with trainer.strategy.summon_full_params():` (`writeback=True` keeps"
+        " edits), which gathers every parameter on every rank."
+    )
+
+
+def put_to_rest(param: nn.Parameter) -> None:
+    """After the placeholder is in: reads now fail loudly (plain ``nn.Parameter`` only)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = ParameterAtRest
+
+
+def wake(param: nn.Parameter) -> None:
+    """Before the full data is in: the parameter's own class again."""
+    if type(param) is ParameterAtRest:
+        param.__class__ = nn.Parameter
