@@ -222,6 +222,7 @@ class ShardedParam:
         return self._target_rows
 
     def show_unsharded(self) -> None:
+        wake(self.param)  # first: what follows then costs no __torch_function__ call
         at_rest = self.param.numel() == 0
         if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
             raise RuntimeError(
@@ -229,7 +230,6 @@ class ShardedParam:
                 f" (it has shape {tuple(self.param.shape)}). Parameters of a ZeRO-3 model may not be"
                 " reassigned after setup; edit them inside `strategy.summon_full_params(writeback=True)`."
             )
-        wake(self.param)
         self.param.data = self._unsharded
 
     def free_unsharded(self) -> None:
