@@ -58,7 +58,7 @@ def _describes(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__"):  # a property: only `.data`'s getter hands out values
         return not (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
-    return name in DESCRIBING
+    return name in DESCRIBING or name.startswith(("is_", "_is_"))  # predicates (`is_contiguous`, `_is_view`)
 
 
 def _message(param: Any, operation: str) -> str:

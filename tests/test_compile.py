@@ -1,0 +1,62 @@
+"""``torch.compile`` of the model inside a LightningModule at every stage, compared with compiled DDP.
+
+``aot_eager`` runs the same graph capture and autograd tracing as inductor without generating
+kernels, so it finds what the capture breaks on within seconds on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from case_groups import CaseGroup, GroupResults, RankContext
+
+STEPS = 4
+STAGES = (1, 2, 3)
+
+
+def compiled_fit(ctx: RankContext, strategy: str) -> dict:
+    import lightning as L
+    import torch
+    from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
+
+    from torch._dynamo.utils import counters
+
+    class GraphCount(L.Callback):
+        def __init__(self) -> None:
+            self.graphs: list[int] = []
+
+        def on_train_batch_end(self, *args) -> None:
+            self.graphs.append(counters["stats"]["unique_graphs"])
+
+    L.seed_everything(0, verbose=False)
+    torch._dynamo.reset()
+    counters.clear()
+    module = GPTModule()
+    module.model = torch.compile(module.model, backend="aot_eager")
+    recorder, graphs = WeightRecorder(), GraphCount()
+    make_trainer(strategy, STEPS, callbacks=[recorder, graphs]).fit(module, token_data())
+    return {"history": recorder.history, "graphs": graphs.graphs, "recompiles": sum(counters["recompiles"].values())}
+
+
+GROUP = CaseGroup(world_size=2, timeout=400)
+for _strategy in ("ddp", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(compiled_fit, name=_strategy, strategy=_strategy)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("compile"))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_compiled_model_trains_as_under_compiled_ddp(results, stage):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["ddp"], results[f"zero{stage}"]):
+        assert [max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])] == [0.0] * STEPS
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_compiled_graphs_settle_by_the_third_step(results, stage):
+    for r in results[f"zero{stage}"]:
+        assert r["graphs"][2] == r["graphs"][-1]  # nothing new captured after step 3
+        assert r["recompiles"] == 0
