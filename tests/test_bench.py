@@ -127,7 +127,7 @@ def test_console_script(tmp_path: Path) -> None:
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_zero"]
     args = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
     done = subprocess.run(
-        [*command, "bench", *args, "--variants", "zero2", "--out", str(tmp_path)],
+        [*command, "bench", *args, "--variants", "zero2", "--activation-checkpointing", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -137,6 +137,29 @@ def test_console_script(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench.json").read_text())
     assert [v["name"] for v in result["variants"]] == ["zero2"]
     assert result["variants"][0]["status"] == OK
+    assert result["options"]["activation_checkpointing"] is True
+    assert "--activation-checkpointing" in result["options"]["command"]
+
+
+def test_activation_checkpointing_wraps_every_block_and_computes_the_same() -> None:
+    import copy
+
+    import torch
+
+    from lightning_zero.bench.worker import checkpoint_every_block
+    from lightning_zero.models.gpt import GPT, Block, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    wrapped = copy.deepcopy(model)
+    checkpoint_every_block(wrapped)
+    assert all(type(b).__name__ == "CheckpointWrapper" and isinstance(b._checkpoint_wrapped_module, Block) for b in wrapped.blocks)
+    tokens = torch.randint(0, 256, (2, 17))
+    losses = [m(tokens[:, :-1], tokens[:, 1:])[1] for m in (model, wrapped)]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(model.blocks[0].mlp.fc.weight.grad, wrapped.blocks[0]._checkpoint_wrapped_module.mlp.fc.weight.grad)
 
 
 def test_console_script_rejects_unknown_variants(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

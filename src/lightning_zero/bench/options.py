@@ -53,6 +53,9 @@ class BenchOptions:
     fused: bool = False
     """Use `torch.optim.AdamW(fused=True)` in every variant; issue 8 measured it 3.5x faster than the
     default (for-loop) implementation on CPU, which shrinks the share of the step that stage 1 divides."""
+    activation_checkpointing: bool = False
+    """Wrap every block in torch's `checkpoint_wrapper` (non-reentrant) in every variant: activations
+    are recomputed in backward instead of kept, which the peak column shows."""
     out: Path = Path("bench-results")
     """Directory for the markdown, JSON, PNG and the processes' logs."""
     device: str = "cpu"

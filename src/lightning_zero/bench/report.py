@@ -133,6 +133,8 @@ def command_line(options: BenchOptions) -> str:
         parts.append(f"--variants {','.join(options.variants)}")
     if options.fused:
         parts.append("--fused")
+    if options.activation_checkpointing:
+        parts.append("--activation-checkpointing")
     if options.out != defaults.out:
         parts.append(f"--out {options.out}")
     return " ".join(parts)
@@ -241,7 +243,9 @@ def markdown(result: BenchResult) -> str:
         f"{model['config']['n_head']} heads, Ψ = {psi:,} parameters; {opts['batch_size']} × "
         f"{opts['block_size']} random byte tokens per rank; N = {env['world_size']} ranks on "
         f"{env['device']} ({env['backend']}; {where}); {_PRECISION_WORDS[opts['precision']]}; AdamW"
-        f"{' (fused)' if opts['fused'] else ''}; {opts['warmup']} warm-up + {opts['steps']} timed steps. "
+        f"{' (fused)' if opts['fused'] else ''}"
+        f"{'; activation checkpointing on every block' if opts.get('activation_checkpointing') else ''}; "
+        f"{opts['warmup']} warm-up + {opts['steps']} timed steps. "
         f"torch {env['torch']}, lightning {env['lightning']}"
         + (f", deepspeed {env['deepspeed']}" if env.get("deepspeed") else "")
         + ".",

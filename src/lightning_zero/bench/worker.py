@@ -48,7 +48,7 @@ from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, 
 from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import Setup, VariantUnavailable, Wrapped, autocast_for, build
-from lightning_zero.models.gpt import GPT, GPTConfig
+from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 """nanoGPT's AdamW settings, for every variant: one parameter group, decay on every parameter."""
@@ -229,6 +229,8 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     threshold_fixed = device.type != "cpu" or small_mmap_threshold()  # before the model is allocated
     torch.manual_seed(options.seed)
     model = GPT(config).to(device)
+    if options.activation_checkpointing:
+        checkpoint_every_block(model)
     batches = _batches(options, rank, device, count=options.warmup + options.steps + 1)
     setup = Setup(
         optimizer_class=torch.optim.AdamW,
@@ -331,3 +333,19 @@ def _batches(options: BenchOptions, rank: int, device: torch.device, count: int)
     generator = torch.Generator().manual_seed(options.seed + 1 + rank)
     tokens = torch.randint(0, 256, (count, options.batch_size, options.block_size + 1), generator=generator)
     return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
+
+
+def checkpoint_every_block(model: torch.nn.Module) -> None:
+    """Wrap each `Block` in torch's non-reentrant `checkpoint_wrapper`, as Lightning users enable
+    activation checkpointing for FSDP; the wrapped `Block` stays the stage-3 / FSDP2 unit."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, Block),
+    )

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
     training.add_argument(
+        "--activation-checkpointing", action="store_true",
+        help="recompute every block's activations in backward (torch's checkpoint_wrapper), in every variant",
+    )  # fmt: skip
+    training.add_argument(
         "--bucket-size-mb", type=positive_float, default=d.bucket_size_mb, metavar="MB",
         help=f"bucket size of every variant that has buckets (default: {d.bucket_size_mb:g} MiB)",
     )  # fmt: skip
@@ -95,6 +99,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             variants=args.variants,
             precision=args.precision,
             fused=args.fused,
+            activation_checkpointing=args.activation_checkpointing,
             out=args.out,
             device=args.device,
             seed=args.seed,
