@@ -138,6 +138,40 @@ for _name in ("ddp_find_unused", *(f"zero{s}" for s in STAGES)):
     GROUP.case(shared_parameter, name=f"shared_{_name}", strategy=_name)
 
 
+# ---- Lightning's SpikeDetection ---------------------------------------------------------------------
+def _spiking_training_step(self, batch, batch_idx):
+    """The GPT's loss, a thousand times larger at batch 4 on rank 1 only."""
+    loss = self(batch[0][:, :-1], batch[0][:, 1:])[1]
+    return loss * 1000 if batch_idx == 4 and self.trainer.global_rank == 1 else loss
+
+
+def spike_detection(ctx: RankContext, strategy: str) -> dict:
+    """Where SpikeDetection stops the fit (on every rank: the verdict is reduced), the batches it
+    excluded, and the weights it left."""
+    import os
+
+    import lightning as L
+    from lightning.pytorch.callbacks import SpikeDetection
+    from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
+
+    L.seed_everything(0, verbose=False)
+    module = GPTModule()
+    module.training_step = _spiking_training_step.__get__(module)
+    excluded = os.path.join(ctx.tmpdir, f"spikes_{strategy}")
+    recorder = WeightRecorder()
+    spikes = SpikeDetection(window=3, warmup=2, exclude_batches_path=excluded)
+    try:
+        make_trainer(_strategy(strategy), 8, callbacks=[recorder, spikes]).fit(module, token_data())
+        stopped = None
+    except Exception as err:  # noqa: BLE001 - which exception, at which batch, is what is tested
+        stopped = (type(err).__name__, str(err))
+    return {"stopped": stopped, "bad_batches": list(spikes.bad_batches), "history": recorder.history}
+
+
+for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(spike_detection, name=f"spike_{_name}", strategy=_name)
+
+
 # ---- a distributed optimizer; pickling the Trainer after fit ----------------------------------------
 @GROUP.case
 def distributed_optimizer(ctx: RankContext) -> Optional[str]:
@@ -243,3 +277,13 @@ def test_lightning_checkpoint_flows_work_with_sharded_directories(results):
         assert r["zero3"]["best"] == r["ddp"]["best"]
         assert r["zero3"]["validated"] == r["ddp"]["validated"]
         assert max_abs_diff(r["ddp"]["loaded"], r["zero3"]["loaded"]) == 0.0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_spike_detection_stops_every_rank_at_the_same_batch_as_under_ddp(results, stage):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["spike_ddp"], results[f"spike_zero{stage}"]):
+        assert ddp["stopped"][0] == "TrainingSpikeException" and "4" in ddp["stopped"][1]
+        assert zero["stopped"] == ddp["stopped"] and zero["bad_batches"] == ddp["bad_batches"]
+        assert [max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])] == [0.0] * len(ddp["history"])
