@@ -172,6 +172,28 @@ for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
     GROUP.case(spike_detection, name=f"spike_{_name}", strategy=_name)
 
 
+# ---- Lightning's ModelPruning --------------------------------------------------------------------------
+def pruning(ctx: RankContext, strategy: str) -> Any:
+    """The weights ModelPruning leaves (pruned every epoch, made permanent at the end), or the error."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelPruning
+    from lightning_helpers import GPTModule, make_trainer, token_data
+
+    L.seed_everything(0, verbose=False)
+    module = GPTModule()
+    prune = ModelPruning("l1_unstructured", amount=0.3)  # with the lottery-ticket reset, the default
+    trainer = make_trainer(_strategy(strategy), 6, callbacks=[prune], max_epochs=2, limit_train_batches=3)
+    try:
+        trainer.fit(module, token_data())
+    except RuntimeError as err:
+        return str(err)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(pruning, name=f"pruning_{_name}", strategy=_name)
+
+
 # ---- a distributed optimizer; pickling the Trainer after fit ----------------------------------------
 @GROUP.case
 def distributed_optimizer(ctx: RankContext) -> Optional[str]:
@@ -287,3 +309,18 @@ def test_spike_detection_stops_every_rank_at_the_same_batch_as_under_ddp(results
         assert ddp["stopped"] == ("TrainingSpikeException", "Training spike detected in batch 4")
         assert zero["stopped"] == ddp["stopped"] and zero["bad_batches"] == ddp["bad_batches"]
         assert [max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])] == [0.0] * len(ddp["history"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_model_pruning_prunes_as_under_ddp(results, stage):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["pruning_ddp"], results[f"pruning_zero{stage}"]):
+        assert not isinstance(zero, str), zero
+        assert max_abs_diff(ddp, zero) == 0.0
+        assert (zero["model.blocks.0.mlp.fc.weight"] == 0).float().mean() >= 0.3  # pruned
+
+
+def test_model_pruning_at_stage_3_fails_naming_the_parameter_and_the_summon_context(results):
+    for message in results["pruning_zero3"]:
+        assert isinstance(message, str) and "holds sharded (stage 3)" in message and "summon_full_params" in message

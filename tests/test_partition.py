@@ -123,18 +123,20 @@ def test_half_precision_parameters_get_an_fp32_master_and_fp32_ones_alias():
     assert not sp_full.holds_master_copy and sp_full.shard.data_ptr() == full.data_ptr() + 4 * 4
 
 
-def test_assigned_data_is_adopted_into_the_storage_the_shard_aliases():
+def test_assigned_data_becomes_the_storage_the_shard_aliases_as_under_ddp():
     p = nn.Parameter(torch.randn(6))
     (sp,) = _sharded([p])
-    storage = p.data_ptr()
     new = torch.arange(6.0)
     p.data = new
     assert sp.data_was_assigned()
     with pytest.raises(RuntimeError, match="between the backward and the optimizer step"):
         sp.check_data_not_assigned()
     sp.adopt_assigned_data()
-    assert p.data_ptr() == storage and not sp.data_was_assigned()
-    assert torch.equal(p.detach(), new) and torch.equal(sp.shard.detach(), new[: sp.owned_numel])
+    assert not sp.data_was_assigned() and p.data_ptr() == new.data_ptr()
+    assert torch.equal(sp.shard.detach(), new[: sp.owned_numel])
+    with torch.no_grad():
+        sp.shard.add_(1.0)  # the optimizer's update reaches the parameter and whoever holds `new`
+    assert torch.equal(new[: sp.owned_numel], torch.arange(1.0, 1.0 + sp.owned_numel))
 
 
 @pytest.mark.parametrize("assigned", [torch.zeros(3), torch.zeros(6, dtype=torch.float64)])

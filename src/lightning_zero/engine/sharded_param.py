@@ -163,6 +163,9 @@ class ShardedParam:
                 " values are kept, as under DDP); change shapes, dtypes or devices before `trainer.fit` (or"
                 " in `configure_model`)."
             )
+        if self.keeps_full and new.is_contiguous():
+            self._take_storage_of(new)
+            return
         with torch.no_grad():
             full = self.gather_target()  # the storage the engine placed (at stage 3 grown again if freed)
             full.copy_(new.reshape(-1))
@@ -171,6 +174,19 @@ class ShardedParam:
             if not self.aliases_param:
                 self.shard.copy_(full[start:end])
             self.refresh_device_chunk()
+
+    def _take_storage_of(self, new: Tensor) -> None:
+        """Stages 1-2: the assigned tensor becomes the parameter's storage for good, as under DDP,
+        where whoever else holds it sees the updates that follow (Lightning's ModelPruning relies on
+        that); all-gathers then write into it and, without a master copy, the shard is a view of it."""
+        self._full_flat = new.view(-1)
+        self._storage_ptr = new.data_ptr()
+        self._target_rows = None
+        if self.aliases_param:
+            self.shard.data = self._owned_chunk()
+            self._shard_data = self.shard.detach()
+        else:
+            self.sync_master_from_param()
 
     def check_data_not_assigned(self) -> None:
         """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned
