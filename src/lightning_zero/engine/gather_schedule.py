@@ -161,8 +161,7 @@ class GatherSchedule:
             unit.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._queue()
-        position = self._queue_position.get(unit.index)
+        position = self._position_in_queue(unit)
         freed_after_its_turn = position is not None and position < self._issued and unit.state is UnitState.SHARDED
         if position is None or freed_after_its_turn:  # not queued, or reached again: on demand
             unit.unshard()
@@ -179,6 +178,10 @@ class GatherSchedule:
             self._backward_queue = [self.units[i] for i in order]
             self._queue_position = {index: position for position, index in enumerate(order)}
         return self._backward_queue
+
+    def _position_in_queue(self, unit: Unit) -> Optional[int]:
+        self._queue()
+        return self._queue_position.get(unit.index)
 
     def _issue_through(self, position: int) -> None:
         queue = self._queue()
