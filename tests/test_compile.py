@@ -1,7 +1,8 @@
 """``torch.compile`` of the model inside a LightningModule at every stage, compared with compiled DDP.
 
 ``aot_eager`` runs the same graph capture and autograd tracing as inductor without generating
-kernels, so it finds what the capture breaks on within seconds on CPU."""
+kernels, so it finds what the capture breaks on within seconds on CPU; inductor itself (the
+default backend, whose crash at stage 3 was reported) is checked at stage 3 too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ STEPS = 4
 STAGES = (1, 2, 3)
 
 
-def compiled_fit(ctx: RankContext, strategy: str) -> dict:
+def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager") -> dict:
     import lightning as L
     import torch
     from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
@@ -31,7 +32,7 @@ def compiled_fit(ctx: RankContext, strategy: str) -> dict:
     torch._dynamo.reset()
     counters.clear()
     module = GPTModule()
-    module.model = torch.compile(module.model, backend="aot_eager")
+    module.model = torch.compile(module.model, backend=backend)
     recorder, graphs = WeightRecorder(), GraphCount()
     make_trainer(strategy, STEPS, callbacks=[recorder, graphs]).fit(module, token_data())
     return {"history": recorder.history, "graphs": graphs.graphs, "recompiles": sum(counters["recompiles"].values())}
@@ -40,6 +41,8 @@ def compiled_fit(ctx: RankContext, strategy: str) -> dict:
 GROUP = CaseGroup(world_size=2, timeout=400)
 for _strategy in ("ddp", *(f"zero{s}" for s in STAGES)):
     GROUP.case(compiled_fit, name=_strategy, strategy=_strategy)
+for _strategy in ("ddp", "zero3"):
+    GROUP.case(compiled_fit, name=f"inductor_{_strategy}", strategy=_strategy, backend="inductor")
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +63,13 @@ def test_the_compiled_graphs_settle_by_the_third_step(results, stage):
     for r in results[f"zero{stage}"]:
         assert r["graphs"][2] == r["graphs"][-1]  # nothing new captured after step 3
         assert r["recompiles"] == 0
+
+
+def test_inductor_at_stage_3_trains_as_inductor_ddp(results):
+    # inductor fuses DDP's one graph differently from the per-unit graphs of stage 3 (the unit
+    # hooks run eagerly, see [Note: gathers under torch.compile]): float rounding, nothing more
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["inductor_ddp"], results["inductor_zero3"]):
+        assert max(max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])) <= 1e-5
+        assert zero["graphs"][2] == zero["graphs"][-1] and zero["recompiles"] == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 class ZeroStage(enum.IntEnum):
@@ -32,6 +32,16 @@ class ZeroStage(enum.IntEnum):
     def shards_parameters(self) -> bool:
         return self >= ZeroStage.PARAMETERS
 
+
+STRATEGY_NAMES: dict[str, dict[str, Any]] = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": True},
+    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+"""The names ``import lightning_zero`` registers in the Trainer's and Fabric's strategy registries,
+and the options each one stands for."""
 
 ENGINE_STAGES = (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
 STAGE_3_OPTIONS = ("unit_classes", "min_unit_params", "prefetch_units", "check_units_every_gather")

@@ -25,6 +25,7 @@ then frees the root unit, so ``after_optimizer_step`` has nothing gathered to re
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Mapping, Optional, Sequence
@@ -37,7 +38,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.host_reads import HostReads
-from lightning_zero.engine.host_step import fuse_host_steps
+from lightning_zero.engine.host_step import FusedHostStep, fuse_host_steps
 from lightning_zero.engine.memory import MemoryReport, measure
 from lightning_zero.engine.norms import global_norms
 from lightning_zero.engine.param_guard import ParameterReplacementGuard
@@ -84,10 +85,10 @@ class ZeroEngine:
         self.params: list[ShardedParam] = self.residency.params
         self.buckets = self.residency.grad_buckets
 
-        sharded = {id(sp.param): sp for sp in self.params}
-        self._params_of_optimizer = [rebind_param_groups(opt, sharded) for opt in self.optimizers]
-        offloaded_step = config.offload_optimizer and config.fused_host_step
-        self._fused_host_steps = fuse_host_steps(self.optimizers, HOST) if offloaded_step else []
+        self._params_of_optimizer: list[list[ShardedParam]] = []
+        self._fused_host_steps: list[FusedHostStep] = []
+        for optimizer in self.optimizers:
+            self._shard_optimizer(optimizer)
 
         self.grad_sync: GradientSync
         if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
@@ -98,6 +99,30 @@ class ZeroEngine:
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
         self._replacement_guard = ParameterReplacementGuard(module, self.params)
+        weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """Shard ``optimizer`` too (stage 3 only: a module is sharded before the optimizers built
+        from its parameters exist, as with Fabric's ``setup_module`` + ``setup_optimizers``). At
+        stages 1-2 the buckets group parameters by optimizer, so all must be given at construction."""
+        if not isinstance(self.residency, ShardedParameters):
+            raise ValueError(
+                f"At ZeRO stage {self.config.stage} an engine's optimizers are all given when it is built"
+                " (its buckets group parameters by optimizer); this one was built without"
+                f" {type(optimizer).__name__}."
+            )
+        if any(opt is optimizer for opt in self.optimizers):
+            return
+        _optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
+        self.optimizers.append(optimizer)
+        self._shard_optimizer(optimizer)
+
+    def _shard_optimizer(self, optimizer: Optimizer) -> None:
+        """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step)."""
+        sharded = {id(sp.param): sp for sp in self.params}
+        self._params_of_optimizer.append(rebind_param_groups(optimizer, sharded))
+        if self.config.offload_optimizer and self.config.fused_host_step:
+            self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:

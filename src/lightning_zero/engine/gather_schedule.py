@@ -30,6 +30,13 @@ units that are never reached are issued by ``finish_backward_gathers`` before th
 reduced, gathered and freed at once. The forwards agree across ranks (the unit tags check that),
 hence so do the queues. A unit reached again after its backward freed it (a recomputing
 checkpoint) is gathered on demand, as every rank does alike.
+
+[Note: gathers under torch.compile]
+The unit hooks run eagerly under ``torch.compile`` (``torch._dynamo.disable``): the graph breaks at
+each unit boundary and each unit's own forward is captured whole. Traced into, the hooks' Python
+state (unit states, the queue, counters keyed by buffer size) made Dynamo specialize on values
+that change from unit to unit and recompile until its cache limit with inductor; the collectives
+and storage resizes inside break the graph there anyway.
 """
 
 from __future__ import annotations
@@ -129,6 +136,7 @@ class GatherSchedule:
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
+        @torch._dynamo.disable  # see [Note: gathers under torch.compile]
         def hook(module: Any, args: Any, kwargs: Any) -> None:
             unit.unshard()
             self._forward_order.append(unit.index)
@@ -137,6 +145,7 @@ class GatherSchedule:
         return hook
 
     def _post_forward(self, unit: Unit):
+        @torch._dynamo.disable  # see [Note: gathers under torch.compile]
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
             unit.reshard()
             if not torch.is_grad_enabled():

@@ -37,16 +37,44 @@ def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     return [norms.get(id(t), zero) for t in tensors]
 
 
-def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGroup = None) -> Tensor:
-    """The 2-norm of all gradients across ranks, when each rank holds a disjoint shard of them
-    (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients."""
+def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGroup = None, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all gradients across ranks, when each rank holds a disjoint shard of
+    them (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    if grads:
-        local = torch.linalg.vector_norm(torch.stack(norms_of(grads)))
-        squared = (local * local).reshape(1)
+    device = grads[0].device if grads else (parameters[0].device if parameters else "cpu")
+    norm_type = float(norm_type)
+    local = torch.stack(norms_of(grads, norm_type)) if grads else torch.zeros(1, device=device)
+    if norm_type == float("inf"):
+        return collectives.all_reduce(local.max().reshape(1), group, op="max").reshape(())
+    if norm_type == 2.0:
+        local_norm = torch.linalg.vector_norm(local)
+        powered = (local_norm * local_norm).reshape(1)
     else:
-        squared = torch.zeros(1, device=parameters[0].device if parameters else "cpu")
-    return collectives.all_reduce(squared, group, op="sum").sqrt().reshape(())
+        powered = local.pow(norm_type).sum().reshape(1)
+    return collectives.all_reduce(powered, group, op="sum").pow(1.0 / norm_type).reshape(())
+
+
+def clip_grads_by_global_norm_(
+    parameters: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    group: collectives.ProcessGroup = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradient shards: the same formula, over the norm of the
+    full gradients (one all-reduce). Returns that norm, before clipping."""
+    total_norm = global_grad_norm(parameters, group, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total_norm):  # a host sync, as in torch's
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite,"
+            " so it cannot be clipped. To disable this error and scale the gradients by the non-finite"
+            " norm anyway, set `error_if_nonfinite=False`."
+        )
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # non-finite norms propagate as in torch's
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    for same_kind in group_by_dtype_and_device(grads):  # one multiply kernel per dtype and device
+        torch._foreach_mul_(same_kind, clip_coef.to(same_kind[0].device, same_kind[0].dtype))
+    return total_norm
 
 
 def global_norms(shards: Sequence[Tensor], norm_type: float, group: collectives.ProcessGroup) -> tuple[Tensor, Tensor]:

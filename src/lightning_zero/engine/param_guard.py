@@ -11,6 +11,7 @@ naming the parameter; the cost is nothing per step. (Assigning ``param.data`` ke
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 from torch import nn
@@ -25,16 +26,17 @@ class ParameterReplacementGuard:
 
     def __init__(self, module: nn.Module, params: Sequence[ShardedParam]) -> None:
         sharded = {id(p.param): p for p in params}
-        self._held: dict[tuple[int, str], ShardedParam] = {
-            (id(owner), local): sharded[id(value)]
-            for owner in module.modules()
-            for local, value in owner._parameters.items()
-            if value is not None and id(value) in sharded
-        }
+        # keyed by the owning modules themselves, weakly: an id would be reused once a module is
+        # freed, and the guard of an engine nobody closed would then refuse a new model's parameters
+        self._held: weakref.WeakKeyDictionary[nn.Module, dict[str, ShardedParam]] = weakref.WeakKeyDictionary()
+        for owner in module.modules():
+            mine = {local: sharded[id(v)] for local, v in owner._parameters.items() if v is not None and id(v) in sharded}
+            if mine:
+                self._held[owner] = mine
         self._handle: Optional[RemovableHandle] = register_module_parameter_registration_hook(self._on_register)
 
     def _on_register(self, owner: nn.Module, local: str, value: Optional[nn.Parameter]) -> None:
-        held = self._held.get((id(owner), local))
+        held = self._held.get(owner, {}).get(local)
         if held is None or value is held.param:
             return
         raise RuntimeError(

@@ -1,161 +1,26 @@
-"""What Lightning's checkpoint calls do under ZeRO: ``ZeroCheckpointing``, which the strategy owns and
-delegates its checkpoint hooks to.
-
-It holds only checkpoint state (the format, the DCP process group, where the last restore came
-from); the engine and the module are handed in by the strategy at each call. The formats and their
-guarantees are in the ``lightning_zero.checkpoint`` package.
-
-Every save ends with one outcome shared by all ranks: each raises the same error, or none does.
-``RecoveringLauncher`` puts back checkpoints that a crash left under a sibling name before Lightning
-resolves ``ckpt_path="last"`` (see ``checkpoint/atomic.py``).
+"""Checkpoint plumbing that needs Lightning's Trainer: ``RecoveringLauncher``, which puts back
+checkpoints that a crash left under a sibling name before Lightning resolves ``ckpt_path="last"``
+(see ``checkpoint/atomic.py``), and the optimizer unwrapping the strategy's hooks need. What the
+checkpoint calls themselves do is ``lightning_zero.checkpoint.checkpointing.ZeroCheckpointing``,
+shared with the Fabric strategy.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
-from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.atomic import commit, recover, recover_folder, temporary_sibling
-from lightning_zero.checkpoint.directory import load_directory, save_directory
-from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
-from lightning_zero.checkpoint.integrity import check_zip
-from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.sharded import model_tensors, optimizer_shards
-from lightning_zero.checkpoint.storage import CheckpointGroup
-from lightning_zero.engine import ZeroEngine
+from lightning_zero.checkpoint.atomic import recover_folder
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
 
-StateDictType = Literal["sharded", "full"]
-
-
-class RankCoordination(Protocol):
-    """The strategy's own collectives that a save needs (Lightning's strategies all have them)."""
-
-    @property
-    def is_global_zero(self) -> bool: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
-
-    def barrier(self, name: Optional[str] = None) -> None: ...
-
-
-class ZeroCheckpointing:
-    """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
-
-    def __init__(self, state_dict_type: StateDictType) -> None:
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
-        self.state_dict_type = state_dict_type
-        self.group = CheckpointGroup()
-        self.restored_from_directory = False
-        """Whether the last ``load`` read a directory (weights and optimizer state are then already
-        in the shards, and Lightning's later ``load_*_state_dict`` calls must do nothing)."""
-
-    def saves_directory(self, engine: Optional[ZeroEngine]) -> bool:
-        """Sharded format, and an engine whose shards there are to write."""
-        return self.state_dict_type == "sharded" and engine is not None
-
-    def module_shards(self, module: nn.Module, engine: ZeroEngine) -> dict[str, Any]:
-        """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication."""
-        return model_tensors(module, engine, self.group.mesh)
-
-    def optimizer_shards(self, engine: ZeroEngine, optimizers: Sequence[Optimizer], optimizer: Optimizer) -> Any:
-        """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state."""
-        index = [id(o) for o in optimizers].index(id(optimizer))
-        return optimizer_shards(engine, optimizer, index, self.group.mesh)
-
-    def save(
-        self,
-        ranks: RankCoordination,
-        checkpoint: dict[str, Any],
-        filepath: PathLike,
-        module: nn.Module,
-        engine: Optional[ZeroEngine],
-        write_file: Callable[[dict[str, Any], Path], None],
-    ) -> None:
-        """Write ``filepath`` (a directory when sharded, else one file written by rank 0 with
-        ``write_file``) so that it appears only once complete: an interrupted save leaves the previous
-        checkpoint there untouched. A collective; if any rank fails, every rank raises the same
-        ``CheckpointWriteError``, the cause and the file on its first line."""
-        path = Path(ranks.broadcast(str(filepath)))
-        temporary = temporary_sibling(path, ranks.broadcast(uuid.uuid4().hex[:8]))
-        try:
-            if self.saves_directory(engine):
-                assert engine is not None
-                save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group)
-            else:
-                _on_rank_zero(ranks, lambda: write_file(checkpoint, temporary), f"while writing {temporary.name}")
-            _on_rank_zero(ranks, lambda: commit(temporary, path), f"while moving {temporary.name} into its place")
-        except CheckpointWriteError as err:
-            raise CheckpointWriteError(
-                f"Checkpoint {str(path)!r} was not saved: {err.detail}; the checkpoint saved there before, if any, is untouched."
-            ) from err
-
-    def load(
-        self,
-        checkpoint_path: PathLike,
-        module: nn.Module,
-        engine: Optional[ZeroEngine],
-        optimizers: Sequence[Optimizer],
-        strict: bool,
-        read_file: Callable[[Path], dict[str, Any]],
-    ) -> dict[str, Any]:
-        """A sharded directory is read straight into the shards (any world size, any stage) and what
-        Lightning restores itself (loops, schedulers, callbacks, ...) is returned; a file (ours with
-        ``state_dict_type="full"``, or one written by DDP) is read with ``read_file``. Both are checked
-        against their checksums first; a checkpoint that a crash left under a sibling name while it
-        was being replaced is moved back first."""
-        path = Path(checkpoint_path)
-        recover(path)  # every rank: they agree on which sibling, whoever moves it
-        self.restored_from_directory = path.is_dir()
-        if path.is_dir():
-            return load_directory(path, module, engine, optimizers, strict, self.group)
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-        check_zip(path)  # the same bytes on every rank, so the same verdict
-        try:
-            return read_file(path)
-        except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
-            raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupted ({describe(err)}).") from err
-
-    @staticmethod
-    def load_full_optimizer_states(engine: ZeroEngine, optimizers: Sequence[Optimizer], states: Sequence[Any]) -> None:
-        """DDP-format optimizer states (a full-file checkpoint) into the shards. torch's
-        ``Optimizer.load_state_dict`` puts each state tensor where its shard lives, so offloaded
-        state stays in host memory."""
-        if len(states) != len(optimizers):
-            raise ValueError(
-                f"The checkpoint holds state for {len(states)} optimizers, but `configure_optimizers`"
-                f" returned {len(optimizers)}."
-            )
-        for optimizer, state in zip(optimizers, states):
-            engine.load_full_optimizer_state_dict(optimizer, state)
-
-
-def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:
-    """Rank 0 runs ``work`` (a file write or the commit); every rank then raises the same
-    ``CheckpointWriteError`` if it failed. The broadcast doubles as the barrier that ends the step."""
-    error = None
-    if ranks.is_global_zero:
-        try:
-            work()
-        except Exception as err:  # noqa: BLE001 - shared with every rank, raised there
-            error = f"{describe(err)} {doing} (rank 0)"
-    error = ranks.broadcast(error)
-    if error is not None:
-        raise CheckpointWriteError(error)
+__all__ = ["RecoveringLauncher", "StateDictType", "ZeroCheckpointing", "checkpoint_folders", "unwrap_optimizer"]
 
 
 class RecoveringLauncher(_SubprocessScriptLauncher):

@@ -14,61 +14,20 @@ so users pass ``Trainer(precision=...)`` as usual.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
-import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.norms import global_grad_norm, group_by_dtype_and_device
-
-
-class ZeroGradScaler(torch.amp.GradScaler):
-    """A ``GradScaler`` whose inf/NaN verdict is taken across all ranks (each sees only its shard),
-    so every rank skips the same steps and the scales never diverge."""
-
-    def __init__(self, *args: Any, group: collectives.ProcessGroup = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.group = group
-
-    @classmethod
-    def like(cls, scaler: torch.amp.GradScaler) -> "ZeroGradScaler":
-        """The same settings and current state as ``scaler``."""
-        converted = cls(
-            scaler._device,
-            init_scale=scaler._init_scale,
-            growth_factor=scaler._growth_factor,
-            backoff_factor=scaler._backoff_factor,
-            growth_interval=scaler._growth_interval,
-            enabled=scaler._enabled,
-        )
-        if scaler._scale is not None:
-            converted.load_state_dict(scaler.state_dict())
-        return converted
-
-    def _unscale_grads_(self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        # one flag, reduced once: a rank whose shard has no gradient on some device must still
-        # take part, so the collective count may not depend on the dict's length
-        flag = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
-        for value in per_device.values():
-            flag += value.to(flag.device)
-        collectives.all_reduce(flag, self.group, op="max")
-        return {device: flag.to(device) for device in per_device} or {flag.device: flag}
+from lightning_zero.engine.grad_scaler import ZeroGradScaler
+from lightning_zero.engine.norms import clip_grads_by_global_norm_
 
 
 class _ShardedNormClipping:
     """Mixin: ``clip_grad_by_norm`` over the global norm of the sharded gradients."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
-        total_norm = global_grad_norm(parameters)  # see engine/norms.py
-        # the same formula as torch.nn.utils.clip_grad_norm_ (non-finite norms propagate as there)
-        clip_coef = torch.clamp(clip_val / (total_norm + 1e-6), max=1.0)
-        grads = [p.grad.detach() for p in parameters if p.grad is not None]
-        for same_kind in group_by_dtype_and_device(grads):  # one multiply kernel per dtype and device
-            torch._foreach_mul_(same_kind, clip_coef.to(same_kind[0].device, same_kind[0].dtype))
+        clip_grads_by_global_norm_(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
 
 
 class ZeroPrecision(_ShardedNormClipping, Precision):

@@ -29,8 +29,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.layout import as_trainer_checkpoint
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
+from lightning_zero.engine.config import STRATEGY_NAMES
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
     RecoveringLauncher,
@@ -41,16 +43,6 @@ from lightning_zero.lightning.checkpointing import (
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
-
-STRATEGY_NAMES: dict[str, dict[str, Any]] = {
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3},
-    "zero2_offload": {"stage": 2, "offload_optimizer": True},
-    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
-}
-"""Names registered in Lightning's ``StrategyRegistry`` by ``import lightning_zero``."""
-
 
 class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism: each of the N ranks keeps 1/N of the optimizer state (stage 1), of
@@ -420,10 +412,11 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
-        return self._checkpointing.load(
+        checkpoint = self._checkpointing.load(
             checkpoint_path, module, self._engine, optimizers, module.strict_loading,
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
         )  # fmt: skip
+        return as_trainer_checkpoint(checkpoint, has_schedulers=bool(self.lr_scheduler_configs))  # one saved by Fabric
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

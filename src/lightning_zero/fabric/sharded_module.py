@@ -1,0 +1,172 @@
+"""One module set up with the Fabric strategy: its engine, its optimizers, and its step boundaries.
+
+The Trainer tells the engine where a step begins and ends through its hooks (``training_step``,
+``post_backward``, ...). Fabric has none: the user's loop calls the module, ``fabric.backward``
+and ``optimizer.step``. So the boundaries are read from those calls — [Note: Fabric step
+boundaries]:
+
+- a forward with autograd enabled opens a training step (stage 3 gathers the root unit) unless one
+  is open: several forwards may feed one backward;
+- a backward the module's outputs took part in (a gradient reached them) finishes the gradients
+  (``engine.finish_backward``), and closes the step once every forward of it has been
+  backpropagated — a module whose outputs a backward did not reach (a GAN's generator during the
+  discriminator's backward, its input detached) is left alone;
+- an optimizer step closes the step first, as do checkpoints and the end of training;
+- a forward without autograd outside a training step is an evaluation step: opened and closed
+  around that forward. Inside an open training step it runs in that step.
+
+At stages 1-2 the engine groups its buckets by optimizer, so it is built only once the module's
+optimizers are known: at ``fabric.setup(model, *optimizers)``, else at the first use after
+``setup_optimizers`` (a forward, ``no_backward_sync``, a checkpoint). At stage 3 it is built at
+setup, sharding the parameters (and materializing a meta-device model unit by unit); optimizers
+made later from the sharded parameters are added to it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten
+
+from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
+from lightning_zero.engine.config import ZeroStage
+
+
+class ShardedModule:
+    """``module``'s engine and step boundaries (see [Note: Fabric step boundaries])."""
+
+    def __init__(
+        self, module: nn.Module, config: ZeroConfig, device: torch.device, timeout: Optional[timedelta], optimizers: list[Optimizer]
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.optimizers = list(optimizers)
+        self._device = device
+        self._timeout = timeout
+        self.engine: Optional[ZeroEngine] = None
+        self._step_open = False
+        self._evaluating = False
+        self._forwards_awaiting_backward = 0
+        self._reached_by_backward = False
+        if config.zero_stage is ZeroStage.PARAMETERS:
+            self._build_engine()  # shards (and materializes) the parameters now
+        else:
+            module.to(device)
+            # every replica starts from rank 0's weights and buffers, as DDP's constructor does
+            collectives.broadcast_tensors_([p.data for p in module.parameters()] + list(module.buffers()), src=0, group=None)
+            if self.optimizers:
+                self._build_engine()
+        self._handles = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._after_forward),
+        ]
+
+    # ---- the engine ----------------------------------------------------------------------------
+    def _build_engine(self) -> ZeroEngine:
+        self.engine = ZeroEngine(self.module, self.optimizers, self.config, device=self._device, timeout=self._timeout)
+        return self.engine
+
+    def ensure_engine(self) -> Optional[ZeroEngine]:
+        """The engine, built now at stages 1-2 if it waited for optimizers (None while there are
+        none: the module is then used for inference only, replicated as under DDP)."""
+        if self.engine is None and self.optimizers:
+            self._build_engine()
+        return self.engine
+
+    def owns(self, optimizer: Optimizer) -> bool:
+        return any(opt is optimizer for opt in self.optimizers)
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """An optimizer of this module's parameters, set up after the module."""
+        if self.engine is not None and self.config.zero_stage is not ZeroStage.PARAMETERS:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was set up after {type(self.module).__name__} had started"
+                f" training (or was checkpointed): at ZeRO stage {self.config.stage} every optimizer of a"
+                " module must be set up before its first forward. Call `fabric.setup_optimizers(...)` with"
+                " all of them first, or `fabric.setup(model, *optimizers)`."
+            )
+        if self.engine is not None:
+            self.engine.add_optimizer(optimizer)
+        self.optimizers.append(optimizer)
+
+    def holds_parameters_of(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps parameters of this module (before it is sharded)."""
+        mine = {id(p) for p in self.module.parameters()}
+        return any(id(p) in mine for group in optimizer.param_groups for p in group["params"])
+
+    # ---- step boundaries -------------------------------------------------------------------------
+    @torch._dynamo.disable  # collectives and Python state: run eagerly under torch.compile
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            engine = self.ensure_engine()
+            self._evaluating = False
+            if not self._step_open:
+                if engine is None or engine.sync_gradients:  # DDP syncs buffers unless in `no_sync`
+                    collectives.broadcast_tensors_(list(self.module.buffers()), src=0, group=None)
+                if engine is not None:
+                    engine.begin_step()
+                self._step_open = True
+        elif not self._step_open and self.engine is not None:
+            self.engine.begin_evaluation_step()
+            self._step_open = self._evaluating = True
+
+    @torch._dynamo.disable
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._evaluating:
+            self.close_step()
+            return
+        leaves, _ = tree_flatten(output)
+        needing_grad = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and needing_grad:
+            self._forwards_awaiting_backward += 1
+            register_multi_grad_hook(needing_grad, self._reached, mode="any")
+
+    def _reached(self, grads: Any) -> None:
+        self._reached_by_backward = True
+        self._forwards_awaiting_backward -= 1
+
+    def after_backward(self) -> None:
+        """After each ``fabric.backward`` (see [Note: Fabric step boundaries])."""
+        if not self._reached_by_backward:
+            return
+        self._reached_by_backward = False
+        if self.engine is not None:
+            self.engine.finish_backward()
+        if self._forwards_awaiting_backward <= 0:
+            self.close_step()
+
+    def close_step(self) -> None:
+        """Free what the step gathered (the root unit at stage 3); nothing if no step is open."""
+        if self._step_open and self.engine is not None:
+            self.engine.end_step()
+        self._step_open = self._evaluating = False
+        self._forwards_awaiting_backward = 0
+
+    @contextmanager
+    def gradients_accumulating(self) -> Iterator[None]:
+        """Fabric's ``no_backward_sync``: micro-batches that accumulate without stepping."""
+        engine = self.ensure_engine()
+        if engine is None:
+            yield
+            return
+        engine.sync_gradients = False
+        try:
+            yield
+        finally:
+            engine.sync_gradients = True
+
+    def release(self) -> None:
+        """Training is over: plain full parameters on the module's device again, hooks removed."""
+        self.close_step()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.engine is not None:
+            self.engine.release_parameters(self._device)
+            self.engine = None

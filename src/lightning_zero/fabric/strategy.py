@@ -1,0 +1,461 @@
+"""``ZeroFabricStrategy``: the Fabric adapter around the engine, beside the Trainer's ``ZeroStrategy``.
+
+Fabric calls the strategy from the user's own loop; this class connects those calls to the engine:
+
+- ``fabric.setup`` / ``setup_module`` + ``setup_optimizers``: each module gets a ``ShardedModule``
+  (its engine and the step boundaries read from its forward calls, see ``sharded_module.py``);
+- ``fabric.backward``: the gradient shards are finished after it;
+- ``optimizer.step()``: after the step, the module sees the updated shards;
+- ``fabric.clip_gradients``: by the norm of the full gradients, computed from the shards;
+- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint formats (``checkpoint_state.py``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import lightning
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.checkpoint.atomic import recover
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.checkpoint.convert import full_checkpoint
+from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY
+from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroStage
+from lightning_zero.engine.config import STRATEGY_NAMES
+from lightning_zero.engine.grad_scaler import ZeroGradScaler
+from lightning_zero.engine.norms import clip_grads_by_global_norm_
+from lightning_zero.engine.sharded_optimizer import check_optimizer_type
+from lightning_zero.fabric.checkpoint_state import (
+    INTERNAL_KEYS,
+    plain_values,
+    remainder,
+    restore_plain_values,
+    split_state,
+)
+from lightning_zero.fabric.sharded_module import ShardedModule
+
+SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
+"""Fabric's precision plugins this strategy trains correctly with (exactly these classes)."""
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """ZeRO data parallelism for Fabric, on the engine the Trainer's ``ZeroStrategy`` uses, with the
+    same options (see ``ZeroStrategy`` for each one)::
+
+        fabric = Fabric(strategy="zero3", devices=8, precision="bf16-mixed")
+        fabric = Fabric(strategy=ZeroFabricStrategy(stage=2, offload_optimizer=True))
+
+    Checkpoints (``fabric.save`` / ``fabric.load``) are the Trainer's formats: a Trainer checkpoint
+    loads here and the other way round, at any world size and stage. ``summon_full_params()`` gives
+    full parameters on every rank.
+    """
+
+    strategy_name = "zero_fabric"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_size_mb: float = 25.0,
+        unit_classes: Optional[list[str]] = None,
+        min_unit_params: int = 0,
+        prefetch_units: int = 1,
+        check_units_every_gather: Optional[bool] = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        fused_host_step: bool = True,
+        state_dict_type: StateDictType = "sharded",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        self.zero_config = ZeroConfig(  # validates before anything else happens
+            stage=stage,
+            bucket_size_mb=bucket_size_mb,
+            unit_classes=unit_classes,
+            min_unit_params=min_unit_params,
+            prefetch_units=prefetch_units,
+            check_units_every_gather=check_units_every_gather,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            fused_host_step=fused_host_step,
+        )
+        self._checkpointing = ZeroCheckpointing(state_dict_type)
+        self._modules: list[ShardedModule] = []
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method="popen",
+        )
+        self._backward_sync_control = _AccumulateWithoutSync(self)
+
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        return self._checkpointing.state_dict_type
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.zero_config.zero_stage is ZeroStage.PARAMETERS
+
+    # ---- precision ---------------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        if precision is not None and type(precision) not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"lightning-zero does not support Fabric's {type(precision).__name__}: it trains with"
+                " precision='32-true', '64-true', '16-true', 'bf16-true', '16-mixed' or 'bf16-mixed'."
+            )
+        scaler = getattr(precision, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ZeroGradScaler):
+            # each rank sees only its gradient shard: the skip decision must be taken together
+            precision.scaler = ZeroGradScaler.like(scaler)  # type: ignore[union-attr]
+        self._precision = precision
+
+    # ---- setup -------------------------------------------------------------------------------------
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """At stage 3, ``fabric.init_module()`` builds on the meta device and ``setup`` materializes
+        one unit at a time (see ``engine/materialize.py``); ``empty_init=False`` builds eagerly."""
+        if not self.shards_parameters or empty_init is False:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not self.shards_parameters:  # at stage 3 the engine places each chunk (and materializes)
+            module.to(self.root_device)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+        for optimizer in optimizers:
+            check_optimizer_type(optimizer)
+        self._set_up(module, optimizers)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        self._set_up(module, [])
+        return module
+
+    def _set_up(self, module: nn.Module, optimizers: list[Optimizer]) -> None:
+        if self._sharded_module_of(module) is not None:
+            raise ValueError(f"{type(module).__name__} is already set up with lightning-zero; set each module up once.")
+        self._modules.append(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers))
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        check_optimizer_type(optimizer)
+        owners = [m for m in self._modules if m.holds_parameters_of(optimizer)]
+        if len(owners) != 1:
+            raise ValueError(
+                f"{type(optimizer).__name__} must step the parameters of exactly one module set up with"
+                f" lightning-zero (it steps {len(owners)}'s). Set the module up first"
+                " (`model = fabric.setup_module(model)`), then build the optimizer from its parameters."
+            )
+        owners[0].add_optimizer(optimizer)
+        return optimizer
+
+    # ---- the training step ---------------------------------------------------------------------------
+    @override
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        for sharded in self._modules:
+            sharded.after_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        sharded = self._owner_of(optimizer)
+        if sharded is None:
+            return super().optimizer_step(optimizer, **kwargs)
+        engine = sharded.ensure_engine()
+        sharded.close_step()
+        output = super().optimizer_step(optimizer, **kwargs)
+        if engine is not None:
+            engine.after_optimizer_step(optimizer)
+        return output
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the full gradients, computed from this rank's shards
+        (one all-reduce); returns the total norm, as under DDP."""
+        self.precision.unscale_gradients(optimizer)
+        parameters = list(self.precision.main_params(optimizer))
+        return clip_grads_by_global_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
+
+    @contextmanager
+    def summon_full_params(self, module: Optional[nn.Module] = None, writeback: bool = False) -> Iterator[None]:
+        """Inside, every parameter of ``module`` (default: of every module set up) is its full tensor
+        on every rank; edits are written back to the shards only with ``writeback=True``. Enter it
+        on every rank: gathering is a collective."""
+        with ExitStack() as stack:
+            for sharded in self._selected(module):
+                if sharded.engine is not None:
+                    stack.enter_context(sharded.engine.gathered(writeback))
+            yield
+
+    def finish_evaluation(self, module: Optional[nn.Module] = None) -> None:
+        """After this rank's last evaluation forward (on every rank): at stage 3, ranks may then run
+        different numbers of evaluation forwards, as under DDP — a rank that is done takes part in
+        its peers' all-gathers until they are done too (see ``engine/evaluation_join.py``)."""
+        for sharded in self._selected(module):
+            if sharded.engine is not None:
+                sharded.engine.finish_evaluation()
+
+    def memory_report(self, module: Optional[nn.Module] = None) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state this rank holds now for ``module``
+        (default: the one module set up)."""
+        selected = self._selected(module)
+        if len(selected) != 1 or selected[0].ensure_engine() is None:
+            raise RuntimeError("memory_report() needs one module set up with its optimizers; pass `module=`.")
+        return selected[0].engine.memory_report()  # type: ignore[union-attr]
+
+    @override
+    def teardown(self) -> None:
+        for sharded in self._modules:
+            sharded.release()
+        self._modules.clear()
+        super().teardown()
+
+    # ---- state dicts and checkpoints ---------------------------------------------------------------------
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The full weights on every rank (at stage 3 gathered one unit at a time), on the CPU."""
+        sharded = self._sharded_module_of(module)
+        engine = sharded.engine if sharded is not None else None
+        return engine.full_state_dict(module) if engine is not None else module.state_dict()
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        sharded = self._sharded_module_of(module)
+        engine = sharded.ensure_engine() if sharded is not None else None
+        if engine is None:
+            module.load_state_dict(state_dict, strict=strict)
+        else:
+            engine.load_full_state_dict(module, state_dict, strict=strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state as if unsharded (DDP's format), on every rank."""
+        sharded = self._owner_of(optimizer)
+        engine = sharded.ensure_engine() if sharded is not None else None
+        return engine.full_optimizer_state_dict(optimizer) if engine is not None else optimizer.state_dict()
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """A sharded directory (every rank writes its chunks) or, with ``state_dict_type="full"``, one
+        file in Fabric's usual layout, written by rank 0; either appears only once complete."""
+        if storage_options is not None:
+            raise TypeError("ZeroFabricStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
+        if filter:
+            raise ValueError(
+                "lightning-zero's checkpoints take no `filter`: they hold the whole module. Save a filtered"
+                " copy yourself from `fabric.strategy.get_module_state_dict(model)`."
+            )
+        clashing = [key for key in state if key in INTERNAL_KEYS]
+        if clashing:
+            raise ValueError(f"Checkpoint state keys {clashing} are reserved by lightning-zero; rename them.")
+        self._close_steps()
+        split = split_state(state, self._is_set_up, self._owner_module)
+        sharded = self._sharded_module_of(split.module) if split.module is not None else None
+        engine = sharded.ensure_engine() if sharded is not None else None
+        checkpoint = plain_values(split.others)
+        if self._checkpointing.saves_directory(engine):
+            assert engine is not None and split.module is not None
+            checkpoint[MODULE_KEY] = self._checkpointing.module_shards(split.module, engine)
+            checkpoint[OPTIMIZERS_KEY] = [
+                self._checkpointing.optimizer_shards(engine, split.optimizers, opt) for opt in split.optimizers
+            ]
+        else:
+            keep = self.is_global_zero
+            if split.module_key is not None:
+                assert split.module is not None
+                module_state = engine.full_state_dict(split.module, keep=keep) if engine is not None else split.module.state_dict()
+                checkpoint[split.module_key] = module_state
+            for key, opt in zip(split.optimizer_keys, split.optimizers):
+                checkpoint[key] = engine.full_optimizer_state_dict(opt, keep=keep) if engine is not None else opt.state_dict()
+        checkpoint[FABRIC_NAMES] = {"module": split.module_key, "optimizers": split.optimizer_keys}
+        checkpoint[LIGHTNING_VERSION_KEY] = lightning.__version__
+        self._checkpointing.save(
+            self, checkpoint, path, split.module or nn.Module(), engine,
+            write_file=lambda ckpt, file: self.checkpoint_io.save_checkpoint(ckpt, file),
+        )  # fmt: skip
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Union[str, Path],
+        state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from a checkpoint saved by this strategy (either format) or by the Trainer
+        under ``ZeroStrategy`` or DDP, at any world size and stage; returns what was not restored.
+        ``state=None``: the whole checkpoint as plain full tensors."""
+        self._close_steps()
+        path = Path(path)
+        recover(path)
+        read_file = lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)  # noqa: E731
+        if not state:
+            return full_checkpoint(path, include_optimizer=True) if path.is_dir() else read_file(path)
+        if isinstance(state, nn.Module):  # `fabric.load_raw(path, module)`
+            self._load_module(path, state, strict, read_file)
+            return {}
+        if isinstance(state, Optimizer):  # `fabric.load_raw(path, optimizer)`
+            self._load_full_optimizer_state(state, read_file(path))
+            return {}
+        split = split_state(state, self._is_set_up, self._owner_module)
+        if split.module is None:
+            if path.is_dir():
+                raise ValueError(f"{str(path)!r} is a lightning-zero checkpoint: its state must include the module it holds.")
+            return super().load_checkpoint(path, state, strict, weights_only)
+        sharded = self._sharded_module_of(split.module)
+        assert sharded is not None
+        engine = sharded.ensure_engine()
+        checkpoint = self._checkpointing.load(
+            path, split.module, engine, split.optimizers if engine is not None else [], strict, read_file
+        )
+        if not self._checkpointing.restored_from_directory:
+            self._load_from_file(checkpoint, split, strict)
+        restore_plain_values(state, split.others, checkpoint, strict)
+        return remainder(checkpoint)
+
+    def _load_module(self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any]) -> None:
+        """Full weights (a raw ``state_dict`` file, or a checkpoint of either layout) into ``module``."""
+        sharded = self._sharded_module_of(module)
+        engine = sharded.ensure_engine() if sharded is not None else None
+        loaded = self._checkpointing.load(path, module, engine, [], strict, read_file)
+        if self._checkpointing.restored_from_directory:
+            return
+        module_key = loaded.get(FABRIC_NAMES, {}).get("module")
+        weights = loaded.get(module_key) if module_key else loaded.get(MODULE_KEY, loaded)
+        self.load_module_state_dict(module, weights, strict=strict)
+
+    def _load_from_file(self, checkpoint: dict[str, Any], split: Any, strict: bool) -> None:
+        """A full file: Fabric's layout (the module under its key) or the Trainer's (``state_dict``)."""
+        key = split.module_key if split.module_key in checkpoint else MODULE_KEY
+        if key not in checkpoint:
+            raise KeyError(f"The checkpoint holds no weights under {split.module_key!r} or {MODULE_KEY!r}.")
+        self.load_module_state_dict(split.module, checkpoint.pop(key), strict=strict)
+        for index, (key, optimizer) in enumerate(zip(split.optimizer_keys, split.optimizers)):
+            if key in checkpoint:
+                self._load_full_optimizer_state(optimizer, checkpoint.pop(key))
+            elif index < len(checkpoint.get(OPTIMIZERS_KEY, [])):
+                self._load_full_optimizer_state(optimizer, checkpoint[OPTIMIZERS_KEY][index])
+            elif strict:
+                raise KeyError(f"The checkpoint holds no state for the optimizer under {key!r}.")
+
+    def _load_full_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        sharded = self._owner_of(optimizer)
+        engine = sharded.ensure_engine() if sharded is not None else None
+        if engine is None:
+            optimizer.load_state_dict(state)
+        else:
+            engine.load_full_optimizer_state_dict(optimizer, state)
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _sharded_module_of(self, module: Optional[nn.Module]) -> Optional[ShardedModule]:
+        return next((m for m in self._modules if m.module is module), None)
+
+    def _owner_of(self, optimizer: Optimizer) -> Optional[ShardedModule]:
+        return next((m for m in self._modules if m.owns(optimizer)), None)
+
+    def _owner_module(self, optimizer: Optimizer) -> Optional[nn.Module]:
+        owner = self._owner_of(optimizer)
+        return owner.module if owner is not None else None
+
+    def _is_set_up(self, module: nn.Module) -> bool:
+        return self._sharded_module_of(module) is not None
+
+    def _selected(self, module: Optional[nn.Module]) -> list[ShardedModule]:
+        if module is None:
+            return list(self._modules)
+        sharded = self._sharded_module_of(_unwrapped(module))
+        if sharded is None:
+            raise ValueError(f"{type(module).__name__} was not set up with this strategy.")
+        return [sharded]
+
+    def _close_steps(self) -> None:
+        for sharded in self._modules:
+            sharded.close_step()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, init_params in STRATEGY_NAMES.items():
+            if name not in strategy_registry:  # importing twice is harmless
+                strategy_registry.register(name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The user's module inside Fabric's wrapper (and ``torch.compile``'s)."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    return _unwrap_objects(module)
+
+
+class _AccumulateWithoutSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients accumulate without being reduced (stage 1) or
+    are reduce-scattered into the shards at every backward (stages 2-3, where full gradients are
+    not kept), as ``Trainer(accumulate_grad_batches=...)`` does under ``ZeroStrategy``."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        sharded = self._strategy._sharded_module_of(module)
+        if sharded is None:
+            raise TypeError(
+                f"`no_backward_sync` needs a module set up with lightning-zero; got {type(module).__name__}."
+            )
+        return sharded.gradients_accumulating()
