@@ -1,6 +1,7 @@
 """Activation checkpointing at every stage, as Lightning users enable it for FSDP: torch's
-``checkpoint_wrapper`` on every transformer block, reentrant and not, compared with DDP doing the
-same. At stage 3 the recomputation in backward runs a block's forward again, which must find its
+``checkpoint_wrapper`` on every transformer block, reentrant and not, and
+``torch.utils.checkpoint.checkpoint`` called inside a block (a unit) on its MLP, compared with DDP
+doing the same. At stage 3 the recomputation in backward runs a block's forward again, which must find its
 unit gathered (or gather it) without reducing gradients twice or freeing it too early."""
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from case_groups import CaseGroup, GroupResults, RankContext
 
 STEPS = 3
 STAGES = (1, 2, 3)
-MODES = ("reentrant", "non_reentrant")
+MODES = ("reentrant", "non_reentrant", "inside_reentrant", "inside_non_reentrant")
+
+
+class _CheckpointedCall:
+    """A module's forward through ``torch.utils.checkpoint.checkpoint`` (applied inside a unit)."""
+
+    def __init__(self, module, use_reentrant: bool) -> None:
+        self.forward, self.use_reentrant = module.forward, use_reentrant
+
+    def __call__(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.forward, *args, use_reentrant=self.use_reentrant)
 
 
 def _checkpointed_module(mode: str):
@@ -25,6 +38,11 @@ def _checkpointed_module(mode: str):
     from lightning_zero.models.gpt import Block
 
     module = GPTModule()
+    if mode.startswith("inside_"):
+        for block in module.model.blocks:
+            assert isinstance(block, Block)
+            block.mlp.forward = _CheckpointedCall(block.mlp, use_reentrant=mode == "inside_reentrant")
+        return module
     impl = CheckpointImpl.REENTRANT if mode == "reentrant" else CheckpointImpl.NO_REENTRANT
     apply_activation_checkpointing(
         module.model,
