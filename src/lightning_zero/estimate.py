@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Mapping, Optional, Sequence
 
-from lightning_zero.engine.config import ZeroStage, check_offload
+from lightning_zero.engine.config import ZeroStage, check_offload, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
 
 LEFT_OUT = (
@@ -203,15 +203,25 @@ class Topology:
     """Devices (ranks) per node."""
     nodes: int = 1
     """Hosts; host memory is reported per node, summed over its ranks."""
+    shard_group_size: Optional[int] = None
+    """Hybrid sharding: the sharded terms are split over groups of this many ranks and replicated
+    across the groups (None: over all ranks)."""
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.nodes < 1:
             raise ValueError(f"devices and nodes must be at least 1, got {self.devices} and {self.nodes}")
+        if self.shard_group_size is not None:
+            check_shard_group_size(self.shard_group_size, self.devices * self.nodes)
 
     @property
     def world_size(self) -> int:
-        """N, the number of data-parallel ranks that share the sharded terms."""
+        """All data-parallel ranks."""
         return self.devices * self.nodes
+
+    @property
+    def sharding_ranks(self) -> int:
+        """N, the number of ranks that share the sharded terms: the shard group's size, or all."""
+        return self.shard_group_size or self.world_size
 
 
 @dataclass(frozen=True)
@@ -247,7 +257,8 @@ def shard_numel(num_params: int, world_size: int) -> int:
 
 
 def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology: Topology) -> MemoryEstimate:
-    """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.world_size`.
+    """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.sharding_ranks`
+    (all ranks, or with hybrid sharding the shard group's).
 
     Per device, with w, g, o the scheme's bytes per parameter:
     DDP (w+g+o)Ψ; stage 1 (w+g)Ψ + oΨ/N; stage 2 wΨ + (g+o)Ψ/N; stage 3 (w+g+o)Ψ/N.
@@ -256,7 +267,7 @@ def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology:
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
-    shard = shard_numel(num_params, topology.world_size)
+    shard = shard_numel(num_params, topology.sharding_ranks)
     stage = layout.stage
 
     def held(sharded: bool) -> int:

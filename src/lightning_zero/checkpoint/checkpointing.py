@@ -22,7 +22,7 @@ from lightning_zero.checkpoint.directory import load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.sharded import model_tensors, optimizer_shards
+from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
 from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine import ZeroEngine
 
@@ -61,12 +61,12 @@ class ZeroCheckpointing:
 
     def module_shards(self, module: nn.Module, engine: ZeroEngine) -> dict[str, Any]:
         """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication."""
-        return model_tensors(module, engine, self.group.mesh)
+        return model_tensors(module, engine, mesh_of(self.group, engine))
 
     def optimizer_shards(self, engine: ZeroEngine, optimizers: Sequence[Optimizer], optimizer: Optimizer) -> Any:
         """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state."""
         index = [id(o) for o in optimizers].index(id(optimizer))
-        return optimizer_shards(engine, optimizer, index, self.group.mesh)
+        return optimizer_shards(engine, optimizer, index, mesh_of(self.group, engine))
 
     def save(
         self,

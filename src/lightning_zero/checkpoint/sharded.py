@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
@@ -46,9 +46,16 @@ SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
 
 
 def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
-    """This rank's chunk as a slice of the flat parameter (``torch.chunk`` layout, as ours)."""
+    """This rank's chunk as a slice of the flat parameter (``torch.chunk`` layout, as ours); on a
+    hybrid mesh the same slice is held by each shard group (``Replicate`` across them)."""
     local = local.detach().reshape(-1).to("cpu")
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def mesh_of(group: CheckpointGroup, engine: Optional[ZeroEngine]) -> DeviceMesh:
+    """The mesh ``engine``'s chunks live on (see ``CheckpointGroup.mesh_for``)."""
+    return group.mesh_for(engine.shard_group_size if engine is not None else None)
 
 
 # ---- what is saved ------------------------------------------------------------------------------
@@ -178,7 +185,7 @@ def load_model(
         dtype = metadata[key].properties.dtype
         sp = sharded.get(id(p))
         if sp is not None and not sp.keeps_full:
-            targets[key] = _flat_dtensor(torch.empty(sp.owned_numel, dtype=dtype), sp.layout.numel, group.mesh)
+            targets[key] = _flat_dtensor(torch.empty(sp.owned_numel, dtype=dtype), sp.layout.numel, mesh_of(group, engine))
         else:
             targets[key] = torch.empty(manifest.params[name], dtype=dtype).reshape(-1)
     state = module.state_dict(keep_vars=True)
@@ -237,7 +244,7 @@ def load_optimizer(
             entry = f"optim/{index}/{sp.name}/{key}"
             if kind == SHARDED:
                 local = torch.empty(sp.owned_numel, dtype=metadata[entry].properties.dtype)
-                targets[entry] = _flat_dtensor(local, sp.layout.numel, group.mesh)
+                targets[entry] = _flat_dtensor(local, sp.layout.numel, mesh_of(group, engine))
             elif kind == TENSOR:
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
     read_tensors(targets, directory, group)

@@ -43,6 +43,7 @@ class CheckpointGroup:
     def __init__(self) -> None:
         self._group: Optional[dist.ProcessGroup] = None
         self._mesh: Optional[DeviceMesh] = None
+        self._hybrid_meshes: dict[int, DeviceMesh] = {}
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -58,8 +59,32 @@ class CheckpointGroup:
             self._mesh = DeviceMesh.from_group(self.group, "cpu")
         return self._mesh
 
+    def mesh_for(self, shard_group_size: Optional[int]) -> DeviceMesh:
+        """The mesh the chunks are DTensors on: 1-D over all ranks, or with hybrid sharding 2-D
+        (replicas × shard group), each chunk ``Replicate`` across shard groups (DCP stores it once)."""
+        if shard_group_size is None:
+            return self.mesh
+        if shard_group_size not in self._hybrid_meshes:
+            layout = torch.arange(self.size).view(-1, shard_group_size)
+            groups = [self._new_gloo_group_per(layout.T), self._new_gloo_group_per(layout)]  # replicate dim, shard dim
+            self._hybrid_meshes[shard_group_size] = DeviceMesh.from_group(
+                groups, "cpu", mesh=layout, mesh_dim_names=("replicate", "shard")
+            )
+        return self._hybrid_meshes[shard_group_size]
+
+    def _new_gloo_group_per(self, rows: torch.Tensor) -> dist.ProcessGroup:
+        """One gloo group per row of global ranks (each rank creates all, in order); this rank's."""
+        mine = None
+        for row in rows.tolist():
+            group = dist.new_group(row, backend="gloo")
+            if dist.get_rank() in row:
+                mine = group
+        assert mine is not None
+        return mine
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"_group": None, "_mesh": None}  # a process group belongs to its process: made anew on use
+        # a process group belongs to its process: made anew on use
+        return {"_group": None, "_mesh": None, "_hybrid_meshes": {}}
 
 
     @property

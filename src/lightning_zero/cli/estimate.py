@@ -9,11 +9,12 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from lightning_zero import estimate as est
 from lightning_zero.cli import model_spec
 from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_int
+from lightning_zero.engine.config import resolve_shard_group_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--devices", type=positive_int, required=True, metavar="N", help="devices (ranks) per node")
     parser.add_argument("--nodes", type=positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
+    parser.add_argument(
+        "--shard-group-size",
+        type=_shard_group_size,
+        metavar="K",
+        help="hybrid sharding: shard within groups of K ranks ('node': --devices) and replicate across"
+        " them (default: shard over all ranks)",
+    )
     parser.add_argument(
         "--precision",
         choices=list(est.SCHEMES),
@@ -62,7 +70,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--host-memory needs --gpu-memory")
     num_params = args.params if args.model is None else _count_model(args.model, args.init_args, parser)
     scheme = est.precision_scheme(args.precision)
-    topology = est.Topology(devices=args.devices, nodes=args.nodes)
+    try:
+        shard_group_size = resolve_shard_group_size(args.shard_group_size, args.devices * args.nodes, args.devices)
+    except ValueError as error:
+        parser.error(f"--shard-group-size: {error}")
+    topology = est.Topology(devices=args.devices, nodes=args.nodes, shard_group_size=shard_group_size)
     estimates = est.estimate_all(num_params, scheme, topology)
     recommendation = largest = None
     if args.gpu_memory is not None:
@@ -74,6 +86,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         _print_plain(report)
     return 0
+
+
+def _shard_group_size(text: str) -> Union[int, str]:
+    return "node" if text == "node" else positive_int(text)
 
 
 def _count_model(spec: str, init_args: Optional[str], parser: argparse.ArgumentParser) -> int:
@@ -104,6 +120,11 @@ class _EstimateReport:
             f"Model states of {self.num_params:,} parameters, precision {s.name} "
             f"({s.weight_bytes} B weights + {s.gradient_bytes} B gradients + {s.optimizer_bytes} B optimizer "
             f"per parameter), {t.devices} device(s) x {t.nodes} node(s) = {t.world_size} data-parallel ranks"
+            + (
+                f", sharded within groups of {t.shard_group_size} and replicated across {t.world_size // t.shard_group_size}"
+                if t.shard_group_size
+                else ""
+            )
         )
 
     @property
@@ -120,6 +141,7 @@ class _EstimateReport:
             "weights",
             "gradients",
             "optimizer",
+            f"devices per node ({unit})",
             f"host per node ({unit})",
             "of which pinned",
         ]
@@ -140,6 +162,7 @@ class _EstimateReport:
                 number(e.device.parameters),
                 number(e.device.gradients),
                 number(e.device.optimizer_state),
+                number(e.device.total * e.devices_per_node),
                 number(e.host.total),
                 number(e.pinned),
             ]

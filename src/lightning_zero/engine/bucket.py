@@ -58,6 +58,7 @@ class Bucket:
         pool: Optional[BufferPool] = None,
         gather_group: collectives.ProcessGroup = None,
         copies: Optional[CopyStream] = None,
+        replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -67,6 +68,10 @@ class Bucket:
         self.gather_group = gather_group if gather_group is not None else group
         self.pool = pool if pool is not None else BufferPool(capacity_bytes=0, slots=0)
         self.world_size = collectives.world_size(group)
+        self.replicate_group = replicate_group
+        """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
+        which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
+        self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
         self.dtype = params[0].param.dtype
         self.device = params[0].param.device
         self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
@@ -113,11 +118,12 @@ class Bucket:
         return len(self._ready) == len(self.params)
 
     def start_gradient_reduction(self) -> "PendingGradientReduction":
-        """Copy the local gradients in (multiplied by 1/N, as DDP does), free them, and start the
-        reduce-scatter. Parameters without a gradient contribute zeros and a 0 used-flag."""
+        """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
+        free them, and start the reduce-scatter (with hybrid sharding, ``finish`` all-reduces the
+        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        if self.world_size == 1 and self.host is None:
+        if self.world_size == 1 and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         n, s, k = self.world_size, self.shard_numel, len(self.params)
         send = self.pool.take(n * (s + k), self.dtype, self.device).view(n, s + k)  # (N, S + k)
@@ -129,7 +135,7 @@ class Bucket:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
             p.param.grad = None  # the full-size gradient is released once copied in
-        pack_rows([*flats, flags.view(-1)], send, scale=1.0 / n)  # see [Note: batched copies]
+        pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
         self.state = ReductionState.REDUCING
         if n == 1:  # offloaded at world size 1: the packed row is the reduced one, bound for the host
@@ -245,6 +251,8 @@ class PendingGradientReduction:
         """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks. An
         offloaded bucket's row starts its copy to the host here, during backward."""
         self.work.wait()
+        if self.bucket.replicate_group is not None and self.received is not None:
+            collectives.all_reduce(self.received, self.bucket.replicate_group)  # the other shard groups' sums
         copy = None
         host = self.bucket.host
         if host is not None and self.received is not None:
@@ -299,6 +307,7 @@ def assign_buckets(
     group: collectives.ProcessGroup,
     pool: Optional[BufferPool] = None,
     copies: Optional[CopyStream] = None,
+    replicate_group: collectives.ProcessGroup = None,
 ) -> list[Bucket]:
     """Split ``params`` into buckets of at most ``bucket_bytes`` parameter bytes.
 
@@ -323,7 +332,7 @@ def assign_buckets(
     # launch order: by the position of each bucket's first parameter in the expected order
     position = {id(p): i for i, p in enumerate(params)}
     closed.sort(key=lambda members: position[id(members[0])])
-    return [Bucket(i, members, group, pool, copies=copies) for i, members in enumerate(closed)]
+    return [Bucket(i, members, group, pool, copies=copies, replicate_group=replicate_group) for i, members in enumerate(closed)]
 
 
 class PendingBucketWork(Protocol):

@@ -11,6 +11,7 @@ whichever the installed torch offers.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,17 +35,32 @@ class CollectiveStats:
     bytes: Counter = field(default_factory=Counter)
     """Bytes of the full (unsharded) buffer each collective moved, as torch reports sizes:
     for all-gather the output, for reduce-scatter the input, for all-reduce the tensor."""
+    bytes_by_group: Counter = field(default_factory=Counter)
+    """The same bytes by (kind, global ranks of the process group): where the traffic went, e.g.
+    within a node or across nodes under hybrid sharding."""
 
-    def record(self, kind: str, tensor: Tensor) -> None:
+    def record(self, kind: str, tensor: Tensor, group: ProcessGroup = None) -> None:
+        size = tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.bytes[kind] += size
+        self.bytes_by_group[(kind, group_ranks(group))] += size
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.bytes_by_group.clear()
 
 
 COLLECTIVE_STATS = CollectiveStats()
+
+
+def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the whole world; () outside a process group)."""
+    if not is_initialized():
+        return ()
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 class PendingCollective:
@@ -76,7 +92,7 @@ def rank(group: ProcessGroup = None) -> int:
 
 def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
-    COLLECTIVE_STATS.record("all_gather", output)
+    COLLECTIVE_STATS.record("all_gather", output, group)
     if world_size(group) == 1:
         output.copy_(shard)
         return PendingCollective()
@@ -85,7 +101,7 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum ``inputs`` (rank-major, 1D) over ranks; rank r receives its slice in ``output``."""
-    COLLECTIVE_STATS.record("reduce_scatter", inputs)
+    COLLECTIVE_STATS.record("reduce_scatter", inputs, group)
     n = world_size(group)
     if n == 1:
         output.copy_(inputs)
@@ -102,7 +118,7 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     """In-place all-reduce (``op`` is "sum" or "max"); returns ``tensor``."""
-    COLLECTIVE_STATS.record("all_reduce", tensor)
+    COLLECTIVE_STATS.record("all_reduce", tensor, group)
     if world_size(group) > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         dist.all_reduce(tensor, op=reduce_op, group=group)
@@ -110,7 +126,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
 
 
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
-    COLLECTIVE_STATS.record("broadcast", tensor)
+    COLLECTIVE_STATS.record("broadcast", tensor, group)
     if world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
     return tensor
@@ -145,5 +161,37 @@ def new_group_like(group: ProcessGroup, timeout: Optional[timedelta] = None) -> 
     """
     if world_size(group) == 1:
         return group
+    if group is not None and group in _PARTITIONS:  # a hybrid-sharding group: each rank is in one sibling
+        return _new_partition(_PARTITIONS[group], timeout)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     return dist.new_group(ranks=ranks, timeout=timeout)
+
+
+_PARTITIONS: "weakref.WeakKeyDictionary[dist.ProcessGroup, list[list[int]]]" = weakref.WeakKeyDictionary()
+"""For each group made by ``_new_partition``: all the groups it was made with (their global ranks)."""
+
+
+def _new_partition(partition: list[list[int]], timeout: Optional[timedelta]) -> ProcessGroup:
+    """One process group per list of ranks in ``partition`` (disjoint, covering the world), made on
+    every rank — ``torch.distributed.new_group`` must be entered by all ranks for every group, members
+    or not — and this rank's returned. ``new_group_like`` of it makes the same partition again."""
+    me, mine = dist.get_rank(), None
+    for ranks in partition:
+        group = dist.new_group(ranks=ranks, timeout=timeout)
+        if me in ranks:
+            mine = group
+    assert mine is not None, f"rank {me} is in no group of {partition}"
+    _PARTITIONS[mine] = partition
+    return mine
+
+
+def hybrid_groups(shard_group_size: int, timeout: Optional[timedelta] = None) -> tuple[ProcessGroup, ProcessGroup]:
+    """Hybrid sharding's two process groups for this rank: its shard group (``shard_group_size``
+    consecutive ranks, e.g. one node) and its replicate group (the ranks at the same position in
+    every shard group). Every rank must call this, in the same order: each group is created on all
+    ranks. The world size must be a multiple of ``shard_group_size`` (see
+    ``config.check_shard_group_size``)."""
+    n, k = dist.get_world_size(), shard_group_size
+    shard = _new_partition([list(range(first, first + k)) for first in range(0, n, k)], timeout)
+    replicate = _new_partition([list(range(position, n, k)) for position in range(k)], timeout)
+    return shard, replicate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, Union
 
 
 class ZeroStage(enum.IntEnum):
@@ -46,6 +46,41 @@ and the options each one stands for."""
 ENGINE_STAGES = (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
 STAGE_3_OPTIONS = ("unit_classes", "min_unit_params", "prefetch_units", "check_units_every_gather")
 """Options of how stage 3 gathers parameters; at stages 1-2 they would do nothing."""
+
+
+def check_shard_group_size(shard_group_size: int, world_size: int) -> None:
+    """Raise a ``ValueError`` unless ``shard_group_size`` ranks can form the shard groups of hybrid
+    sharding over ``world_size`` ranks (it must divide it)."""
+    if shard_group_size > world_size or world_size % shard_group_size:
+        raise ValueError(
+            f"`shard_group_size={shard_group_size}` does not divide the {world_size} ranks into equal shard"
+            f" groups: it must divide the world size ({', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}"
+            " here), or be 'node' (the devices per node)."
+        )
+
+
+ShardGroupSize = Optional[Union[int, Literal["node"]]]
+"""How many ranks shard the states: None (all of them), an int, or "node" (the ranks of one node)."""
+
+
+def check_shard_group_option(shard_group_size: ShardGroupSize) -> None:
+    """At construction: the option's type and range, before the world size is known."""
+    if shard_group_size is None or shard_group_size == "node":
+        return
+    if not isinstance(shard_group_size, int) or isinstance(shard_group_size, bool) or shard_group_size < 1:
+        raise ValueError(f"`shard_group_size` must be None, a positive int or 'node', got {shard_group_size!r}.")
+
+
+def resolve_shard_group_size(shard_group_size: ShardGroupSize, world_size: int, ranks_per_node: int) -> Optional[int]:
+    """At setup, on every rank alike: the shard groups' size for hybrid sharding, or None when
+    every rank shards (the option is None, or covers all ranks). Raises if it does not divide the
+    ranks into equal groups."""
+    check_shard_group_option(shard_group_size)
+    if shard_group_size is None:
+        return None
+    size = ranks_per_node if shard_group_size == "node" else int(shard_group_size)
+    check_shard_group_size(size, world_size)
+    return None if size == world_size else size
 
 
 def check_offload(stage: ZeroStage, offload_optimizer: bool, offload_params: bool) -> None:

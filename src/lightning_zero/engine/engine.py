@@ -59,6 +59,11 @@ class ZeroEngine:
     module's parameters are; meta-device parameters need it given). ``timeout``: how long the
     process group stage 3 creates for its all-gathers waits for peers (give the one ``group`` was
     created with; None: torch's default).
+
+    Hybrid sharding (``topology.py``): ``group`` is this rank's shard group, ``replicate_group``
+    the ranks holding the same chunks in the other shard groups; states are sharded and parameters
+    gathered within ``group``, and the reduced gradient chunks are all-reduced across
+    ``replicate_group``. None (default): every rank is in ``group``.
     """
 
     def __init__(
@@ -69,9 +74,11 @@ class ZeroEngine:
         group: collectives.ProcessGroup = None,
         device: Optional[torch.device] = None,
         timeout: Optional[timedelta] = None,
+        replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         self.config = config
         self.group = group
+        self.replicate_group = replicate_group
         self.module = module
         self.optimizers = list(optimizers)
         optimizer_of = _optimizer_index_of_params(module, self.optimizers)
@@ -79,9 +86,11 @@ class ZeroEngine:
 
         self.residency: ParameterResidency
         if config.zero_stage is ZeroStage.PARAMETERS:
-            self.residency = ShardedParameters(module, config, group, device or _device_of(module), self._host_reads, timeout)
+            self.residency = ShardedParameters(
+                module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group
+            )
         else:
-            self.residency = ReplicatedParameters(module, optimizer_of, config, group)
+            self.residency = ReplicatedParameters(module, optimizer_of, config, group, replicate_group)
         self.params: list[ShardedParam] = self.residency.params
         self.buckets = self.residency.grad_buckets
 
@@ -123,6 +132,11 @@ class ZeroEngine:
         self._params_of_optimizer.append(rebind_param_groups(optimizer, sharded))
         if self.config.offload_optimizer and self.config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
+
+    @property
+    def shard_group_size(self) -> Optional[int]:
+        """Hybrid sharding: the ranks each state is sharded over (None: all of them)."""
+        return collectives.world_size(self.group) if self.replicate_group is not None else None
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:

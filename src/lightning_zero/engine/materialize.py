@@ -56,7 +56,7 @@ def build_units(
         while open_units and (module_name is None or not _is_within(module_name, plans[open_units[-1]].name)):
             unit = open_units.pop()
             names = plans[unit].param_names
-            sharded[unit] = _shard_unit(module, names, rank, world_size, group, host, keep_device_chunks)
+            sharded[unit] = _shard_unit(module, names, rank, world_size, comm, host, keep_device_chunks)
 
     for module_name, m in module.named_modules():
         close_units_not_containing(module_name)
@@ -69,8 +69,16 @@ def build_units(
                 t.data = t.data.to(device)
             done.add(id(t))
     close_units_not_containing(None)  # the root closes last
-    collectives.broadcast_tensors_(list(module.buffers()), src=0, group=group)
+    _broadcast_from_first_rank(list(module.buffers()), comm)
     return [Unit(i, plan.name, plan.module, sharded[i], comm) for i, plan in enumerate(plans)]
+
+
+def _broadcast_from_first_rank(tensors: list[Tensor], comm: UnitCommunication) -> None:
+    """Every rank gets the first rank's values: with hybrid sharding, first across the shard groups
+    (the first group's member at each position sends), then within each group from its first."""
+    if comm.replicate_group is not None:
+        collectives.broadcast_tensors_(tensors, src=0, group=comm.replicate_group)
+    collectives.broadcast_tensors_(tensors, src=0, group=comm.gather_group)
 
 
 def _is_within(module_name: str, unit_name: str) -> bool:
@@ -82,12 +90,12 @@ def _shard_unit(
     names: Sequence[str],
     rank: int,
     world_size: int,
-    group: collectives.ProcessGroup,
+    comm: UnitCommunication,
     host: Optional[torch.device],
     keep_device_chunks: bool,
 ) -> list[ShardedParam]:
     params = [root.get_parameter(name) for name in names]
-    collectives.broadcast_tensors_([p.data for p in params], src=0, group=group)  # as DDP does
+    _broadcast_from_first_rank([p.data for p in params], comm)  # as DDP does
     shards = [
         ShardedParam(name, p, rank, world_size, keep_full=False, host=host, keep_device_chunk=keep_device_chunks)
         for name, p in zip(names, params)

@@ -129,7 +129,12 @@ class ReplicatedParameters(ParameterResidency):
     """Stages 1-2: full parameters on every rank; the optimizer steps chunks of them."""
 
     def __init__(
-        self, module: nn.Module, optimizer_of: dict[int, int], config: ZeroConfig, group: collectives.ProcessGroup
+        self,
+        module: nn.Module,
+        optimizer_of: dict[int, int],
+        config: ZeroConfig,
+        group: collectives.ProcessGroup,
+        replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         rank, world_size = collectives.rank(group), collectives.world_size(group)
         host = HOST if config.offload_optimizer else None
@@ -151,6 +156,7 @@ class ReplicatedParameters(ParameterResidency):
             group,
             self.pool,
             self.copies,
+            replicate_group,
         )
         regular = [b.buffer_bytes for b in self.grad_buckets if b.param_bytes <= config.bucket_bytes]
         self.pool.capacity_bytes = max(regular, default=0)
@@ -187,6 +193,7 @@ class ShardedParameters(ParameterResidency):
         device: torch.device,
         verdicts: HostReads,
         timeout: Optional[timedelta] = None,
+        replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
@@ -204,6 +211,7 @@ class ShardedParameters(ParameterResidency):
                 device.type == "cpu" if config.check_units_every_gather is None else config.check_units_every_gather
             ),
             copies=self.copies,
+            replicate_group=replicate_group,
         )
         self.units = build_units(
             module,

@@ -56,6 +56,8 @@ class UnitCommunication:
     """Read each gather's tags at once (see [Note: unit tags])."""
     copies: Optional[CopyStream] = None
     """Host↔device copies of offloaded buckets (see ``host_chunks.py``); None without offload."""
+    replicate_group: collectives.ProcessGroup = None
+    """Hybrid sharding: where reduced gradient chunks are all-reduced across shard groups."""
 
 
 class UnitTags:
@@ -100,7 +102,8 @@ class Unit:
         for p in self.params:
             members[(p.param.dtype, p.param.requires_grad)].append(p)
         self.buckets = [
-            Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies) for ps in members.values()
+            Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group)
+            for ps in members.values()
         ]
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []

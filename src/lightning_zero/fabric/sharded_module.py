@@ -42,13 +42,20 @@ class ShardedModule:
     """``module``'s engine and step boundaries (see [Note: Fabric step boundaries])."""
 
     def __init__(
-        self, module: nn.Module, config: ZeroConfig, device: torch.device, timeout: Optional[timedelta], optimizers: list[Optimizer]
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        device: torch.device,
+        timeout: Optional[timedelta],
+        optimizers: list[Optimizer],
+        groups: tuple[collectives.ProcessGroup, collectives.ProcessGroup] = (None, None),
     ) -> None:
         self.module = module
         self.config = config
         self.optimizers = list(optimizers)
         self._device = device
         self._timeout = timeout
+        self._groups = groups  # (shard group, replicate group): see ZeroEngine
         self.engine: Optional[ZeroEngine] = None
         self._step_open = False
         self._evaluating = False
@@ -69,7 +76,10 @@ class ShardedModule:
 
     # ---- the engine ----------------------------------------------------------------------------
     def _build_engine(self) -> ZeroEngine:
-        self.engine = ZeroEngine(self.module, self.optimizers, self.config, device=self._device, timeout=self._timeout)
+        shard_group, replicate_group = self._groups
+        self.engine = ZeroEngine(
+            self.module, self.optimizers, self.config, shard_group, self._device, self._timeout, replicate_group
+        )
         return self.engine
 
     def ensure_engine(self) -> Optional[ZeroEngine]:

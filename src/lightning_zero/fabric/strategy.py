@@ -34,8 +34,8 @@ from lightning_zero.checkpoint.atomic import recover
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY
-from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroStage
-from lightning_zero.engine.config import STRATEGY_NAMES
+from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroStage, collectives
+from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, resolve_shard_group_size
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
@@ -54,7 +54,7 @@ SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision, MixedPrecision
 
 class ZeroFabricStrategy(DDPStrategy):
     """ZeRO data parallelism for Fabric, on the engine the Trainer's ``ZeroStrategy`` uses, with the
-    same options (see ``ZeroStrategy`` for each one)::
+    same options (see ``ZeroStrategy`` for each one, ``shard_group_size`` included)::
 
         fabric = Fabric(strategy="zero3", devices=8, precision="bf16-mixed")
         fabric = Fabric(strategy=ZeroFabricStrategy(stage=2, offload_optimizer=True))
@@ -77,6 +77,7 @@ class ZeroFabricStrategy(DDPStrategy):
         offload_optimizer: bool = False,
         offload_params: bool = False,
         fused_host_step: bool = True,
+        shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -97,6 +98,9 @@ class ZeroFabricStrategy(DDPStrategy):
             offload_params=offload_params,
             fused_host_step=fused_host_step,
         )
+        check_shard_group_option(shard_group_size)
+        self.shard_group_size = shard_group_size
+        self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
         self._checkpointing = ZeroCheckpointing(state_dict_type)
         self._modules: list[ShardedModule] = []
         super().__init__(
@@ -175,7 +179,15 @@ class ZeroFabricStrategy(DDPStrategy):
     def _set_up(self, module: nn.Module, optimizers: list[Optimizer]) -> None:
         if self._sharded_module_of(module) is not None:
             raise ValueError(f"{type(module).__name__} is already set up with lightning-zero; set each module up once.")
-        self._modules.append(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers))
+        groups = self._data_parallel_groups()
+        self._modules.append(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups))
+
+    def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
+        """(shard group, replicate group), as ``ZeroStrategy`` makes them."""
+        if self._groups is None:
+            size = resolve_shard_group_size(self.shard_group_size, self.world_size, self.num_processes)
+            self._groups = collectives.hybrid_groups(size, self._timeout) if size is not None else (None, None)
+        return self._groups
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -222,7 +234,8 @@ class ZeroFabricStrategy(DDPStrategy):
         (one all-reduce); returns the total norm, as under DDP."""
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
-        return clip_grads_by_global_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite)
+        shard_group = self._data_parallel_groups()[0]
+        return clip_grads_by_global_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite, shard_group)
 
     @contextmanager
     def summon_full_params(self, module: Optional[nn.Module] = None, writeback: bool = False) -> Iterator[None]:

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_zero import estimate as est
 from lightning_zero.engine import MemoryReport, StateBytes
+from lightning_zero.engine.config import resolve_shard_group_size
 from lightning_zero.lightning.strategy import ZeroStrategy
 
 ByteUnit = Literal["bytes", "KB", "MB", "GB"]
@@ -87,7 +88,8 @@ def estimate_per_rank(
         return None
     config = strategy.zero_config
     layout = est.Layout(config.zero_stage, config.offload_optimizer, config.offload_params)
-    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices=devices, nodes=nodes))
+    shard_group_size = resolve_shard_group_size(strategy.shard_group_size, devices * nodes, devices)
+    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices, nodes, shard_group_size))
     return MemoryReport(device=predicted.device, host=predicted.host_per_rank)
 
 

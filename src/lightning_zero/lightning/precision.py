@@ -19,6 +19,7 @@ from typing import Union
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_zero.engine.collectives import ProcessGroup
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.norms import clip_grads_by_global_norm_
 
@@ -26,8 +27,18 @@ from lightning_zero.engine.norms import clip_grads_by_global_norm_
 class _ShardedNormClipping:
     """Mixin: ``clip_grad_by_norm`` over the global norm of the sharded gradients."""
 
+    norm_group: ProcessGroup = None
+    """The ranks whose shards together make each gradient whole (the strategy sets it: with hybrid
+    sharding, the shard group; else all ranks)."""
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grads_by_global_norm_(list(self.main_params(optimizer)), clip_val)  # type: ignore[attr-defined]
+        clip_grads_by_global_norm_(list(self.main_params(optimizer)), clip_val, group=self.norm_group)  # type: ignore[attr-defined]
+
+
+def set_norm_group(plugin: Precision, group: ProcessGroup) -> None:
+    """Where ``plugin`` sums the gradient norm when clipping (see ``_ShardedNormClipping``)."""
+    if isinstance(plugin, _ShardedNormClipping):
+        plugin.norm_group = group
 
 
 class ZeroPrecision(_ShardedNormClipping, Precision):

@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_zero.checkpoint.layout import as_trainer_checkpoint
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
-from lightning_zero.engine.config import STRATEGY_NAMES
+from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, resolve_shard_group_size
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
     RecoveringLauncher,
@@ -41,7 +41,7 @@ from lightning_zero.lightning.checkpointing import (
     unwrap_optimizer,
 )
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
-from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
+from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
 
 class ZeroStrategy(DDPStrategy):
@@ -73,6 +73,11 @@ class ZeroStrategy(DDPStrategy):
         fused_host_step: with offload, step Adam/AdamW/SGD/Adagrad with torch's fused CPU kernel
             (default; matches a non-offloaded run to float rounding, not bitwise). False keeps the
             optimizer's configured kernel.
+        shard_group_size: hybrid sharding: states are sharded within groups of this many
+            consecutive ranks and replicated across the groups ("node": the ranks of one node), so
+            parameter all-gathers stay within a group and only the reduced gradient chunks (1/K
+            of the gradients) are all-reduced across groups. Must divide the world size. Default
+            (None): every rank shards.
         state_dict_type: "sharded" (default): ``trainer.save_checkpoint(path)`` writes a directory
             in which every rank writes its own chunks in parallel; it reloads at any world size and
             stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
@@ -100,6 +105,7 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: bool = False,
         offload_params: bool = False,
         fused_host_step: bool = True,
+        shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -130,6 +136,9 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method="popen",
         )
+        check_shard_group_option(shard_group_size)
+        self.shard_group_size = shard_group_size
+        self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
         self._checkpointing = ZeroCheckpointing(state_dict_type)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
@@ -141,7 +150,7 @@ class ZeroStrategy(DDPStrategy):
         # a Trainer pickled after `fit` (by a hyperparameter search, a queue, a copy) carries the
         # options, not this process's engine, hooks and process groups
         state = super().__getstate__()  # Lightning's: without its optimizer wrappers
-        state["_engine"] = state["_finished"] = None
+        state["_engine"] = state["_finished"] = state["_groups"] = None
         return state
 
     @property  # type: ignore[override]
@@ -181,6 +190,8 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._close_engine()
         self._finished = None
+        shard_group, replicate_group = self._data_parallel_groups()
+        set_norm_group(self.precision_plugin, shard_group)
         if self.shards_parameters:
             if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
                 self.setup_optimizers(trainer)
@@ -188,8 +199,10 @@ class ZeroStrategy(DDPStrategy):
                 self.lightning_module,
                 self.optimizers if fitting else [],
                 self.zero_config,
+                group=shard_group,
                 device=self.root_device,
                 timeout=self._timeout,  # also for the all-gathers' own process group
+                replicate_group=replicate_group,
             )
             use_true_sizes_in_model_summary(trainer, self._engine)
             run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)
@@ -199,8 +212,18 @@ class ZeroStrategy(DDPStrategy):
             collectives.broadcast_tensors_(_module_tensors(self.model), src=0, group=None)
             if fitting:
                 self.setup_optimizers(trainer)
-                self._engine = ZeroEngine(self.lightning_module, self.optimizers, self.zero_config)
+                self._engine = ZeroEngine(
+                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group, replicate_group=replicate_group
+                )
         self.setup_precision_plugin()
+
+    def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
+        """(shard group, replicate group): (None, None) when every rank shards; with hybrid
+        sharding created once, on every rank (see ``shard_group_size``)."""
+        if self._groups is None:
+            size = resolve_shard_group_size(self.shard_group_size, self.world_size, self.num_processes)
+            self._groups = collectives.hybrid_groups(size, self._timeout) if size is not None else (None, None)
+        return self._groups
 
     @override
     def _configure_launcher(self) -> None:

@@ -5,6 +5,12 @@ causal self-attention and a 4x GELU MLP, a final LayerNorm, and an LM head tied 
 embedding. Nothing here knows about Lightning or ZeRO: the strategies shard it as they find it, and
 `Block` is the class a stage-3 unit policy targets (one unit per block).
 
+Two ways to draw GPT-2's initial weights (see `GPTConfig.init_per_layer`): by default torch's layers
+initialise themselves as they are created and `GPT.__init__` then re-draws every weight, GPT-2's
+way, over the whole model; with `init_per_layer=True` each layer draws GPT-2's values in its own
+`reset_parameters()`, which is what a model built on the meta device needs (ZeRO-3 materializes
+it one layer at a time by calling those).
+
 Shape tags: B batch, T time (sequence length), C channels (n_embd), nh heads, hs head size (C // nh),
 V vocabulary.
 """
@@ -20,9 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+INIT_STD = 0.02
+"""GPT-2's standard deviation for the weights of every Linear layer and embedding."""
+
+
 @dataclass(frozen=True)
 class GPTConfig:
-    """The model's shape."""
+    """The model's shape, and how its initial weights are drawn."""
 
     vocab_size: int = 256
     """256: one token per byte, so any text is its own encoding and no tokenizer is needed."""
@@ -39,6 +49,19 @@ class GPTConfig:
     most a few times, where regularisation only slows learning."""
     bias: bool = True
     """Biases in the Linear layers and LayerNorms, as in GPT-2."""
+    init_per_layer: bool = False
+    """Each layer draws GPT-2's initial weights in its own `reset_parameters()`, layer by layer as
+    they are created, so the model can be built on the meta device and materialized by calling
+    those (ZeRO-3's `configure_model`; with a seeded RNG the result equals this model built
+    eagerly). False keeps the original order — torch's default init as each layer is created, then
+    GPT-2's drawn over the whole model — whose weights the benchmark, the tests and the README's
+    figures were measured with. Same distributions either way, different random numbers."""
+
+    @property
+    def residual_std(self) -> float:
+        """GPT-2's scaled init for the projections into the residual stream: each block adds two, so
+        its variance grows with depth unless they shrink by 1/sqrt(2 * n_layer)."""
+        return INIT_STD / math.sqrt(2 * self.n_layer)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -49,6 +72,40 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
+class GPT2Linear(nn.Linear):
+    """A Linear layer that initialises as GPT-2's in `reset_parameters()`: weight ~ N(0, std), zero bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = INIT_STD) -> None:
+        self.std = std  # set first: nn.Linear.__init__ ends by calling reset_parameters()
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPT2Embedding(nn.Embedding):
+    """An embedding that initialises as GPT-2's in `reset_parameters()`: weight ~ N(0, 0.02)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+def _linear(config: GPTConfig, in_features: int, out_features: int, std: float = INIT_STD, bias: bool = True) -> nn.Linear:
+    """A Linear layer for `config`: GPT-2-initialised by itself with `init_per_layer`, else torch's
+    own (which `GPT.__init__` re-draws, keeping the original random numbers)."""
+    if config.init_per_layer:
+        return GPT2Linear(in_features, out_features, bias=bias, std=std)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _embedding(config: GPTConfig, num_embeddings: int) -> nn.Embedding:
+    """An embedding for `config`, as `_linear` chooses a Linear layer."""
+    embedding = GPT2Embedding if config.init_per_layer else nn.Embedding
+    return embedding(num_embeddings, config.n_embd)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which each position sees only itself and earlier positions."""
 
@@ -56,8 +113,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.qkv = _linear(config, config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.proj = _linear(config, config.n_embd, config.n_embd, std=config.residual_std, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -78,9 +135,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.fc = _linear(config, config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = _linear(config, 4 * config.n_embd, config.n_embd, std=config.residual_std, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -109,32 +166,32 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # learned position embedding
+        self.wte = _embedding(config, config.vocab_size)  # token embedding
+        self.wpe = _embedding(config, config.block_size)  # learned position embedding
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # with init_per_layer its own draw is discarded by the tying below, as a meta build's is
+        self.lm_head = _linear(config, config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): reading a token and predicting it share one matrix, which
         # saves V x C parameters and helps small models. One Parameter, two modules: ZeRO stage 3 must
         # keep it in one unit (here the root, outside every Block).
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
-                # GPT-2's scaled init: each block adds two projections to the residual stream, so its
-                # variance grows with depth unless these shrink by 1/sqrt(2 * n_layer).
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if not config.init_per_layer:  # the layers drew GPT-2's values themselves otherwise
+            self.apply(self._init_weights)
+            for name, param in self.named_parameters():
+                if name.endswith("proj.weight"):
+                    nn.init.normal_(param, mean=0.0, std=config.residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        # std 0.02 as GPT-2; drawn from torch's global RNG, so seeding makes every rank build the same model.
+        # GPT-2's; drawn from torch's global RNG, so seeding makes every rank build the same model.
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
 
     def num_parameters(self) -> int:
         """Distinct parameters; the tied embedding counts once."""
