@@ -293,11 +293,27 @@ def test_cli_states_host_and_pinned_memory(capsys):
     assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB"]) == 0
     out = capsys.readouterr().out
     assert "host per node (GB)" in out and "of which pinned" in out
-    rows = {line.split("  ")[0].strip(): line.split()[-7:] for line in out.splitlines()}
-    # per device, weights, gradients, optimizer, host per node, of which pinned, fits
-    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "0.000", "0.000", "yes"]
+    rows = {line.split("  ")[0].strip(): line.split()[-8:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, fits
+    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "19.200", "0.000", "0.000", "yes"]
     # 1.2B fp32 parameters offloaded: 4 B master + 4 B gradient (pinned) + 8 B moments on the host.
-    assert rows["zero3 + offload optimizer, params"] == ["0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "yes"]
+    assert rows["zero3 + offload optimizer, params"] == ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "yes"]
+
+
+def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
+    # 8 nodes x 8 devices, sharded within a node: each term is divided by 8 (the node), not by 64
+    argv = ["estimate", "--params", "64e9", "--devices", "8", "--nodes", "8", "--precision", "fp32"]
+    assert main(argv + ["--shard-group-size", "node"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded within groups of 8 and replicated across 8" in out
+    rows = {line.split("  ")[0].strip(): line.split()[-7:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned
+    assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000"]  # TB
+    assert main(argv + ["--shard-group-size", "16"]) == 0
+    assert "groups of 16 and replicated across 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(argv + ["--shard-group-size", "3"])
+    assert "must divide the world size" in capsys.readouterr().err
     # The host holds 16 B per parameter and the device 141 GB / 16: on one H200 the device holds more.
     assert "Largest model for 141 GB per device and 128 GB of host memory per node: 8,812,500,000" in out
 

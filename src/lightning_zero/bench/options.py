@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from lightning_zero.engine.config import check_shard_group_size
 from lightning_zero.bench import variants
 from lightning_zero.models.gpt import GPT, GPTConfig
 
@@ -65,6 +66,9 @@ class BenchOptions:
     bucket_size_mb: float = 25.0
     """Bucket size for every variant that has one (ours, DDP, DeepSpeed), so they communicate in
     pieces of the same size; 25 MiB is DDP's default."""
+    shard_group_size: Optional[int] = None
+    """Our variants only: hybrid sharding, states sharded within groups of this many ranks and
+    replicated across the groups; the report then splits our traffic by group."""
     timeout_s: float = 900.0
     """A variant whose processes have not all reported by then is killed and marked failed."""
 
@@ -86,6 +90,8 @@ class BenchOptions:
             raise ValueError(f"`bucket_size_mb` must be positive, got {self.bucket_size_mb!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"`timeout_s` must be positive, got {self.timeout_s!r}")
+        if self.shard_group_size is not None:
+            check_shard_group_size(self.shard_group_size, self.devices)
         if not self.variants:
             raise ValueError("`variants` must name at least one variant")
         variants.select(self.variants)  # raises for unknown names

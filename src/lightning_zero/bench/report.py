@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_zero.bench import theory
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.results import OK, BenchResult, VariantResult
 
@@ -135,6 +136,8 @@ def command_line(options: BenchOptions) -> str:
         parts.append("--fused")
     if options.activation_checkpointing:
         parts.append("--activation-checkpointing")
+    if options.shard_group_size is not None:
+        parts.append(f"--shard-group-size {options.shard_group_size}")
     if options.out != defaults.out:
         parts.append(f"--out {options.out}")
     return " ".join(parts)
@@ -222,6 +225,32 @@ def _state_row(r: VariantResult) -> list[str]:
     ]
 
 
+def _traffic_by_group(result: BenchResult, ran: Sequence[VariantResult], shard_group_size: int) -> list[str]:
+    """Our variants' collective bytes per step (full buffers, the busiest rank) within a shard group
+    and across groups, next to `theory.traffic_by_group`."""
+    psi, world = result.model["num_params"], result.environment["world_size"]
+    lines = [
+        "",
+        f"Hybrid sharding, {world // shard_group_size} groups of {shard_group_size} ranks: collective bytes per step"
+        " and rank (full buffers), measured / theory (MB):",
+        "",
+    ]
+    rows = []
+    for r in ran:
+        if not r.ranks or not r.ranks[0].traffic_by_group:
+            continue
+        measured = max((rank.traffic_by_group for rank in r.ranks), key=lambda t: t["within"] + t["across"])
+        expected = theory.traffic_by_group(psi, r.stage, shard_group_size)
+        rows.append([
+            r.name,
+            f"{_mb(measured['within'])} / {_mb(expected['within'])}",
+            f"{_mb(measured['across'])} / {_mb(expected['across'])}",
+            _mb(measured["all"]),
+        ])  # fmt: skip
+    headers = ["variant", "within a group", "across groups", "over all ranks"]
+    return lines + _table(headers, rows, "lrrr")
+
+
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
     marks = {"l": ":--", "r": "--:"}
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
@@ -263,6 +292,8 @@ def markdown(result: BenchResult) -> str:
     ]  # fmt: skip
     ran = [r for r in result.variants if r.status == OK]
     lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrrr")
+    if opts.get("shard_group_size"):
+        lines += _traffic_by_group(result, ran, opts["shard_group_size"])
     lines += ["", "## Notes", ""]
     for r in result.variants:
         for note in r.notes:

@@ -7,7 +7,7 @@ figure could not be measured), so the JSON has one schema; `asdict` gives it.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_zero.bench.comm import CommCount
@@ -48,6 +48,9 @@ class RankMeasurement:
     """Collectives of the instrumented step (see `comm.py`, [Note: what is counted])."""
     overhead: Overhead
     """aten ops and host syncs of the instrumented step (see `overhead.py`)."""
+    traffic_by_group: dict[str, int] = field(default_factory=dict)
+    """Ours: full-buffer bytes of the instrumented step's collectives "within" this rank's shard
+    group and "across" groups (hybrid sharding), or over "all" ranks; from the engine's own count."""
 
 
 @dataclass(frozen=True)

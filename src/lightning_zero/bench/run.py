@@ -35,7 +35,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
     log_dir = options.out / report.LOG_DIR_NAME
     results: list[VariantResult] = []
     for index, spec in enumerate(specs, start=1):
-        expected = theory.variant_theory(spec, psi, options.devices, unit_bytes)
+        expected = theory.variant_theory(spec, psi, options.devices, unit_bytes, options.shard_group_size)
         progress(f"[{index}/{len(specs)}] {spec.name}: {spec.description} ...")
         run = worker.run_variant(spec, options, config, log_dir)
         if run.status == OK:

@@ -47,7 +47,8 @@ from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
 from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
-from lightning_zero.bench.wrappers import Setup, VariantUnavailable, Wrapped, autocast_for, build
+from lightning_zero.bench.wrappers import OursWrapped, Setup, VariantUnavailable, Wrapped, autocast_for, build
+from lightning_zero.engine.collectives import COLLECTIVE_STATS
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -239,6 +240,7 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         device=device,
         bucket_size_mb=options.bucket_size_mb,
         batch_size=options.batch_size,
+        shard_group_size=options.shard_group_size,
     )
     wrapped = build(spec, model, setup)
 
@@ -272,6 +274,7 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         engine_reports=instrumented.engine_reports,
         collectives=instrumented.collectives,
         overhead=instrumented.overhead,
+        traffic_by_group=instrumented.traffic,
     )
 
 
@@ -289,6 +292,8 @@ class _InstrumentedStep:
     """The step's collectives."""
     overhead: Overhead
     """The step's aten ops and host syncs."""
+    traffic: dict[str, int]
+    """Ours: the step's collective bytes by where they went (see `traffic_by_group`)."""
 
     @property
     def largest_phase(self) -> str:
@@ -303,6 +308,7 @@ def _instrumented_step(
     phases: dict[str, HeldBytes] = {}
     engine_reports: dict[str, dict[str, Any]] = {}
     counter, ops, syncs = CollectiveCounter(world_size), OpCounter(), HostSyncCounter()
+    COLLECTIVE_STATS.reset()  # the engine's own count, which knows each collective's process group
 
     def probe(phase: str) -> None:
         counter.recording = ops.recording = syncs.recording = False
@@ -319,7 +325,23 @@ def _instrumented_step(
         loss = wrapped.step(x, y, probe)
         counter.recording = ops.recording = syncs.recording = False
         _synchronize(device)
-    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs))
+    traffic = traffic_by_group(COLLECTIVE_STATS.bytes_by_group) if isinstance(wrapped, OursWrapped) else {}
+    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs), traffic)
+
+
+def traffic_by_group(bytes_by_group: dict[tuple[str, tuple[int, ...]], int]) -> dict[str, int]:
+    """Full-buffer bytes by where they went: over "all" ranks, or under hybrid sharding "within" a
+    shard group (consecutive ranks) or "across" shard groups (a strided group)."""
+    world = dist.get_world_size()
+    out = {"all": 0, "within": 0, "across": 0}
+    for (_, ranks), nbytes in bytes_by_group.items():
+        if len(ranks) >= world or len(ranks) <= 1:
+            out["all"] += nbytes
+        elif ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
+            out["within"] += nbytes
+        else:
+            out["across"] += nbytes
+    return out
 
 
 def _synchronize(device: torch.device) -> None:

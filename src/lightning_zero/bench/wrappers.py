@@ -57,6 +57,8 @@ class Setup:
     """Bucket size for the variants that have one."""
     batch_size: int
     """Sequences per rank and step (DeepSpeed's config wants it)."""
+    shard_group_size: Optional[int] = None
+    """Ours: hybrid sharding's group size (None: shard over all ranks)."""
 
     def make_optimizer(self, params: Iterable[Tensor]) -> Optimizer:
         """The benchmark's optimizer over `params`."""
@@ -184,12 +186,15 @@ class OursWrapped(Wrapped):
 
     def __init__(self, model: nn.Module, setup: Setup, spec: VariantSpec) -> None:
         super().__init__(model, setup)
-        from lightning_zero.engine import ZeroConfig, ZeroEngine
+        from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
 
         config = _zero_config(ZeroConfig, spec, setup)
         self.optimizer = setup.make_optimizer(model.parameters())
+        shard_group = replicate_group = None
+        if setup.shard_group_size is not None and setup.shard_group_size < collectives.world_size(None):
+            shard_group, replicate_group = collectives.hybrid_groups(setup.shard_group_size)
         try:
-            self.engine = ZeroEngine(model, [self.optimizer], config)
+            self.engine = ZeroEngine(model, [self.optimizer], config, group=shard_group, replicate_group=replicate_group)
         except (TypeError, ValueError, NotImplementedError) as error:
             raise VariantUnavailable(f"ZeroEngine does not run {config}: {error}") from error
 

@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute every block's activations in backward (torch's checkpoint_wrapper), in every variant",
     )  # fmt: skip
     training.add_argument(
+        "--shard-group-size", type=positive_int, default=d.shard_group_size, metavar="K",
+        help="our variants: hybrid sharding within groups of K ranks, replicated across them; the report"
+        " splits our traffic into within and across groups (default: shard over all ranks)",
+    )  # fmt: skip
+    training.add_argument(
         "--bucket-size-mb", type=positive_float, default=d.bucket_size_mb, metavar="MB",
         help=f"bucket size of every variant that has buckets (default: {d.bucket_size_mb:g} MiB)",
     )  # fmt: skip
@@ -104,6 +109,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             device=args.device,
             seed=args.seed,
             bucket_size_mb=args.bucket_size_mb,
+            shard_group_size=args.shard_group_size,
             timeout_s=args.timeout,
         )
     except ValueError as error:
