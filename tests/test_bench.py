@@ -141,6 +141,32 @@ def test_console_script(tmp_path: Path) -> None:
     assert "--activation-checkpointing" in result["options"]["command"]
 
 
+def test_hybrid_sharding_traffic_is_split_by_group(tmp_path: Path) -> None:
+    """4 ranks as 2 groups of 2: our traffic within a group and across groups, next to the theory."""
+    script = Path(sys.executable).with_name("lightning-zero")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_zero"]
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "devices": 4}.items()]
+    done = subprocess.run(
+        [*command, "bench", *args, "--variants", "zero2,zero3", "--shard-group-size", "2", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    psi = result["model"]["num_params"]
+    for variant in result["variants"]:
+        assert variant["status"] == OK, variant["reason"]
+        expected = theory.traffic_by_group(psi, variant["stage"], 2)
+        for rank in variant["ranks"]:
+            traffic = rank["traffic_by_group"]
+            assert traffic["all"] == 0  # nothing spans all 4 ranks
+            assert traffic["across"] == pytest.approx(expected["across"], rel=0.01)  # the reduced chunks
+            # stage 3 gathers its root unit once per step, not twice: a little under 3 Psi b
+            assert 0.9 * expected["within"] <= traffic["within"] <= 1.01 * expected["within"]
+    assert "Hybrid sharding, 2 groups of 2 ranks" in (tmp_path / "bench.md").read_text()
+
+
 def test_activation_checkpointing_wraps_every_block_and_computes_the_same() -> None:
     import copy
 
@@ -179,6 +205,8 @@ def test_options_checks() -> None:
         BenchOptions(devices=0)
     with pytest.raises(ValueError, match="precision"):
         BenchOptions(precision="fp8")
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        BenchOptions(devices=4, shard_group_size=3)
 
 
 def test_params_target_picks_the_closest_width() -> None:

@@ -74,6 +74,9 @@ for _stage in STAGES:
     GROUP.case(fit, name=f"hybrid_zero{_stage}", strategy=f"zero{_stage}", shard_group_size=GROUP_SIZE)
 GROUP.case(fit, name="hybrid_zero3_clip", strategy="zero3", clip=True, shard_group_size=GROUP_SIZE)
 GROUP.case(fit, name="hybrid_zero2_offload", strategy="zero2", shard_group_size=GROUP_SIZE, offload_optimizer=True)
+GROUP.case(
+    fit, name="hybrid_zero3_offload", strategy="zero3", shard_group_size=GROUP_SIZE, offload_optimizer=True, offload_params=True
+)
 
 
 def fabric_fit(ctx: RankContext, strategy: str, **options: Any) -> dict[str, torch.Tensor]:
@@ -172,8 +175,9 @@ def test_clipping_takes_the_norm_over_one_shard_group(results: GroupResults) -> 
         assert max(_max_diff(a, b) for a, b in zip(ddp["history"], hybrid["history"])) <= TOLERANCE
 
 
-def test_hybrid_offload_trains_as_ddp(results: GroupResults) -> None:
-    for ddp, hybrid in zip(results["ddp"], results["hybrid_zero2_offload"]):
+@pytest.mark.parametrize("case", ["hybrid_zero2_offload", "hybrid_zero3_offload"])
+def test_hybrid_offload_trains_as_ddp(results: GroupResults, case: str) -> None:
+    for ddp, hybrid in zip(results["ddp"], results[case]):
         assert max(_max_diff(a, b) for a, b in zip(ddp["history"], hybrid["history"])) <= TOLERANCE
 
 
