@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.engine.config import ShardGroupSize, resolve_shard_group_size
+
 ProcessGroup = Optional[dist.ProcessGroup]
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -183,6 +185,16 @@ def _new_partition(partition: list[list[int]], timeout: Optional[timedelta]) -> 
     assert mine is not None, f"rank {me} is in no group of {partition}"
     _PARTITIONS[mine] = partition
     return mine
+
+
+def data_parallel_groups(
+    shard_group_size: ShardGroupSize, world_size: int, ranks_per_node: int, timeout: Optional[timedelta] = None
+) -> tuple[ProcessGroup, ProcessGroup]:
+    """(shard group, replicate group) for a strategy's ``shard_group_size`` option (None, an int or
+    "node"): (None, None) when every rank shards, else ``hybrid_groups``. Raises on every rank alike
+    for a size that does not divide ``world_size``, before any group is made."""
+    size = resolve_shard_group_size(shard_group_size, world_size, ranks_per_node)
+    return hybrid_groups(size, timeout) if size is not None else (None, None)
 
 
 def hybrid_groups(shard_group_size: int, timeout: Optional[timedelta] = None) -> tuple[ProcessGroup, ProcessGroup]:

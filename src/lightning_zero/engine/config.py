@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 
 class ZeroStage(enum.IntEnum):
@@ -208,3 +208,9 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
+
+
+def config_from_options(options: Mapping[str, Any]) -> ZeroConfig:
+    """The ``ZeroConfig`` of a strategy's constructor arguments (``options``: its ``locals()``, which
+    hold every ``ZeroConfig`` field under the same name, and more): both adapters take the same options."""
+    return ZeroConfig(**{f.name: options[f.name] for f in fields(ZeroConfig)})

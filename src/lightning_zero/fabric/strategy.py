@@ -34,8 +34,8 @@ from lightning_zero.checkpoint.atomic import recover
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY
-from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroStage, collectives
-from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, resolve_shard_group_size
+from lightning_zero.engine import MemoryReport, ZeroStage, collectives
+from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
@@ -87,17 +87,7 @@ class ZeroFabricStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        self.zero_config = ZeroConfig(  # validates before anything else happens
-            stage=stage,
-            bucket_size_mb=bucket_size_mb,
-            unit_classes=unit_classes,
-            min_unit_params=min_unit_params,
-            prefetch_units=prefetch_units,
-            check_units_every_gather=check_units_every_gather,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            fused_host_step=fused_host_step,
-        )
+        self.zero_config = config_from_options(locals())  # validates before anything else happens
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
@@ -185,8 +175,9 @@ class ZeroFabricStrategy(DDPStrategy):
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group), as ``ZeroStrategy`` makes them."""
         if self._groups is None:
-            size = resolve_shard_group_size(self.shard_group_size, self.world_size, self.num_processes)
-            self._groups = collectives.hybrid_groups(size, self._timeout) if size is not None else (None, None)
+            self._groups = collectives.data_parallel_groups(
+                self.shard_group_size, self.world_size, self.num_processes, self._timeout
+            )
         return self._groups
 
     @override

@@ -31,8 +31,8 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.layout import as_trainer_checkpoint
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.engine import MemoryReport, ZeroConfig, ZeroEngine, ZeroStage, collectives
-from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, resolve_shard_group_size
+from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
+from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
     RecoveringLauncher,
@@ -115,17 +115,7 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
-        self.zero_config = ZeroConfig(  # validates before anything else happens
-            stage=stage,
-            bucket_size_mb=bucket_size_mb,
-            unit_classes=unit_classes,
-            min_unit_params=min_unit_params,
-            prefetch_units=prefetch_units,
-            check_units_every_gather=check_units_every_gather,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            fused_host_step=fused_host_step,
-        )
+        self.zero_config = config_from_options(locals())  # validates before anything else happens
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -221,8 +211,9 @@ class ZeroStrategy(DDPStrategy):
         """(shard group, replicate group): (None, None) when every rank shards; with hybrid
         sharding created once, on every rank (see ``shard_group_size``)."""
         if self._groups is None:
-            size = resolve_shard_group_size(self.shard_group_size, self.world_size, self.num_processes)
-            self._groups = collectives.hybrid_groups(size, self._timeout) if size is not None else (None, None)
+            self._groups = collectives.data_parallel_groups(
+                self.shard_group_size, self.world_size, self.num_processes, self._timeout
+            )
         return self._groups
 
     @override
