@@ -248,6 +248,43 @@ def checkpoint_flows(ctx: RankContext) -> dict:
     return out
 
 
+# ---- weight averaging and checkpoints (stages 1-2; stage 3 refuses parameter reads between steps) --
+@GROUP.case
+def averaging_checkpoints(ctx: RankContext) -> dict:
+    """EMAWeightAveraging puts the averaged full weights into every checkpoint's `state_dict`: with a
+    ModelCheckpoint and sharded directories the strategy refuses at setup, a manual sharded save
+    refuses without writing, and one file (`state_dict_type="full"`) holds and reloads them."""
+    import os
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning_helpers import GPTModule, fit_gpt, make_trainer, token_data
+
+    from lightning_zero import ZeroStrategy
+
+    out = {}
+    try:
+        fit_gpt(ZeroStrategy(stage=2), 2, callbacks=[EMAWeightAveraging()], enable_checkpointing=True)
+        out["setup"] = "no error"
+    except ValueError as err:
+        out["setup"] = str(err)
+    module, _, trainer = fit_gpt(ZeroStrategy(stage=2), 2, callbacks=[EMAWeightAveraging()])
+    path = os.path.join(ctx.tmpdir, "ema_sharded")
+    try:
+        trainer.save_checkpoint(path)
+        out["save"] = "no error"
+    except ValueError as err:
+        out["save"] = str(err)
+    out["nothing_written"] = not os.path.exists(path)
+    module, _, trainer = fit_gpt(ZeroStrategy(stage=2, state_dict_type="full"), 2, callbacks=[EMAWeightAveraging()])
+    path = os.path.join(ctx.tmpdir, "ema_full.ckpt")
+    trainer.save_checkpoint(path)
+    reloaded = GPTModule()
+    make_trainer(ZeroStrategy(stage=1), 1).validate(reloaded, token_data(4), ckpt_path=path, verbose=False)
+    averaged = module.state_dict()  # after fit the callback copied the average into the module
+    out["full_reloads_the_average"] = all(torch.equal(reloaded.state_dict()[k], v) for k, v in averaged.items())
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("drop_in"))
@@ -324,3 +361,11 @@ def test_model_pruning_prunes_as_under_ddp(results, stage):
 def test_model_pruning_at_stage_3_fails_naming_the_parameter_and_the_summon_context(results):
     for message in results["pruning_zero3"]:
         assert isinstance(message, str) and "holds sharded (stage 3)" in message and "summon_full_params" in message
+
+
+def test_weight_averaging_with_sharded_checkpoints_is_refused_before_anything_is_lost(results):
+    for rank in results["averaging_checkpoints"]:
+        assert "EMAWeightAveraging puts the averaged model's full weights" in rank["setup"]
+        assert 'state_dict_type="full"' in rank["setup"]
+        assert "A callback replaced the checkpoint's `state_dict`" in rank["save"] and rank["nothing_written"]
+        assert rank["full_reloads_the_average"]

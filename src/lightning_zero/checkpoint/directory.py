@@ -14,7 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.sharded import build_manifest, load_model, load_optimizer
+from lightning_zero.checkpoint.sharded import SHARD_KEY_PREFIXES, build_manifest, load_model, load_optimizer
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
 from lightning_zero.engine import ZeroEngine
 
@@ -27,6 +27,7 @@ def save_directory(
     directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
 ) -> None:
     """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it)."""
+    check_holds_shards(checkpoint)
     optimizers = checkpoint.get("optimizer_states", [])  # absent for weights-only checkpoints
     tensors = dict(checkpoint["state_dict"])
     for shards in optimizers:
@@ -35,6 +36,20 @@ def save_directory(
     meta[OPTIMIZERS_KEY] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
     manifest = build_manifest(module, engine, stage, world_size, optimizers)
     write_directory(directory, tensors, meta, manifest, group)
+
+
+def check_holds_shards(checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``state_dict`` is no longer the shards the strategy put there: a
+    callback's ``on_save_checkpoint`` replaced it (Lightning's ``WeightAveraging``/EMA callbacks put
+    the averaged model's full weights there), and writing it would lose the weights silently."""
+    foreign = [key for key in checkpoint.get("state_dict", {}) if not key.startswith(SHARD_KEY_PREFIXES)]
+    if foreign:
+        replaced_by = " (moved to 'current_model_state' by a WeightAveraging callback)" if "current_model_state" in checkpoint else ""
+        raise ValueError(
+            "A callback replaced the checkpoint's `state_dict`" + replaced_by + f" with plain weights (e.g. {foreign[0]!r}),"
+            " which a sharded checkpoint directory cannot hold. HINT: save one file instead:"
+            " `ZeroStrategy(..., state_dict_type=\"full\")`."
+        )
 
 
 def load_directory(

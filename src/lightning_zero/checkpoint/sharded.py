@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.errors import CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
@@ -43,6 +44,8 @@ from lightning_zero.engine.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.sharded_param import ShardedParam
 
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
+SHARD_KEY_PREFIXES = ("model/", "buffer/")
+"""Every key of the weights' part of a sharded checkpoint starts with one of these (see above)."""
 
 
 def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -181,6 +184,11 @@ def load_model(
     for name, p in module.named_parameters():
         key = f"model/{name}"
         if key not in metadata:
+            if name in manifest.params:  # listed, yet no rank wrote it: never skip weights silently
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(directory)!r} lists parameter {name!r} in its manifest but holds no"
+                    " tensor for it; it was not written by lightning-zero's save (or was altered since)."
+                )
             continue
         dtype = metadata[key].properties.dtype
         sp = sharded.get(id(p))

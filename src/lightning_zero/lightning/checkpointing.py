@@ -20,7 +20,19 @@ from typing_extensions import override
 from lightning_zero.checkpoint.atomic import recover_folder
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
 
-__all__ = ["RecoveringLauncher", "StateDictType", "ZeroCheckpointing", "checkpoint_folders", "unwrap_optimizer"]
+try:
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # Lightning before 2.6 has no weight-averaging callbacks of this kind
+    WeightAveraging = None
+
+__all__ = [
+    "RecoveringLauncher",
+    "StateDictType",
+    "ZeroCheckpointing",
+    "check_callbacks_can_save",
+    "checkpoint_folders",
+    "unwrap_optimizer",
+]
 
 
 class RecoveringLauncher(_SubprocessScriptLauncher):
@@ -57,3 +69,18 @@ def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def check_callbacks_can_save(trainer: "pl.Trainer", state_dict_type: StateDictType) -> None:
+    """At setup: refuse what would fail at the first save, before training time is spent. Lightning's
+    weight-averaging callbacks replace a checkpoint's ``state_dict`` with the averaged model's full
+    weights, which a sharded directory cannot hold (``checkpoint/directory.py``)."""
+    if WeightAveraging is None or state_dict_type != "sharded" or not trainer.checkpoint_callbacks:
+        return
+    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, WeightAveraging)]
+    if averaging:
+        raise ValueError(
+            f"{averaging[0]} puts the averaged model's full weights into every checkpoint's `state_dict`,"
+            " which lightning-zero's sharded checkpoint directories cannot hold, and a ModelCheckpoint"
+            ' would save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves one file instead.'
+        )

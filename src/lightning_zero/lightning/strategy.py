@@ -38,6 +38,7 @@ from lightning_zero.lightning.checkpointing import (
     RecoveringLauncher,
     StateDictType,
     ZeroCheckpointing,
+    check_callbacks_can_save,
     unwrap_optimizer,
 )
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
@@ -175,6 +176,7 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
+        check_callbacks_can_save(trainer, self.state_dict_type)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
