@@ -248,7 +248,26 @@ def checkpoint_flows(ctx: RankContext) -> dict:
     return out
 
 
-# ---- weight averaging and checkpoints (stages 1-2; stage 3 refuses parameter reads between steps) --
+# ---- Lightning's weight-averaging callbacks ----------------------------------------------------------
+def averaging(ctx: RankContext, strategy: str, callback: str) -> dict:
+    """3 epochs of 3 steps with validation after each: EMA (updated every step, swapped in for
+    validation) or SWA (from epoch 1); the weights after each step and after fit (the average)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+    from lightning_helpers import fit_gpt
+
+    chosen = EMAWeightAveraging() if callback == "ema" else StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1)
+    module, history, _ = fit_gpt(
+        _strategy(strategy), -1, callbacks=[chosen], max_epochs=3, limit_train_batches=3, limit_val_batches=2
+    )
+    return {"history": history, "final": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+for _callback in ("ema", "swa"):
+    for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
+        GROUP.case(averaging, name=f"{_callback}_{_name}", strategy=_name, callback=_callback)
+
+
+# ---- weight averaging and checkpoints ----------------------------------------------------------------
 @GROUP.case
 def averaging_checkpoints(ctx: RankContext) -> dict:
     """EMAWeightAveraging puts the averaged full weights into every checkpoint's `state_dict`: with a
@@ -369,3 +388,15 @@ def test_weight_averaging_with_sharded_checkpoints_is_refused_before_anything_is
         assert 'state_dict_type="full"' in rank["setup"]
         assert "A callback replaced the checkpoint's `state_dict`" in rank["save"] and rank["nothing_written"]
         assert rank["full_reloads_the_average"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("callback", ["ema", "swa"])
+def test_weight_averaging_callbacks_average_as_under_ddp(results, callback, stage):
+    for ddp, zero in zip(results[f"{callback}_ddp"], results[f"{callback}_zero{stage}"]):
+        assert len(zero["history"]) == len(ddp["history"]) == 9
+        for a, b in zip(ddp["history"], zero["history"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        assert all(torch.equal(ddp["final"][k], zero["final"][k]) for k in ddp["final"])
+        # the run ends on the average, not on the last step's weights
+        assert any(not torch.equal(ddp["final"][k], ddp["history"][-1][k]) for k in ddp["final"])

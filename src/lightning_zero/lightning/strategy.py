@@ -41,6 +41,7 @@ from lightning_zero.lightning.checkpointing import (
     check_callbacks_can_save,
     unwrap_optimizer,
 )
+from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
@@ -177,6 +178,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
+        gather_around_parameter_hooks(trainer, self)  # weight averaging reads and writes parameters between steps
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
