@@ -286,6 +286,13 @@ def averaging_checkpoints(ctx: RankContext) -> dict:
         out["setup"] = "no error"
     except ValueError as err:
         out["setup"] = str(err)
+    from lightning.pytorch.callbacks import ModelPruning
+
+    try:
+        fit_gpt(ZeroStrategy(stage=3), 2, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], enable_checkpointing=True)
+        out["pruning_setup"] = "no error"
+    except ValueError as err:
+        out["pruning_setup"] = str(err)
     module, _, trainer = fit_gpt(ZeroStrategy(stage=2), 2, callbacks=[EMAWeightAveraging()])
     path = os.path.join(ctx.tmpdir, "ema_sharded")
     try:
@@ -367,8 +374,10 @@ def test_spike_detection_stops_every_rank_at_the_same_batch_as_under_ddp(results
         assert [max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])] == [0.0] * len(ddp["history"])
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
 def test_model_pruning_prunes_as_under_ddp(results, stage):
+    # at stage 3 its hooks run with the model gathered (gathered_callbacks.py), and the lottery-ticket
+    # reset's `.data` assignment becomes the storage the gathers fill, as at stages 1-2
     from lightning_helpers import max_abs_diff
 
     for ddp, zero in zip(results["pruning_ddp"], results[f"pruning_zero{stage}"]):
@@ -377,17 +386,13 @@ def test_model_pruning_prunes_as_under_ddp(results, stage):
         assert (zero["model.blocks.0.mlp.fc.weight"] == 0).float().mean() >= 0.3  # pruned
 
 
-def test_model_pruning_at_stage_3_fails_naming_the_parameter_and_the_summon_context(results):
-    for message in results["pruning_zero3"]:
-        assert isinstance(message, str) and "holds sharded (stage 3)" in message and "summon_full_params" in message
-
-
 def test_weight_averaging_with_sharded_checkpoints_is_refused_before_anything_is_lost(results):
     for rank in results["averaging_checkpoints"]:
         assert "EMAWeightAveraging puts the averaged model's full weights" in rank["setup"]
         assert 'state_dict_type="full"' in rank["setup"]
         assert "A callback replaced the checkpoint's `state_dict`" in rank["save"] and rank["nothing_written"]
         assert rank["full_reloads_the_average"]
+        assert "ModelPruning puts the pruned model's full weights" in rank["pruning_setup"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

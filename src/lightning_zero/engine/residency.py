@@ -115,7 +115,10 @@ class ParameterResidency(abc.ABC):
         if self.copies is not None:
             self.copies.synchronize()  # no copy to the device still reads the host chunks
         for p in self.params:
-            p.sync_master_from_param()
+            if p.data_was_assigned():  # `param.data = ...` (e.g. ModelPruning's lottery-ticket reset)
+                p.adopt_assigned_data(between_steps=True)
+            else:
+                p.sync_master_from_param()
 
     def release_to(self, device: torch.device) -> None:
         """Leave the module with plain full parameters (when training ends)."""

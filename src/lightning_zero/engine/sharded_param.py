@@ -152,7 +152,10 @@ class ShardedParam:
         placed = self._unsharded.data_ptr() if self._unsharded is not None else None
         return self.param.numel() != 0 and self.param.data_ptr() != placed
 
-    def adopt_assigned_data(self) -> None:
+    def adopt_assigned_data(self, between_steps: bool = False) -> None:
+        """``between_steps``: at stage 3, outside any forward and backward (a callback editing the
+        gathered parameters inside ``summon_full_params(writeback=True)``), where the assigned tensor
+        may become the storage the gathers fill, as at stages 1-2."""
         new = self.param.data
         placed = self._full_flat if self.keeps_full else self._placeholder
         if (new.shape, new.dtype, new.device) != (self.shape, placed.dtype, placed.device):
@@ -165,6 +168,9 @@ class ShardedParam:
             )
         if self.keeps_full and new.is_contiguous():
             self._take_storage_of(new)
+            return
+        if between_steps and new.is_contiguous() and new.untyped_storage().resizable():
+            self._gather_into(new)
             return
         with torch.no_grad():
             full = self.gather_target()  # the storage the engine placed (at stage 3 grown again if freed)
@@ -187,6 +193,18 @@ class ShardedParam:
             self._shard_data = self.shard.detach()
         else:
             self.sync_master_from_param()
+
+    def _gather_into(self, new: Tensor) -> None:
+        """Stage 3, between steps: the assigned tensor becomes the parameter's gathered storage, so
+        whoever else holds it (Lightning's ModelPruning keeps the tensor its lottery-ticket reset
+        assigned, and reads it again at the next reset, inside the gathered context) sees the
+        weights whenever the unit is gathered, as under DDP. At rest its storage is freed like any
+        other gathered storage. Never mid-step: autograd keeps the previous storage's references."""
+        self._unsharded, self._unsharded_flat, self._target_rows = new, new.view(-1), None
+        start, end = self.layout.owned_range(self.rank)
+        with torch.no_grad():
+            self.shard.copy_(self._unsharded_flat[start:end].reshape(self.shard.shape))
+        self.refresh_device_chunk()
 
     def check_data_not_assigned(self) -> None:
         """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned

@@ -11,7 +11,7 @@ import os
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, OnExceptionCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from torch.optim import Optimizer
@@ -73,14 +73,20 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
 
 def check_callbacks_can_save(trainer: "pl.Trainer", state_dict_type: StateDictType) -> None:
     """At setup: refuse what would fail at the first save, before training time is spent. Lightning's
-    weight-averaging callbacks replace a checkpoint's ``state_dict`` with the averaged model's full
-    weights, which a sharded directory cannot hold (``checkpoint/directory.py``)."""
-    if WeightAveraging is None or state_dict_type != "sharded" or not trainer.checkpoint_callbacks:
+    weight-averaging callbacks, and ModelPruning when it makes pruning permanent in checkpoints,
+    replace a checkpoint's ``state_dict`` with full weights, which a sharded directory cannot hold
+    (``checkpoint/directory.py``)."""
+    if state_dict_type != "sharded" or not trainer.checkpoint_callbacks:
         return
-    averaging = [type(c).__name__ for c in trainer.callbacks if isinstance(c, WeightAveraging)]
-    if averaging:
+    for callback in trainer.callbacks:
+        if WeightAveraging is not None and isinstance(callback, WeightAveraging):
+            what = "the averaged model's full weights"
+        elif isinstance(callback, ModelPruning) and callback._make_pruning_permanent:
+            what = "the pruned model's full weights (masks applied)"
+        else:
+            continue
         raise ValueError(
-            f"{averaging[0]} puts the averaged model's full weights into every checkpoint's `state_dict`,"
-            " which lightning-zero's sharded checkpoint directories cannot hold, and a ModelCheckpoint"
-            ' would save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves one file instead.'
+            f"{type(callback).__name__} puts {what} into every checkpoint's `state_dict`, which"
+            " lightning-zero's sharded checkpoint directories cannot hold, and a ModelCheckpoint would"
+            ' save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves one file instead.'
         )

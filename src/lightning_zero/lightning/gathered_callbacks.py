@@ -20,7 +20,7 @@ import functools
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -32,6 +32,10 @@ READS, WRITES = False, True
 
 PARAMETER_HOOKS: list[tuple[type, dict[str, bool]]] = [
     (StochasticWeightAveraging, {"on_train_epoch_start": WRITES, "on_train_end": WRITES}),
+    (
+        ModelPruning,
+        {"on_train_epoch_end": WRITES, "on_validation_epoch_end": WRITES, "on_train_end": WRITES, "on_save_checkpoint": READS},
+    ),
 ]
 """Each callback class, and its hooks that touch the module's parameters."""
 if WeightAveraging is not None:
