@@ -18,6 +18,7 @@ def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager") ->
     import lightning as L
     import torch
     from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
+    from recompiles import RecompileCounter
 
     from torch._dynamo.utils import counters
 
@@ -34,8 +35,9 @@ def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager") ->
     module = GPTModule()
     module.model = torch.compile(module.model, backend=backend)
     recorder, graphs = WeightRecorder(), GraphCount()
-    make_trainer(strategy, STEPS, callbacks=[recorder, graphs]).fit(module, token_data())
-    return {"history": recorder.history, "graphs": graphs.graphs, "recompiles": sum(counters["recompiles"].values())}
+    with RecompileCounter() as recompiles:
+        make_trainer(strategy, STEPS, callbacks=[recorder, graphs]).fit(module, token_data())
+    return {"history": recorder.history, "graphs": graphs.graphs, "recompiles": recompiles.count, "reasons": recompiles.reasons}
 
 
 GROUP = CaseGroup(world_size=2, timeout=400)
@@ -62,7 +64,7 @@ def test_a_compiled_model_trains_as_under_compiled_ddp(results, stage):
 def test_the_compiled_graphs_settle_by_the_third_step(results, stage):
     for r in results[f"zero{stage}"]:
         assert r["graphs"][2] == r["graphs"][-1]  # nothing new captured after step 3
-        assert r["recompiles"] == 0
+        assert r["recompiles"] == 0, r["reasons"]
 
 
 def test_inductor_at_stage_3_trains_as_inductor_ddp(results):
@@ -72,4 +74,16 @@ def test_inductor_at_stage_3_trains_as_inductor_ddp(results):
 
     for ddp, zero in zip(results["inductor_ddp"], results["inductor_zero3"]):
         assert max(max_abs_diff(a, b) for a, b in zip(ddp["history"], zero["history"])) <= 1e-5
-        assert zero["graphs"][2] == zero["graphs"][-1] and zero["recompiles"] == 0
+        assert zero["graphs"][2] == zero["graphs"][-1] and zero["recompiles"] == 0, zero["reasons"]
+
+
+def test_the_recompile_counter_counts_recompilations():
+    import torch
+    from recompiles import RecompileCounter
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    with RecompileCounter() as recompiles:
+        for size in (2, 3, 4):
+            double(torch.ones(size))
+    assert recompiles.count == 2  # a new shape each time after the first
