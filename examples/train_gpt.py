@@ -5,6 +5,12 @@
     python examples/train_gpt.py fit --model.n_layer=8 --data.block_size=256 --trainer.accelerator=gpu
     python examples/train_gpt.py validate --ckpt_path=PATH
     python examples/train_gpt.py fit --print_config > gpt.yaml     # then: fit --config gpt.yaml
+    python examples/train_gpt.py fit --config configs/big_models/meta_init.yaml   # and the other big-model configs
+
+For models that do not fit one device, four options each take one line (configs/big_models/ has a
+config for each, and they combine): `model.meta_init` (build on the meta device, materialized one
+block at a time under zero3), `model.activation_checkpointing` (recompute each block's activations in
+backward), `model.compile` (torch.compile), and the strategy `zero3_offload` (CPU offload).
 
 The defaults (a 1.8M-parameter model, 400 steps) are sized for a 2-core CPU: in about 2.5 minutes
 validation loss falls from 5.3 nats per byte untrained (ln 256 = 5.55 is a uniform guess) to about 1.85.
@@ -19,20 +25,22 @@ import math
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 # stdlib_corpus.py sits next to this file; make it importable however the script is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from torch import nn  # noqa: E402
 from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.text import Perplexity  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
 from lightning_zero import ZeroMemoryMonitor  # noqa: E402
-from lightning_zero.models.gpt import GPT, GPTConfig  # noqa: E402
+from lightning_zero.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 
 
@@ -62,6 +70,10 @@ class GPTLightningModule(L.LightningModule):
         cosine_schedule: bool = True,
         warmup_steps: int = 30,
         min_lr_ratio: float = 0.1,
+        meta_init: bool = False,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        compile_backend: Optional[str] = None,
     ) -> None:
         """
         Args:
@@ -81,20 +93,53 @@ class GPTLightningModule(L.LightningModule):
             cosine_schedule: warm up then decay the learning rate; False keeps it constant at `lr`.
             warmup_steps: linear warm-up length, in optimizer steps.
             min_lr_ratio: the cosine schedule's final learning rate, as a fraction of `lr`.
+            meta_init: build the GPT in `configure_model` rather than here, each layer initialising
+                itself in `reset_parameters()`. Under zero3 that runs on the meta device (no memory),
+                and the strategy allocates, initialises and shards one block at a time: no rank holds
+                the whole model during setup. Under other strategies the same model is built eagerly, with
+                the same weights. GPT-2's init either way, but drawn in another order than the
+                default build's, so a different (seeded) start.
+            activation_checkpointing: run every block's forward under torch's non-reentrant
+                activation checkpointing: backward recomputes a block's activations instead of keeping
+                them from forward, which saves activation memory for one more forward per block and
+                step. Parameter names, and so checkpoints, do not change.
+            compile: `torch.compile` each block's forward, where the compute is. ZeRO-3's gather and
+                free hooks run around a block's forward, outside its graph, and the identical blocks
+                share one graph. Parameter names, and so checkpoints, do not change.
+            compile_backend: torch.compile's backend; None picks "inductor" where CUDA is available
+                and "aot_eager" elsewhere: inductor also runs on CPU, given a C++ compiler, but on 2
+                cores it compiled for 6 s and gained nothing at this size.
         """
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(
-            GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd, dropout=dropout, bias=bias)
-        )
-        # Decided now, while every parameter has its real shape: a sharding strategy may flatten them
-        # before configure_optimizers runs. Vectors (biases, LayerNorm weights) are not decayed.
-        self.no_decay = frozenset(name for name, p in self.model.named_parameters() if p.ndim < 2)
+        self.model: Optional[nn.Module] = None
+        self.no_decay: frozenset = frozenset()
+        if not meta_init:
+            self._build_model()
         # Token-weighted mean of the loss (the last batch may be short), synchronised across ranks.
         self.val_loss = MeanMetric()
         self.val_perplexity = Perplexity()
         self.test_loss = MeanMetric()
         self.test_perplexity = Perplexity()
+
+    def configure_model(self) -> None:
+        # Lightning calls this before each fit/validate/test: build once
+        if self.model is None:
+            self._build_model()
+
+    def _build_model(self) -> None:
+        hp = self.hparams
+        shape = dict(block_size=hp.block_size, n_layer=hp.n_layer, n_head=hp.n_head, n_embd=hp.n_embd)
+        self.model = GPT(GPTConfig(**shape, dropout=hp.dropout, bias=hp.bias, init_per_layer=hp.meta_init))
+        if hp.compile:
+            backend = hp.compile_backend or ("inductor" if torch.cuda.is_available() else "aot_eager")
+            compile_every_block(self.model, backend)
+        if hp.activation_checkpointing:  # around the compiled forward: backward recomputes it compiled
+            checkpoint_every_block(self.model)
+        # Decided now, while every parameter has its real shape (meta tensors have theirs): a sharding
+        # strategy may flatten them before configure_optimizers runs. Vectors (biases, LayerNorm
+        # weights) are not decayed.
+        self.no_decay = frozenset(name for name, p in self.model.named_parameters() if p.ndim < 2)
 
     def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch  # (B, T), (B, T)
@@ -139,6 +184,27 @@ class GPTLightningModule(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def checkpoint_every_block(model: nn.Module) -> None:
+    """Run each `Block`'s forward under torch's non-reentrant activation checkpointing: what torch's
+    `checkpoint_wrapper` does, without the wrapper module, whose `_checkpoint_wrapped_module.` would
+    enter the parameter names and so the sharded checkpoints' keys (a checkpoint saved with it would
+    not load without it, nor the other way round). The block's hooks (stage 3's gather and free) run
+    around the checkpointed forward, as they run around a wrapper."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)
+
+
+def compile_every_block(model: nn.Module, backend: str) -> None:
+    """`torch.compile` the forward of each `Block` in place: the identical blocks share one graph, and
+    the modules stay as they are, so parameter names (and checkpoint keys) do not change, where
+    `torch.compile(model)` would prefix every key with `_orig_mod.`. (Compiling the whole model works
+    too: stage 3's gather hooks run eagerly, see `tests/test_compile.py`.)"""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.forward = torch.compile(module.forward, backend=backend)
 
 
 class GPTCLI(LightningCLI):

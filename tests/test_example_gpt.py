@@ -2,18 +2,14 @@
 line (a short `fit` in two processes each), and its data module's determinism."""
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from example_runs import EXAMPLES, REPO, run_example
 from lightning_zero.cli.model_spec import count_parameters
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 # Small enough that a run is dominated by process start-up (~7 s on 2 cores), big enough that every part
@@ -37,21 +33,7 @@ TINY = [
 
 def _fit(tmp_path: Path, *args: str) -> list[dict[str, str]]:
     """Run `train_gpt.py fit` with `args` and TINY; return the rows of its metrics.csv."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [
-        sys.executable,
-        str(EXAMPLES / "train_gpt.py"),
-        "fit",
-        *args,
-        *TINY,
-        # CSV explicitly: Lightning's default logger is TensorBoard where it is installed
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.save_dir={tmp_path}",
-    ]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-
-    run_dir = tmp_path / "lightning_logs" / "version_0"
+    run_dir = run_example(tmp_path, *args, *TINY)
     assert list((run_dir / "checkpoints").iterdir()), "the default ModelCheckpoint saved nothing"
     with open(run_dir / "metrics.csv") as metrics:
         rows = list(csv.DictReader(metrics))
