@@ -1,4 +1,4 @@
-"""The Lightning adapter: the only package that imports Lightning.
+"""The Trainer's adapter (beside ``lightning_zero.fabric``, Fabric's): the packages that import Lightning.
 
 ``ZeroStrategy`` connects the Trainer's hooks to ``lightning_zero.engine``; its precision plugins,
 model summary and checkpoint plumbing sit beside it, and ``ZeroMemoryMonitor`` is a callback.
