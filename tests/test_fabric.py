@@ -165,12 +165,15 @@ def _step(fabric: Any, model: Any, optimizer: Any, batch: torch.Tensor) -> float
     return loss.item()
 
 
-def save_and_resume(ctx: RankContext, save_with: str, resume_with: str, state_dict_type: str) -> dict[str, Any]:
+def save_and_resume(
+    ctx: RankContext, save_with: str, resume_with: str, state_dict_type: str, **save_options: Any
+) -> dict[str, Any]:
     """Save after 2 steps and go on for 2; then a fresh model at another stage loads the checkpoint
-    and runs the same 2 steps: max |difference| of the weights, and what `load` handed back."""
+    and runs the same 2 steps: max |difference| of the weights, and what `load` handed back.
+    ``save_options``: more options of the saving strategy (e.g. hybrid sharding's group size)."""
     path = os.path.join(ctx.tmpdir, f"fabric_{save_with}_{resume_with}_{state_dict_type}")
     batches = _batches(ctx.rank, 4)
-    fabric = _fabric(save_with, state_dict_type=state_dict_type)
+    fabric = _fabric(save_with, state_dict_type=state_dict_type, **save_options)
     fabric.seed_everything(0)
     module = _gpt()
     model, optimizer = fabric.setup(module, _adamw(module))

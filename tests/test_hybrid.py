@@ -87,6 +87,15 @@ def fabric_fit(ctx: RankContext, strategy: str, **options: Any) -> dict[str, tor
     return train(ctx, strategy, clip="norm", **options)
 
 
+def fabric_hybrid_checkpoint(ctx: RankContext) -> dict[str, Any]:
+    """Fabric saves under 2x2 hybrid zero3 and resumes flat at zero1 on the same 4 ranks."""
+    from test_fabric import save_and_resume
+
+    os.environ["WORLD_SIZE"] = str(ctx.world_size)
+    return save_and_resume(ctx, "zero3", "zero1", "sharded", shard_group_size=GROUP_SIZE)
+
+
+GROUP.case(fabric_hybrid_checkpoint)
 GROUP.case(fabric_fit, name="fabric_ddp", strategy="ddp")
 GROUP.case(fabric_fit, name="fabric_hybrid_zero3", strategy="zero3", shard_group_size=GROUP_SIZE)
 
@@ -185,6 +194,12 @@ def test_fabric_hybrid_sharding_trains_as_fabric_ddp(results: GroupResults) -> N
     for ddp, hybrid in zip(results["fabric_ddp"], results["fabric_hybrid_zero3"]):
         assert _max_diff(ddp["weights"], hybrid["weights"]) <= TOLERANCE
         assert hybrid["norms"] == pytest.approx(ddp["norms"], abs=1e-6)
+
+
+def test_a_fabric_hybrid_checkpoint_resumes_flat(results: GroupResults) -> None:
+    for rank in results["fabric_hybrid_checkpoint"]:
+        # the flat run continues from the hybrid one's step-2 state: float rounding of the sums only
+        assert rank["diff"] <= TOLERANCE and rank["step"] == 2 and rank["is_dir"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
