@@ -1,4 +1,6 @@
-"""One module set up with the Fabric strategy: its engine, its optimizers, and its step boundaries.
+"""A module set up with the Fabric strategy (``ShardedModule``: its engine, its optimizers, its step
+boundaries), the strategy's collection of them (``ShardedModules``), and ``fabric.no_backward_sync``
+(``AccumulateWithoutSync``).
 
 The Trainer tells the engine where a step begins and ends through its hooks (``training_step``,
 ``post_backward``, ...). Fabric has none: the user's loop calls the module, ``fabric.backward``
@@ -24,11 +26,13 @@ made later from the sharded parameters are added to it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
 import torch
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
@@ -180,3 +184,64 @@ class ShardedModule:
         if self.engine is not None:
             self.engine.release_parameters(self._device)
             self.engine = None
+
+
+class ShardedModules:
+    """The modules set up with one strategy, found by module or by optimizer."""
+
+    def __init__(self) -> None:
+        self._modules: list[ShardedModule] = []
+
+    def __iter__(self) -> Iterator[ShardedModule]:
+        return iter(self._modules)
+
+    def add(self, sharded: ShardedModule) -> None:
+        self._modules.append(sharded)
+
+    def of(self, module: Optional[nn.Module]) -> Optional[ShardedModule]:
+        return next((m for m in self._modules if m.module is module), None)
+
+    def is_set_up(self, module: nn.Module) -> bool:
+        return self.of(module) is not None
+
+    def owner_of(self, optimizer: Optimizer) -> Optional[ShardedModule]:
+        return next((m for m in self._modules if m.owns(optimizer)), None)
+
+    def owner_module(self, optimizer: Optimizer) -> Optional[nn.Module]:
+        owner = self.owner_of(optimizer)
+        return owner.module if owner is not None else None
+
+    def selected(self, module: Optional[nn.Module]) -> list[ShardedModule]:
+        """``module``'s (given as set up, or as Fabric's wrapper), or all of them for None."""
+        if module is None:
+            return list(self._modules)
+        sharded = self.of(_unwrap_objects(module))
+        if sharded is None:
+            raise ValueError(f"{type(module).__name__} was not set up with this strategy.")
+        return [sharded]
+
+    def close_steps(self) -> None:
+        for sharded in self._modules:
+            sharded.close_step()
+
+    def release(self) -> None:
+        for sharded in self._modules:
+            sharded.release()
+        self._modules.clear()
+
+
+class AccumulateWithoutSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients accumulate without being reduced (stage 1) or
+    are reduce-scattered into the shards at every backward (stages 2-3, where full gradients are
+    not kept), as ``Trainer(accumulate_grad_batches=...)`` does under ``ZeroStrategy``."""
+
+    def __init__(self, modules: ShardedModules) -> None:
+        self._modules = modules
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        sharded = self._modules.of(module)
+        if sharded is None:
+            raise TypeError(f"`no_backward_sync` needs a module set up with lightning-zero; got {type(module).__name__}.")
+        return sharded.gradients_accumulating()

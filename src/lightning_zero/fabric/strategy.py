@@ -12,7 +12,7 @@ Fabric calls the strategy from the user's own loop; this class connects those ca
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -25,7 +25,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,7 +45,7 @@ from lightning_zero.fabric.checkpoint_state import (
     restore_plain_values,
     split_state,
 )
-from lightning_zero.fabric.sharded_module import ShardedModule
+from lightning_zero.fabric.sharded_module import AccumulateWithoutSync, ShardedModule, ShardedModules
 
 SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
 """Fabric's precision plugins this strategy trains correctly with (exactly these classes)."""
@@ -92,7 +91,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
         self._checkpointing = ZeroCheckpointing(state_dict_type)
-        self._modules: list[ShardedModule] = []
+        self._modules = ShardedModules()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -103,7 +102,7 @@ class ZeroFabricStrategy(DDPStrategy):
             timeout=timeout,
             start_method="popen",
         )
-        self._backward_sync_control = _AccumulateWithoutSync(self)
+        self._backward_sync_control = AccumulateWithoutSync(self._modules)
 
     @property
     def stage(self) -> int:
@@ -167,10 +166,10 @@ class ZeroFabricStrategy(DDPStrategy):
         return module
 
     def _set_up(self, module: nn.Module, optimizers: list[Optimizer]) -> None:
-        if self._sharded_module_of(module) is not None:
+        if self._modules.of(module) is not None:
             raise ValueError(f"{type(module).__name__} is already set up with lightning-zero; set each module up once.")
         groups = self._data_parallel_groups()
-        self._modules.append(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups))
+        self._modules.add(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups))
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group), as ``ZeroStrategy`` makes them."""
@@ -202,7 +201,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        sharded = self._owner_of(optimizer)
+        sharded = self._modules.owner_of(optimizer)
         if sharded is None:
             return super().optimizer_step(optimizer, **kwargs)
         engine = sharded.ensure_engine()
@@ -234,7 +233,7 @@ class ZeroFabricStrategy(DDPStrategy):
         on every rank; edits are written back to the shards only with ``writeback=True``. Enter it
         on every rank: gathering is a collective."""
         with ExitStack() as stack:
-            for sharded in self._selected(module):
+            for sharded in self._modules.selected(module):
                 if sharded.engine is not None:
                     stack.enter_context(sharded.engine.gathered(writeback))
             yield
@@ -243,36 +242,34 @@ class ZeroFabricStrategy(DDPStrategy):
         """After this rank's last evaluation forward (on every rank): at stage 3, ranks may then run
         different numbers of evaluation forwards, as under DDP — a rank that is done takes part in
         its peers' all-gathers until they are done too (see ``engine/evaluation_join.py``)."""
-        for sharded in self._selected(module):
+        for sharded in self._modules.selected(module):
             if sharded.engine is not None:
                 sharded.engine.finish_evaluation()
 
     def memory_report(self, module: Optional[nn.Module] = None) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now for ``module``
         (default: the one module set up)."""
-        selected = self._selected(module)
+        selected = self._modules.selected(module)
         if len(selected) != 1 or selected[0].ensure_engine() is None:
             raise RuntimeError("memory_report() needs one module set up with its optimizers; pass `module=`.")
         return selected[0].engine.memory_report()  # type: ignore[union-attr]
 
     @override
     def teardown(self) -> None:
-        for sharded in self._modules:
-            sharded.release()
-        self._modules.clear()
+        self._modules.release()
         super().teardown()
 
     # ---- state dicts and checkpoints ---------------------------------------------------------------------
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full weights on every rank (at stage 3 gathered one unit at a time), on the CPU."""
-        sharded = self._sharded_module_of(module)
+        sharded = self._modules.of(module)
         engine = sharded.engine if sharded is not None else None
         return engine.full_state_dict(module) if engine is not None else module.state_dict()
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        sharded = self._sharded_module_of(module)
+        sharded = self._modules.of(module)
         engine = sharded.ensure_engine() if sharded is not None else None
         if engine is None:
             module.load_state_dict(state_dict, strict=strict)
@@ -282,7 +279,7 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as if unsharded (DDP's format), on every rank."""
-        sharded = self._owner_of(optimizer)
+        sharded = self._modules.owner_of(optimizer)
         engine = sharded.ensure_engine() if sharded is not None else None
         return engine.full_optimizer_state_dict(optimizer) if engine is not None else optimizer.state_dict()
 
@@ -306,9 +303,9 @@ class ZeroFabricStrategy(DDPStrategy):
         clashing = [key for key in state if key in INTERNAL_KEYS]
         if clashing:
             raise ValueError(f"Checkpoint state keys {clashing} are reserved by lightning-zero; rename them.")
-        self._close_steps()
-        split = split_state(state, self._is_set_up, self._owner_module)
-        sharded = self._sharded_module_of(split.module) if split.module is not None else None
+        self._modules.close_steps()
+        split = split_state(state, self._modules.is_set_up, self._modules.owner_module)
+        sharded = self._modules.of(split.module) if split.module is not None else None
         engine = sharded.ensure_engine() if sharded is not None else None
         checkpoint = plain_values(split.others)
         if self._checkpointing.saves_directory(engine):
@@ -343,7 +340,7 @@ class ZeroFabricStrategy(DDPStrategy):
         """Restore ``state`` from a checkpoint saved by this strategy (either format) or by the Trainer
         under ``ZeroStrategy`` or DDP, at any world size and stage; returns what was not restored.
         ``state=None``: the whole checkpoint as plain full tensors."""
-        self._close_steps()
+        self._modules.close_steps()
         path = Path(path)
         recover(path)
         read_file = lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)  # noqa: E731
@@ -355,12 +352,12 @@ class ZeroFabricStrategy(DDPStrategy):
         if isinstance(state, Optimizer):  # `fabric.load_raw(path, optimizer)`
             self._load_full_optimizer_state(state, read_file(path))
             return {}
-        split = split_state(state, self._is_set_up, self._owner_module)
+        split = split_state(state, self._modules.is_set_up, self._modules.owner_module)
         if split.module is None:
             if path.is_dir():
                 raise ValueError(f"{str(path)!r} is a lightning-zero checkpoint: its state must include the module it holds.")
             return super().load_checkpoint(path, state, strict, weights_only)
-        sharded = self._sharded_module_of(split.module)
+        sharded = self._modules.of(split.module)
         assert sharded is not None
         engine = sharded.ensure_engine()
         checkpoint = self._checkpointing.load(
@@ -373,7 +370,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _load_module(self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any]) -> None:
         """Full weights (a raw ``state_dict`` file, or a checkpoint of either layout) into ``module``."""
-        sharded = self._sharded_module_of(module)
+        sharded = self._modules.of(module)
         engine = sharded.ensure_engine() if sharded is not None else None
         loaded = self._checkpointing.load(path, module, engine, [], strict, read_file)
         if self._checkpointing.restored_from_directory:
@@ -397,38 +394,12 @@ class ZeroFabricStrategy(DDPStrategy):
                 raise KeyError(f"The checkpoint holds no state for the optimizer under {key!r}.")
 
     def _load_full_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        sharded = self._owner_of(optimizer)
+        sharded = self._modules.owner_of(optimizer)
         engine = sharded.ensure_engine() if sharded is not None else None
         if engine is None:
             optimizer.load_state_dict(state)
         else:
             engine.load_full_optimizer_state_dict(optimizer, state)
-
-    # ---- bookkeeping ---------------------------------------------------------------------------------
-    def _sharded_module_of(self, module: Optional[nn.Module]) -> Optional[ShardedModule]:
-        return next((m for m in self._modules if m.module is module), None)
-
-    def _owner_of(self, optimizer: Optimizer) -> Optional[ShardedModule]:
-        return next((m for m in self._modules if m.owns(optimizer)), None)
-
-    def _owner_module(self, optimizer: Optimizer) -> Optional[nn.Module]:
-        owner = self._owner_of(optimizer)
-        return owner.module if owner is not None else None
-
-    def _is_set_up(self, module: nn.Module) -> bool:
-        return self._sharded_module_of(module) is not None
-
-    def _selected(self, module: Optional[nn.Module]) -> list[ShardedModule]:
-        if module is None:
-            return list(self._modules)
-        sharded = self._sharded_module_of(_unwrapped(module))
-        if sharded is None:
-            raise ValueError(f"{type(module).__name__} was not set up with this strategy.")
-        return [sharded]
-
-    def _close_steps(self) -> None:
-        for sharded in self._modules:
-            sharded.close_step()
 
     @classmethod
     @override
@@ -436,30 +407,3 @@ class ZeroFabricStrategy(DDPStrategy):
         for name, init_params in STRATEGY_NAMES.items():
             if name not in strategy_registry:  # importing twice is harmless
                 strategy_registry.register(name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params)
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """The user's module inside Fabric's wrapper (and ``torch.compile``'s)."""
-    from lightning.fabric.wrappers import _unwrap_objects
-
-    return _unwrap_objects(module)
-
-
-class _AccumulateWithoutSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: gradients accumulate without being reduced (stage 1) or
-    are reduce-scattered into the shards at every backward (stages 2-3, where full gradients are
-    not kept), as ``Trainer(accumulate_grad_batches=...)`` does under ``ZeroStrategy``."""
-
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        sharded = self._strategy._sharded_module_of(module)
-        if sharded is None:
-            raise TypeError(
-                f"`no_backward_sync` needs a module set up with lightning-zero; got {type(module).__name__}."
-            )
-        return sharded.gradients_accumulating()
