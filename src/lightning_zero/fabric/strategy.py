@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_zero.checkpoint.atomic import recover
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
 from lightning_zero.checkpoint.convert import full_checkpoint
-from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY
+from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
 from lightning_zero.engine import MemoryReport, ZeroStage, collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
@@ -375,7 +375,7 @@ class ZeroFabricStrategy(DDPStrategy):
         loaded = self._checkpointing.load(path, module, engine, [], strict, read_file)
         if self._checkpointing.restored_from_directory:
             return
-        module_key = loaded.get(FABRIC_NAMES, {}).get("module")
+        module_key, _ = fabric_names(loaded)
         weights = loaded.get(module_key) if module_key else loaded.get(MODULE_KEY, loaded)
         self.load_module_state_dict(module, weights, strict=strict)
 
