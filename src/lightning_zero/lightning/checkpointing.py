@@ -8,14 +8,13 @@ shared with the Fabric strategy.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, OnExceptionCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_zero.checkpoint.atomic import recover_folder
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
@@ -27,7 +26,10 @@ except ImportError:  # Lightning before 2.6 has no weight-averaging callbacks of
 
 __all__ = [
     "RecoveringLauncher",
+    "RecoveringMultiProcessingLauncher",
+    "StartMethod",
     "StateDictType",
+    "check_start_method",
     "ZeroCheckpointing",
     "check_callbacks_can_save",
     "checkpoint_folders",
@@ -35,18 +37,35 @@ __all__ = [
 ]
 
 
-class RecoveringLauncher(_SubprocessScriptLauncher):
-    """Lightning's launcher for ranks started as scripts, which first puts back the checkpoints that a
-    save interrupted while replacing them left under a sibling name (``checkpoint/atomic.py``), in
-    the folders where ``ckpt_path="last"`` looks: Lightning resolves "last" before the strategy
-    sees a path, and would otherwise start again from step 0."""
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
-    @override
+
+def check_start_method(start_method: str) -> str:
+    if start_method not in get_args(StartMethod):
+        raise ValueError(f"start_method={start_method!r} is not one of {', '.join(map(repr, get_args(StartMethod)))}.")
+    return start_method
+
+
+class _RecoversCheckpoints:
+    """A Lightning launcher that first puts back the checkpoints that a save interrupted while
+    replacing them left under a sibling name (``checkpoint/atomic.py``), in the folders where
+    ``ckpt_path="last"`` looks: Lightning resolves "last" before the strategy sees a path, and
+    would otherwise start again from step 0."""
+
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             for folder in checkpoint_folders(trainer):
                 recover_folder(folder)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+
+
+class RecoveringLauncher(_RecoversCheckpoints, _SubprocessScriptLauncher):
+    """``start_method="popen"``: ranks started as scripts."""
+
+
+class RecoveringMultiProcessingLauncher(_RecoversCheckpoints, _MultiProcessingLauncher):
+    """``start_method="spawn"|"fork"|"forkserver"``: ranks started from the calling process, which
+    gets rank 0's results back (at stage 3 its weights are full again after teardown)."""
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:

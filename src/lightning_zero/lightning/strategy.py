@@ -36,7 +36,10 @@ from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_s
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
     RecoveringLauncher,
+    RecoveringMultiProcessingLauncher,
+    StartMethod,
     StateDictType,
+    check_start_method,
     ZeroCheckpointing,
     check_callbacks_can_save,
     unwrap_optimizer,
@@ -85,6 +88,10 @@ class ZeroStrategy(DDPStrategy):
             stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
             Lightning's usual format (full weights and DDP-format optimizer state, gathered onto
             rank 0 one unit at a time), readable by ``torch.load`` / ``load_from_checkpoint``.
+        start_method: how the Trainer starts the ranks, as for ``DDPStrategy``: "popen" (default)
+            re-runs the script once per rank; "spawn", "fork" and "forkserver" start them from the
+            calling process (``fork`` is what notebooks need), which gets back rank 0's final
+            weights (full ones, at stage 3 too), its ``callback_metrics`` and the best checkpoint's path.
         accelerator: set by the Trainer from ``Trainer(accelerator=...)``.
         parallel_devices: set by the Trainer from ``Trainer(devices=...)``.
         cluster_environment: set by the Trainer; how ranks find each other.
@@ -109,6 +116,7 @@ class ZeroStrategy(DDPStrategy):
         fused_host_step: bool = True,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
+        start_method: StartMethod = "popen",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -126,7 +134,7 @@ class ZeroStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method="popen",
+            start_method=check_start_method(start_method),
         )
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
@@ -222,10 +230,13 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        # Lightning's launcher (ours always starts ranks as scripts, `start_method="popen"`) that
-        # first puts back checkpoints a crash left mid-commit, before `ckpt_path="last"` is resolved
+        # Lightning's launchers, which first put back checkpoints a crash left mid-commit, before
+        # `ckpt_path="last"` is resolved
         assert self.cluster_environment is not None
-        self._launcher = RecoveringLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._start_method == "popen":
+            self._launcher = RecoveringLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = RecoveringMultiProcessingLauncher(self, start_method=self._start_method)
 
     @property
     @override
@@ -429,7 +440,8 @@ class ZeroStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
-        optimizers = self.optimizers if module.trainer.state.fn == TrainerFn.FITTING else []
+        trainer = module._trainer  # None in the calling process after spawned ranks finished
+        optimizers = self.optimizers if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
         checkpoint = self._checkpointing.load(
             checkpoint_path, module, self._engine, optimizers, module.strict_loading,
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
@@ -455,11 +467,14 @@ class ZeroStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: dict[str, Any]) -> None:
-        for name, init_params in STRATEGY_NAMES.items():
-            if name not in strategy_registry:  # importing twice is harmless
-                strategy_registry.register(
-                    name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params
-                )
+        for base_name, base_params in STRATEGY_NAMES.items():
+            # as "ddp" / "ddp_spawn" / "ddp_notebook": ranks started as scripts, spawned, or forked
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_notebook", "fork")):
+                name, init_params = base_name + suffix, {**base_params, "start_method": start_method}
+                if name not in strategy_registry:  # importing twice is harmless
+                    strategy_registry.register(
+                        name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params
+                    )
 
 
 def _module_tensors(module: Module) -> list[torch.Tensor]:
