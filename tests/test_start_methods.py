@@ -44,6 +44,9 @@ def test_spawned_and_forked_ranks_hand_back_what_ddp_spawn_hands_back(tmp_path):
         assert trainer.state.finished
         assert torch.equal(trainer.callback_metrics["val_loss"], ddp_trainer.callback_metrics["val_loss"])
         assert checkpoints.best_model_path.startswith(str(tmp_path / name))
+        # the calling process's module is attached to no Trainer; its strategy still reads the checkpoint
+        restored = trainer.strategy.load_checkpoint(checkpoints.best_model_path)
+        assert restored["global_step"] == 6 and "state_dict" in restored
         (result,) = trainer.validate(model, ckpt_path="best", verbose=False)  # ranks started again, the best loaded
         assert result == expected_result
 
