@@ -13,6 +13,19 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.lightning.launchers import RecoveringMultiProcessingLauncher
+
+
+class DDPSpawn(DDPStrategy):
+    """Lightning's ``DDPStrategy(start_method="spawn")`` with ranks that destroy their process group
+    before exiting: torch 2.13's gloo aborts some ranks that exit with a live one, failing the test
+    for a reason that is not under test (``lightning/launchers.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__(start_method="spawn")
+
+    def _configure_launcher(self) -> None:
+        self._launcher = RecoveringMultiProcessingLauncher(self, start_method="spawn")
 
 
 class LoggingModel(BoringModel):
@@ -35,7 +48,7 @@ def _fit_in_spawned_ranks(strategy, folder) -> tuple[torch.Tensor, Trainer, Mode
 
 
 def test_spawned_and_forked_ranks_hand_back_what_ddp_spawn_hands_back(tmp_path):
-    expected, ddp_trainer, _, ddp_model = _fit_in_spawned_ranks(DDPStrategy(start_method="spawn"), tmp_path / "ddp")
+    expected, ddp_trainer, _, ddp_model = _fit_in_spawned_ranks(DDPSpawn(), tmp_path / "ddp")
     (expected_result,) = ddp_trainer.validate(ddp_model, ckpt_path="best", verbose=False)
     # spawned at stage 3 (parameters sharded in the ranks), forked at stage 1 (what notebooks use)
     for strategy, name in ((ZeroStrategy(stage=3, start_method="spawn"), "zero3"), ("zero1_notebook", "zero1")):

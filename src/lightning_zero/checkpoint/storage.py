@@ -16,6 +16,7 @@ import io
 import os
 import pickle
 import re
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional, TypeVar
@@ -38,7 +39,8 @@ T = TypeVar("T")
 class CheckpointGroup:
     """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
     chunks are staged on the CPU, whatever backend training uses. Created on first use (a
-    collective call, made by every rank at the same save or load)."""
+    collective call, made by every rank at the same save or load). In a process with no process
+    group (the calling process after spawned ranks finished) it is this process ``alone``."""
 
     def __init__(self) -> None:
         self._group: Optional[dist.ProcessGroup] = None
@@ -86,16 +88,21 @@ class CheckpointGroup:
         # a process group belongs to its process: made anew on use
         return {"_group": None, "_mesh": None, "_hybrid_meshes": {}}
 
+    @property
+    def alone(self) -> bool:
+        return not dist.is_initialized()
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group)
+        return 0 if self.alone else dist.get_rank(self.group)
 
     @property
     def size(self) -> int:
-        return dist.get_world_size(self.group)
+        return 1 if self.alone else dist.get_world_size(self.group)
 
     def all_gather(self, obj: Any) -> list[Any]:
+        if self.alone:
+            return [obj]
         gathered: list[Any] = [None] * self.size
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
@@ -271,13 +278,15 @@ def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optiona
     """Fill ``targets`` (plain tensors or DTensor shards, by key) from ``directory``; ``group=None``
     reads in this process alone (the converter), else collectively over ``group``."""
     try:
-        if group is None:
-            dcp.load(targets, storage_reader=_reader(directory), no_dist=True)
+        if group is None or group.alone:
+            with warnings.catch_warnings():  # DCP warns that it assumes a single process: we asked for one
+                warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+                dcp.load(targets, storage_reader=_reader(directory), no_dist=True)
         else:
             dcp.load(targets, storage_reader=_reader(directory), process_group=group.group)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank
         name, cause, who = _dcp_failure(err)
-        who = "" if group is None else f"; {who}"
+        who = "" if group is None or group.alone else f"; {who}"
         if name is None:
             raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} could not be read: {cause}{who}.") from err
         raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {name} cannot be read ({cause}{who}).") from err

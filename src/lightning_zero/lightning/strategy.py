@@ -34,17 +34,9 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
-from lightning_zero.lightning.checkpointing import (
-    RecoveringLauncher,
-    RecoveringMultiProcessingLauncher,
-    StartMethod,
-    StateDictType,
-    check_start_method,
-    ZeroCheckpointing,
-    check_callbacks_can_save,
-    unwrap_optimizer,
-)
+from lightning_zero.lightning.checkpointing import StateDictType, ZeroCheckpointing, check_callbacks_can_save, unwrap_optimizer
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
+from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
