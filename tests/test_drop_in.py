@@ -230,7 +230,8 @@ def pickled_after_fit(ctx: RankContext) -> dict:
 @GROUP.case
 def checkpoint_flows(ctx: RankContext) -> dict:
     """ModelCheckpoint keeps the best step; `validate(ckpt_path="best")` and
-    `load_from_checkpoint(checkpoint_file(best))`, DDP and zero3 alike."""
+    `load_from_checkpoint(best_model_path)` (a directory under zero3), DDP and zero3 alike; and
+    `torch.load(checkpoint_file(best_model_path))`, what code that opens one file itself is given."""
     import os
 
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -243,8 +244,15 @@ def checkpoint_flows(ctx: RankContext) -> dict:
         best = ModelCheckpoint(dirpath=os.path.join(ctx.tmpdir, f"flows_{name}"), monitor="val_loss", save_top_k=1)
         _, _, trainer = fit_gpt(_strategy(name), 4, callbacks=[best], enable_checkpointing=True, val_check_interval=2)
         validated = trainer.validate(ckpt_path="best", dataloaders=token_data(8), verbose=False)[0]["val_loss"]
-        loaded = GPTModule.load_from_checkpoint(checkpoint_file(best.best_model_path))
-        out[name] = {"best": os.path.basename(best.best_model_path), "validated": validated, "loaded": loaded.state_dict()}
+        loaded = GPTModule.load_from_checkpoint(best.best_model_path, map_location="cpu")
+        opened = torch.load(checkpoint_file(best.best_model_path), weights_only=False)
+        out[name] = {
+            "best": os.path.basename(best.best_model_path),
+            "validated": validated,
+            "loaded": loaded.state_dict(),
+            "opened": opened["state_dict"],
+            "is_directory": os.path.isdir(best.best_model_path),
+        }
     return out
 
 
@@ -268,39 +276,59 @@ for _callback in ("ema", "swa"):
 
 
 # ---- weight averaging and checkpoints ----------------------------------------------------------------
-@GROUP.case
-def averaging_checkpoints(ctx: RankContext) -> dict:
-    """EMAWeightAveraging puts the averaged full weights into every checkpoint's `state_dict`: with a
-    ModelCheckpoint and sharded directories the strategy refuses at setup, a manual sharded save
-    refuses without writing, and one file (`state_dict_type="full"`) holds and reloads them."""
+def averaging_resumed(ctx: RankContext, strategy: str) -> dict:
+    """Lightning's EMA flow with its checkpoints (sharded directories under zeroN, by default): 2
+    epochs with EMAWeightAveraging and a ModelCheckpoint keeping `last`, then a new Trainer resumes
+    from it for a third. The weights after each resumed step and after fit (the average); what
+    `validate(ckpt_path=last)` without the callback evaluates and `load_from_checkpoint(last)` reads
+    (the average, which EMA puts in the checkpoint's `state_dict`), and the training weights its
+    single-file form holds."""
     import os
 
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+    from lightning_helpers import GPTModule, fit_gpt, make_trainer, token_data
+
+    from lightning_zero import checkpoint_file
+
+    folder = os.path.join(ctx.tmpdir, f"ema_resume_{strategy}")
+    epochs = dict(limit_train_batches=3, limit_val_batches=2)
+    saving = ModelCheckpoint(dirpath=folder, save_last=True)
+    fit_gpt(_strategy(strategy), -1, callbacks=[EMAWeightAveraging(), saving], enable_checkpointing=True, max_epochs=2, **epochs)
+    last = os.path.join(folder, "last.ckpt")
+    module, history, _ = fit_gpt(_strategy(strategy), -1, callbacks=[EMAWeightAveraging()], ckpt_path=last, max_epochs=3, **epochs)
+    validated = make_trainer(_strategy(strategy), -1).validate(GPTModule(), token_data(8), ckpt_path=last, verbose=False)
+    return {
+        "history": history,
+        "final": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "validated": validated[0]["val_loss"],
+        "loaded": GPTModule.load_from_checkpoint(last).state_dict(),
+        "training_weights": torch.load(checkpoint_file(last), weights_only=False)["current_model_state"],
+        "is_directory": os.path.isdir(last),
+    }
+
+
+for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(averaging_resumed, name=f"ema_resumed_{_name}", strategy=_name)
+
+
+@GROUP.case
+def averaging_checkpoints(ctx: RankContext) -> dict:
+    """ModelPruning that makes pruning permanent in checkpoints puts plain pruned weights into every
+    checkpoint's `state_dict`: with a ModelCheckpoint and sharded directories the strategy refuses
+    at setup. EMAWeightAveraging's checkpoint as one file (`state_dict_type="full"`) reloads the average."""
+    import os
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
     from lightning_helpers import GPTModule, fit_gpt, make_trainer, token_data
 
     from lightning_zero import ZeroStrategy
 
     out = {}
     try:
-        fit_gpt(ZeroStrategy(stage=2), 2, callbacks=[EMAWeightAveraging()], enable_checkpointing=True)
-        out["setup"] = "no error"
-    except ValueError as err:
-        out["setup"] = str(err)
-    from lightning.pytorch.callbacks import ModelPruning
-
-    try:
         fit_gpt(ZeroStrategy(stage=3), 2, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], enable_checkpointing=True)
         out["pruning_setup"] = "no error"
     except ValueError as err:
         out["pruning_setup"] = str(err)
-    module, _, trainer = fit_gpt(ZeroStrategy(stage=2), 2, callbacks=[EMAWeightAveraging()])
-    path = os.path.join(ctx.tmpdir, "ema_sharded")
-    try:
-        trainer.save_checkpoint(path)
-        out["save"] = "no error"
-    except ValueError as err:
-        out["save"] = str(err)
-    out["nothing_written"] = not os.path.exists(path)
     module, _, trainer = fit_gpt(ZeroStrategy(stage=2, state_dict_type="full"), 2, callbacks=[EMAWeightAveraging()])
     path = os.path.join(ctx.tmpdir, "ema_full.ckpt")
     trainer.save_checkpoint(path)
@@ -362,6 +390,8 @@ def test_lightning_checkpoint_flows_work_with_sharded_directories(results):
         assert r["zero3"]["best"] == r["ddp"]["best"]
         assert r["zero3"]["validated"] == r["ddp"]["validated"]
         assert max_abs_diff(r["ddp"]["loaded"], r["zero3"]["loaded"]) == 0.0
+        assert max_abs_diff(r["ddp"]["opened"], r["zero3"]["opened"]) == 0.0
+        assert r["zero3"]["is_directory"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -386,13 +416,25 @@ def test_model_pruning_prunes_as_under_ddp(results, stage):
         assert (zero["model.blocks.0.mlp.fc.weight"] == 0).float().mean() >= 0.3  # pruned
 
 
-def test_weight_averaging_with_sharded_checkpoints_is_refused_before_anything_is_lost(results):
+def test_permanent_pruning_with_sharded_checkpoints_is_refused_and_a_full_file_keeps_the_average(results):
     for rank in results["averaging_checkpoints"]:
-        assert "EMAWeightAveraging puts the averaged model's full weights" in rank["setup"]
-        assert 'state_dict_type="full"' in rank["setup"]
-        assert "A callback replaced the checkpoint's `state_dict`" in rank["save"] and rank["nothing_written"]
-        assert rank["full_reloads_the_average"]
         assert "ModelPruning puts the pruned model's full weights" in rank["pruning_setup"]
+        assert 'state_dict_type="full"' in rank["pruning_setup"]
+        assert rank["full_reloads_the_average"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_ema_resumes_from_a_sharded_checkpoint_as_under_ddp(results, stage):
+    for ddp, zero in zip(results["ema_resumed_ddp"], results[f"ema_resumed_zero{stage}"]):
+        assert zero["is_directory"] and not ddp["is_directory"]
+        assert len(zero["history"]) == len(ddp["history"]) == 3  # the resumed epoch
+        for a, b in zip(ddp["history"], zero["history"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        assert all(torch.equal(ddp["final"][k], zero["final"][k]) for k in ddp["final"])
+        assert zero["validated"] == ddp["validated"]  # the checkpoint's averaged weights
+        assert all(torch.equal(ddp["loaded"][k], zero["loaded"][k]) for k in ddp["loaded"])
+        # its single-file form holds the training weights where DDP's file does
+        assert all(torch.equal(ddp["training_weights"][k], zero["training_weights"][k]) for k in ddp["training_weights"])
 
 
 @pytest.mark.parametrize("stage", STAGES)

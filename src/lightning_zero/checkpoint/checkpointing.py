@@ -103,17 +103,18 @@ class ZeroCheckpointing:
         optimizers: Sequence[Optimizer],
         strict: bool,
         read_file: Callable[[Path], dict[str, Any]],
+        averaging_states: bool = False,
     ) -> dict[str, Any]:
         """A sharded directory is read straight into the shards (any world size, any stage) and what
         Lightning restores itself (loops, schedulers, callbacks, ...) is returned; a file (ours with
         ``state_dict_type="full"``, or one written by DDP) is read with ``read_file``. Both are checked
         against their checksums first; a checkpoint that a crash left under a sibling name while it
-        was being replaced is moved back first."""
+        was being replaced is moved back first. ``averaging_states``: see ``load_directory``."""
         path = Path(checkpoint_path)
         recover(path)  # every rank: they agree on which sibling, whoever moves it
         self.restored_from_directory = path.is_dir()
         if path.is_dir():
-            return load_directory(path, module, engine, optimizers, strict, self.group)
+            return load_directory(path, module, engine, optimizers, strict, self.group, averaging_states)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
         check_zip(path)  # the same bytes on every rank, so the same verdict

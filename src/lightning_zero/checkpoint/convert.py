@@ -1,7 +1,8 @@
 """Sharded checkpoint directory → one plain Lightning checkpoint file, in one CPU process.
 
-The output has the full fp32 weights under ``state_dict`` (tied weights under each of their keys)
-and the rest of the Lightning checkpoint (hyperparameters, loops, callbacks, ...), so
+The output has the full fp32 weights under ``state_dict`` (tied weights under each of their keys;
+with a weight-averaging callback the average there and the training weights under
+``current_model_state``, as in DDP's file) and the rest of the Lightning checkpoint (hyperparameters, loops, callbacks, ...), so
 ``torch.load`` and ``LightningModule.load_from_checkpoint`` read it with no process group. With
 ``include_optimizer=True`` it also holds the optimizer state in the unsharded format DDP writes, so
 training can resume from it under any strategy.
@@ -21,11 +22,11 @@ from typing import Any, Union
 import torch
 
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
-from lightning_zero.checkpoint.directory import OPTIMIZERS_KEY
+from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
 from lightning_zero.checkpoint.integrity import check_directory
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
-from lightning_zero.checkpoint.sharded import SHARDED, TENSOR
+from lightning_zero.checkpoint.sharded import CURRENT_PREFIX, SHARDED, TENSOR, read_full_state
 from lightning_zero.checkpoint.storage import read_meta, read_tensors, tensor_metadata
 
 
@@ -76,26 +77,12 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False) -> dict[str,
     src = Path(src)
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src)
-    metadata = tensor_metadata(src)
-
-    model: dict[str, torch.Tensor] = {}
-    for name, shape in manifest.params.items():
-        key = f"model/{name}"
-        model[key] = torch.empty(shape, dtype=metadata[key].properties.dtype).reshape(-1)
-    for key in manifest.buffers:
-        entry = f"buffer/{key}"
-        model[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    read_tensors(model, src, None)
-
-    state_dict: dict[str, torch.Tensor] = {name: model[f"model/{name}"].view(shape) for name, shape in manifest.params.items()}
-    for alias, name in manifest.aliases.items():
-        state_dict[alias] = state_dict[name]
-    for key in manifest.buffers:
-        state_dict[key] = model[f"buffer/{key}"]
-
-    checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k != OPTIMIZERS_KEY}
-    checkpoint["state_dict"] = state_dict
+    checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}
+    checkpoint["state_dict"] = read_full_state(src, manifest)
+    if meta.get(AVERAGED_KEY):  # a weight-averaging callback's average above; the training weights here
+        checkpoint[CURRENT_MODEL_STATE] = read_full_state(src, manifest, CURRENT_PREFIX)
     if include_optimizer:
+        metadata = tensor_metadata(src)
         checkpoint["optimizer_states"] = [
             _full_optimizer_state(src, manifest, meta, metadata, i) for i in range(len(manifest.optimizers))
         ]

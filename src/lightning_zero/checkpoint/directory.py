@@ -4,6 +4,12 @@ Lightning builds a checkpoint as one dict; under ZeRO its ``state_dict`` and ``o
 entries are this rank's chunks (``model_tensors`` / ``optimizer_shards``). Here they go to DCP,
 written by every rank, and the rest — loops, callbacks, LR schedulers, precision state,
 hyperparameters — to ``meta.pt``, written by rank 0.
+
+A weight-averaging callback (Lightning's ``WeightAveraging``: ``EMAWeightAveraging``) replaces
+``state_dict`` with its averaged copy's full weights and moves the chunks to ``current_model_state``
+in its ``on_save_checkpoint``. Both are kept, as in DDP's file: the average as the weights (each rank
+writing its chunk of it), the chunks under ``current/``. A load puts the average into the module, as
+DDP's does; resuming a fit with the callback also hands it both in full, which it needs.
 """
 
 from __future__ import annotations
@@ -14,42 +20,74 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.sharded import SHARD_KEY_PREFIXES, build_manifest, load_model, load_optimizer
+from lightning_zero.checkpoint.sharded import (
+    CURRENT_PREFIX,
+    SHARD_KEY_PREFIXES,
+    averaged_tensors,
+    build_manifest,
+    load_model,
+    load_optimizer,
+    mesh_of,
+    read_full_state,
+)
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
 from lightning_zero.engine import ZeroEngine
 
 OPTIMIZERS_KEY = "lightning_zero_optimizers"
 """Where meta.pt keeps what of each optimizer's state is not a tensor: its param groups (with
 parameter names) and non-tensor values."""
+AVERAGED_KEY = "lightning_zero_averaged"
+"""True in meta.pt when the weights are a weight-averaging callback's average (see above)."""
+CURRENT_MODEL_STATE = "current_model_state"
+"""Where Lightning's ``WeightAveraging`` moves the weights it replaces with the average."""
 
 
 def save_directory(
     directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
 ) -> None:
     """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it)."""
-    check_holds_shards(checkpoint)
+    tensors, averaged = weight_entries(checkpoint, module, engine, group)
     optimizers = checkpoint.get("optimizer_states", [])  # absent for weights-only checkpoints
-    tensors = dict(checkpoint["state_dict"])
     for shards in optimizers:
         tensors.update(shards.tensors)
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", CURRENT_MODEL_STATE)}
     meta[OPTIMIZERS_KEY] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
+    meta[AVERAGED_KEY] = averaged
     manifest = build_manifest(module, engine, stage, world_size, optimizers)
     write_directory(directory, tensors, meta, manifest, group)
 
 
-def check_holds_shards(checkpoint: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose ``state_dict`` is no longer the shards the strategy put there: a
-    callback's ``on_save_checkpoint`` replaced it (Lightning's ``WeightAveraging``/EMA callbacks put
-    the averaged model's full weights there), and writing it would lose the weights silently."""
-    foreign = [key for key in checkpoint.get("state_dict", {}) if not key.startswith(SHARD_KEY_PREFIXES)]
-    if foreign:
-        replaced_by = " (moved to 'current_model_state' by a WeightAveraging callback)" if "current_model_state" in checkpoint else ""
-        raise ValueError(
-            "A callback replaced the checkpoint's `state_dict`" + replaced_by + f" with plain weights (e.g. {foreign[0]!r}),"
-            " which a sharded checkpoint directory cannot hold. HINT: save one file instead:"
-            " `ZeroStrategy(..., state_dict_type=\"full\")`."
-        )
+def _holds_shards(state: dict[str, Any]) -> bool:
+    return all(key.startswith(SHARD_KEY_PREFIXES) for key in state)
+
+
+def weight_entries(
+    checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, group: CheckpointGroup
+) -> tuple[dict[str, Any], bool]:
+    """The DCP entries of the checkpoint's weights, and whether they are a weight-averaging
+    callback's average (the training weights then beside them, under ``current/``). Refuses a
+    ``state_dict`` that a callback replaced with plain weights otherwise: writing it would lose the
+    weights silently."""
+    state = checkpoint.get("state_dict", {})
+    if _holds_shards(state):
+        return dict(state), False
+    current = checkpoint.get(CURRENT_MODEL_STATE)
+    if current is not None and _holds_shards(current):
+        missing = [name for name, _ in module.named_parameters() if name not in state]
+        if missing:
+            raise ValueError(
+                f"A weight-averaging callback put weights into the checkpoint's `state_dict` that lack {missing[:5]}"
+                " of the module's parameters. HINT: save one file instead: `ZeroStrategy(..., state_dict_type=\"full\")`."
+            )
+        entries = averaged_tensors(state, module, engine, mesh_of(group, engine))
+        entries.update({CURRENT_PREFIX + key: value for key, value in current.items()})
+        return entries, True
+    foreign = next(key for key in state if not key.startswith(SHARD_KEY_PREFIXES))
+    raise ValueError(
+        f"A callback replaced the checkpoint's `state_dict` with plain weights (e.g. {foreign!r}),"
+        " which a sharded checkpoint directory cannot hold. HINT: save one file instead:"
+        " `ZeroStrategy(..., state_dict_type=\"full\")`."
+    )
 
 
 def load_directory(
@@ -59,15 +97,26 @@ def load_directory(
     optimizers: Sequence[Optimizer],
     strict: bool,
     group: CheckpointGroup,
+    averaging_states: bool = False,
 ) -> dict[str, Any]:
     """Load the weights (and the ``optimizers``' state, when given) straight into this rank's
     chunks, at any world size and stage; returns the rest of the checkpoint for Lightning, with
     empty ``state_dict`` / ``optimizer_states`` entries (already restored). Every file is checked
-    against its checksum first, each rank checking a share."""
+    against its checksum first, each rank checking a share.
+
+    ``averaging_states``: for a fit resumed with a weight-averaging callback, the checkpoint's
+    average and training weights are also returned in full under ``state_dict`` and
+    ``current_model_state``, as in DDP's file, for the callback to restore (each rank reads all of
+    both: two full copies of the weights in host memory while the callback loads them)."""
     manifest = verify_on_ranks(directory, group)
     meta = read_meta(directory)
+    averaged = meta.pop(AVERAGED_KEY, False)
     load_model(directory, manifest, module, engine, group, strict=strict)
     if engine is not None:
         for index, optimizer in enumerate(optimizers):
             load_optimizer(directory, manifest, meta[OPTIMIZERS_KEY], engine, optimizer, index, group)
-    return {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
+    checkpoint = {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
+    if averaged and averaging_states:
+        checkpoint["state_dict"] = read_full_state(directory, manifest)
+        checkpoint[CURRENT_MODEL_STATE] = read_full_state(directory, manifest, CURRENT_PREFIX)
+    return checkpoint

@@ -16,6 +16,10 @@ DCP keys (flat, "/"-separated so that parameter names keep their dots)::
     buffer/<state_dict key>        plain tensor
     optim/<i>/<param>/<state key>  1-D DTensor for per-element state (Adam's moments), plain
                                    tensor for the rest (a step count)
+    current/model/<param>,         only when a weight-averaging callback saved (Lightning's
+    current/buffer/<key>           ``WeightAveraging``, e.g. EMA): the training weights, which the
+                                   callback moves to ``current_model_state``; ``model/`` and
+                                   ``buffer/`` then hold the average, as DDP's ``state_dict`` does
 
 Why DTensor: plain tensors saved under one key by every rank are deduplicated by DCP as if
 replicated, silently keeping rank 0's chunk only. A DTensor tells DCP which slice each rank
@@ -46,6 +50,8 @@ from lightning_zero.engine.sharded_param import ShardedParam
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
 SHARD_KEY_PREFIXES = ("model/", "buffer/")
 """Every key of the weights' part of a sharded checkpoint starts with one of these (see above)."""
+CURRENT_PREFIX = "current/"
+"""Before ``SHARD_KEY_PREFIXES``: the training weights when the saved ``state_dict`` is an average."""
 
 
 def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -89,6 +95,26 @@ def model_tensors(module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceM
     state = module.state_dict(keep_vars=True)
     for key in buffers:
         tensors[f"buffer/{key}"] = state[key].detach().to("cpu")
+    return tensors
+
+
+def averaged_tensors(average: dict[str, Tensor], module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh) -> dict[str, Tensor]:
+    """An averaged copy's full weights (``module``'s state_dict keys; identical on every rank, as a
+    weight-averaging callback keeps them) as the same DCP entries as ``model_tensors``: each rank
+    writes its own chunk of each sharded parameter, so no rank stages more than 1/N of them."""
+    sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
+    _, _, buffers = _param_names(module)
+    tensors: dict[str, Tensor] = {}
+    for name, p in module.named_parameters():
+        flat = average[name].detach().reshape(-1)
+        sp = sharded.get(id(p))
+        if sp is not None:
+            start, end = sp.layout.owned_range(sp.rank)
+            tensors[f"model/{name}"] = _flat_dtensor(flat[start:end], sp.layout.numel, mesh)
+        else:
+            tensors[f"model/{name}"] = flat.to("cpu")
+    for key in buffers:
+        tensors[f"buffer/{key}"] = average[key].detach().to("cpu")
     return tensors
 
 
@@ -156,6 +182,26 @@ def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, li
 
 
 # ---- what is loaded -----------------------------------------------------------------------------
+def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "") -> dict[str, Tensor]:
+    """The module's full ``state_dict`` (tied weights under each of their keys), read from the
+    entries under ``prefix`` in this process alone: every rank that calls it reads all of it."""
+    metadata = tensor_metadata(directory)
+    flat: dict[str, Tensor] = {}
+    for name, shape in manifest.params.items():
+        key = f"{prefix}model/{name}"
+        flat[key] = torch.empty(shape, dtype=metadata[key].properties.dtype).reshape(-1)
+    for buffer in manifest.buffers:
+        key = f"{prefix}buffer/{buffer}"
+        flat[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
+    read_tensors(flat, directory, None)
+    state = {name: flat[f"{prefix}model/{name}"].view(shape) for name, shape in manifest.params.items()}
+    for alias, name in manifest.aliases.items():
+        state[alias] = state[name]
+    for buffer in manifest.buffers:
+        state[buffer] = flat[f"{prefix}buffer/{buffer}"]
+    return state
+
+
 def check_model_matches(manifest: Manifest, expected: dict[str, list[int]], directory: PathLike, strict: bool) -> None:
     """Names and shapes of the checkpoint against the model's, with every difference named."""
     missing = sorted(set(expected) - set(manifest.params))

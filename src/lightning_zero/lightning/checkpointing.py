@@ -22,6 +22,7 @@ __all__ = [
     "StateDictType",
     "ZeroCheckpointing",
     "check_callbacks_can_save",
+    "has_weight_averaging",
     "unwrap_optimizer",
 ]
 
@@ -31,22 +32,24 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def has_weight_averaging(trainer: "pl.Trainer") -> bool:
+    """A Lightning ``WeightAveraging`` callback (EMA) is among the Trainer's: a fit resumed from a
+    sharded directory then hands it the checkpoint's full average and training weights."""
+    return WeightAveraging is not None and any(isinstance(callback, WeightAveraging) for callback in trainer.callbacks)
+
+
 def check_callbacks_can_save(trainer: "pl.Trainer", state_dict_type: StateDictType) -> None:
-    """At setup: refuse what would fail at the first save, before training time is spent. Lightning's
-    weight-averaging callbacks, and ModelPruning when it makes pruning permanent in checkpoints,
-    replace a checkpoint's ``state_dict`` with full weights, which a sharded directory cannot hold
-    (``checkpoint/directory.py``)."""
+    """At setup: refuse what would fail at the first save, before training time is spent.
+    ModelPruning, when it makes pruning permanent in checkpoints, replaces a checkpoint's
+    ``state_dict`` with the pruned model's full weights, which a sharded directory cannot hold
+    (``checkpoint/directory.py``; a weight-averaging callback's average it does hold)."""
     if state_dict_type != "sharded" or not trainer.checkpoint_callbacks:
         return
     for callback in trainer.callbacks:
-        if WeightAveraging is not None and isinstance(callback, WeightAveraging):
-            what = "the averaged model's full weights"
-        elif isinstance(callback, ModelPruning) and callback._make_pruning_permanent:
-            what = "the pruned model's full weights (masks applied)"
-        else:
-            continue
-        raise ValueError(
-            f"{type(callback).__name__} puts {what} into every checkpoint's `state_dict`, which"
-            " lightning-zero's sharded checkpoint directories cannot hold, and a ModelCheckpoint would"
-            ' save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves one file instead.'
-        )
+        if isinstance(callback, ModelPruning) and callback._make_pruning_permanent:
+            raise ValueError(
+                f"{type(callback).__name__} puts the pruned model's full weights (masks applied) into every"
+                " checkpoint's `state_dict`, which lightning-zero's sharded checkpoint directories cannot hold,"
+                ' and a ModelCheckpoint would save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves'
+                " one file instead, or `ModelPruning(..., make_pruning_permanent=False)` keeps the masks apart."
+            )

@@ -34,7 +34,13 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
-from lightning_zero.lightning.checkpointing import StateDictType, ZeroCheckpointing, check_callbacks_can_save, unwrap_optimizer
+from lightning_zero.lightning.checkpointing import (
+    StateDictType,
+    ZeroCheckpointing,
+    check_callbacks_can_save,
+    has_weight_averaging,
+    unwrap_optimizer,
+)
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
@@ -433,10 +439,11 @@ class ZeroStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         trainer = module._trainer  # None in the calling process after spawned ranks finished
-        optimizers = self.optimizers if trainer is not None and trainer.state.fn == TrainerFn.FITTING else []
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         checkpoint = self._checkpointing.load(
-            checkpoint_path, module, self._engine, optimizers, module.strict_loading,
+            checkpoint_path, module, self._engine, self.optimizers if fitting else [], module.strict_loading,
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
+            averaging_states=fitting and has_weight_averaging(trainer),
         )  # fmt: skip
         return as_trainer_checkpoint(checkpoint, has_schedulers=bool(self.lr_scheduler_configs))  # one saved by Fabric
 
