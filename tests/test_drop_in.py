@@ -307,8 +307,40 @@ def averaging_resumed(ctx: RankContext, strategy: str) -> dict:
     }
 
 
+def averaging_added_on_resume(ctx: RankContext, strategy: str) -> dict:
+    """EMAWeightAveraging added when resuming from a checkpoint saved without it (fine-tuning): the
+    callback starts its average from the checkpoint's weights, under DDP and here alike."""
+    import os
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+    from lightning_helpers import fit_gpt
+
+    from lightning.pytorch import Callback
+
+    class AverageAtStart(Callback):
+        """The callback's average once the checkpoint is restored (what a validation before the
+        first update would evaluate)."""
+
+        def on_train_start(self, trainer, pl_module):
+            self.weights = {k: v.detach().clone() for k, v in ema._average_model.module.state_dict().items()}
+
+    folder = os.path.join(ctx.tmpdir, f"ema_added_{strategy}")
+    epochs = dict(limit_train_batches=3, limit_val_batches=2)
+    fit_gpt(_strategy(strategy), -1, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)], enable_checkpointing=True, max_epochs=1, **epochs)
+    ema, at_start = EMAWeightAveraging(), AverageAtStart()
+    module, history, _ = fit_gpt(
+        _strategy(strategy), -1, callbacks=[ema, at_start], ckpt_path=os.path.join(folder, "last.ckpt"), max_epochs=2, **epochs
+    )
+    return {
+        "average_at_start": at_start.weights,
+        "history": history,
+        "final": {k: v.detach().clone() for k, v in module.state_dict().items()},
+    }
+
+
 for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
     GROUP.case(averaging_resumed, name=f"ema_resumed_{_name}", strategy=_name)
+    GROUP.case(averaging_added_on_resume, name=f"ema_added_{_name}", strategy=_name)
 
 
 @GROUP.case
@@ -421,6 +453,16 @@ def test_permanent_pruning_with_sharded_checkpoints_is_refused_and_a_full_file_k
         assert "ModelPruning puts the pruned model's full weights" in rank["pruning_setup"]
         assert 'state_dict_type="full"' in rank["pruning_setup"]
         assert rank["full_reloads_the_average"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_ema_added_when_resuming_starts_from_the_checkpoint_as_under_ddp(results, stage):
+    for ddp, zero in zip(results["ema_added_ddp"], results[f"ema_added_zero{stage}"]):
+        assert all(torch.equal(ddp["average_at_start"][k], zero["average_at_start"][k]) for k in ddp["average_at_start"])
+        assert len(zero["history"]) == len(ddp["history"]) == 3
+        for a, b in zip(ddp["history"], zero["history"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        assert all(torch.equal(ddp["final"][k], zero["final"][k]) for k in ddp["final"])
 
 
 @pytest.mark.parametrize("stage", STAGES)

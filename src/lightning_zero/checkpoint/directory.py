@@ -105,9 +105,10 @@ def load_directory(
     against its checksum first, each rank checking a share.
 
     ``averaging_states``: for a fit resumed with a weight-averaging callback, the checkpoint's
-    average and training weights are also returned in full under ``state_dict`` and
-    ``current_model_state``, as in DDP's file, for the callback to restore (each rank reads all of
-    both: two full copies of the weights in host memory while the callback loads them)."""
+    weights (its average, if saved with one) are also returned in full under ``state_dict``, and
+    its training weights under ``current_model_state``, as in DDP's file, for the callback to
+    restore (each rank reads them all: up to two full copies of the weights in host memory while
+    the callback loads them)."""
     manifest = verify_on_ranks(directory, group)
     meta = read_meta(directory)
     averaged = meta.pop(AVERAGED_KEY, False)
@@ -116,7 +117,8 @@ def load_directory(
         for index, optimizer in enumerate(optimizers):
             load_optimizer(directory, manifest, meta[OPTIMIZERS_KEY], engine, optimizer, index, group)
     checkpoint = {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
-    if averaged and averaging_states:
+    if averaging_states:  # the callback starts its average from `state_dict`, saved with one or not
         checkpoint["state_dict"] = read_full_state(directory, manifest)
-        checkpoint[CURRENT_MODEL_STATE] = read_full_state(directory, manifest, CURRENT_PREFIX)
+        if averaged:
+            checkpoint[CURRENT_MODEL_STATE] = read_full_state(directory, manifest, CURRENT_PREFIX)
     return checkpoint
