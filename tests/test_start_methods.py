@@ -13,19 +13,20 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.lightning.launchers import RecoveringMultiProcessingLauncher
+from lightning_zero.engine import collectives
 
 
 class DDPSpawn(DDPStrategy):
-    """Lightning's ``DDPStrategy(start_method="spawn")`` with ranks that destroy their process group
-    before exiting: torch 2.13's gloo aborts some ranks that exit with a live one, failing the test
-    for a reason that is not under test (``lightning/launchers.py``)."""
+    """Lightning's ``DDPStrategy(start_method="spawn")`` with the grace at exit that lightning-zero's
+    strategies register (``collectives.let_workers_finish_at_exit``): without it torch 2.13 aborts
+    some ranks as they exit, failing the test for a reason that is not under test."""
 
     def __init__(self) -> None:
         super().__init__(start_method="spawn")
 
-    def _configure_launcher(self) -> None:
-        self._launcher = RecoveringMultiProcessingLauncher(self, start_method="spawn")
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        collectives.let_workers_finish_at_exit()
 
 
 class LoggingModel(BoringModel):

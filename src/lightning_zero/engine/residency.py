@@ -204,9 +204,11 @@ class ShardedParameters(ParameterResidency):
         self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if offload else 1) + 1 + config.prefetch_units)
         self.copies = CopyStream(device) if offload else None
         self._verdicts = verdicts
+        gather_group = collectives.new_group_like(group, timeout)  # see GatherSchedule's docstring
+        self._own_group = gather_group if gather_group is not group else None  # destroyed at close
         comm = UnitCommunication(
             reduce_group=group,
-            gather_group=collectives.new_group_like(group, timeout),  # see GatherSchedule's docstring
+            gather_group=gather_group,
             pool=self.pool,
             verdicts=verdicts,
             # reading tags in host memory waits for nothing (see ZeroConfig.check_units_every_gather)
@@ -314,6 +316,9 @@ class ShardedParameters(ParameterResidency):
         for p in self.params:  # plain parameters again (with their placeholders, unless released)
             wake(p.param)
             ParameterAtRest.names.pop(id(p.param), None)
+        if self._own_group is not None:  # every gather on it has finished: the schedule is closed
+            collectives.destroy_group(self._own_group)
+            self._own_group = None
 
 
 def _device_of_params(module: nn.Module) -> torch.device:

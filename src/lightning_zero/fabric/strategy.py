@@ -161,6 +161,11 @@ class ZeroFabricStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        collectives.let_workers_finish_at_exit()
+
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         self._set_up(module, [])
         return module

@@ -1,23 +1,14 @@
 """How the Trainer's ranks are started (``ZeroStrategy(start_method=...)``): Lightning's two
-launchers, each with two additions.
+launchers, each with one addition.
 
-- Before a run, checkpoints that a save interrupted while replacing them left under a sibling name
-  are put back (``checkpoint/atomic.py``) in the folders where ``ckpt_path="last"`` looks: Lightning
-  resolves "last" before the strategy sees a path, and would otherwise start again from step 0.
-- A spawned rank that finished its work leaves the way a forked one does (multiprocessing ends a
-  forked child with ``os._exit`` after the exit handlers; a spawned one with ``sys.exit``, which
-  tears down the interpreter). That teardown, with torch's process groups and device meshes still
-  referenced, aborts now and then ("terminate called without an active exception": 3 of 20 bare
-  two-rank gloo launches on torch 2.13, 4 of 6 zero3 validate runs), and the calling process then
-  raises ``ProcessExitedException`` for a run that finished. Lightning's ``ddp_spawn`` has the same
-  flaw. A rank that raised still exits as before, so its traceback reaches the calling process.
+Before a run, checkpoints that a save interrupted while replacing them left under a sibling name
+are put back (``checkpoint/atomic.py``) in the folders where ``ckpt_path="last"`` looks: Lightning
+resolves "last" before the strategy sees a path, and would otherwise start again from step 0.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 from typing import Any, Callable, Literal, Optional, get_args
 
 import lightning.pytorch as pl
@@ -38,6 +29,8 @@ def check_start_method(start_method: str) -> str:
 
 
 class _RecoversCheckpoints:
+    """A Lightning launcher that first puts back interrupted checkpoints (see the module docstring)."""
+
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         if trainer is not None:
             for folder in checkpoint_folders(trainer):
@@ -52,18 +45,6 @@ class RecoveringLauncher(_RecoversCheckpoints, _SubprocessScriptLauncher):
 class RecoveringMultiProcessingLauncher(_RecoversCheckpoints, _MultiProcessingLauncher):
     """``start_method="spawn"|"fork"|"forkserver"``: ranks started from the calling process, which
     gets rank 0's results back (at stage 3 its weights are full again after teardown)."""
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)  # rank 0's results are in the (unbuffered) queue
-        if self._start_method == "spawn":
-            _exit_as_forked_processes_do()
-
-
-def _exit_as_forked_processes_do() -> None:
-    atexit._run_exitfuncs()  # what sys.exit would run first: logging, multiprocessing's finalizers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:

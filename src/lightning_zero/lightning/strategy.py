@@ -180,6 +180,11 @@ class ZeroStrategy(DDPStrategy):
         return self.zero_config.zero_stage is ZeroStage.PARAMETERS
 
     @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        collectives.let_workers_finish_at_exit()
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
