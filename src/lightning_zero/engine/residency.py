@@ -205,7 +205,7 @@ class ShardedParameters(ParameterResidency):
         self.copies = CopyStream(device) if offload else None
         self._verdicts = verdicts
         gather_group = collectives.new_group_like(group, timeout)  # see GatherSchedule's docstring
-        self._own_group = gather_group if gather_group is not group else None  # destroyed at close
+        self._own_group = gather_group if gather_group is not group else None  # destroyed by release_to
         comm = UnitCommunication(
             reduce_group=group,
             gather_group=gather_group,
@@ -309,6 +309,11 @@ class ShardedParameters(ParameterResidency):
         self.close()
         for p in self.params:
             p.param.data = full[id(p)]
+        # every gather on the engine's own group has finished; a failed run (``close`` alone) keeps
+        # the group, since a gather may still be waiting there for a peer
+        if self._own_group is not None:
+            collectives.destroy_group(self._own_group)
+            self._own_group = None
 
     def close(self) -> None:
         self.schedule.close()
@@ -316,9 +321,6 @@ class ShardedParameters(ParameterResidency):
         for p in self.params:  # plain parameters again (with their placeholders, unless released)
             wake(p.param)
             ParameterAtRest.names.pop(id(p.param), None)
-        if self._own_group is not None:  # every gather on it has finished: the schedule is closed
-            collectives.destroy_group(self._own_group)
-            self._own_group = None
 
 
 def _device_of_params(module: nn.Module) -> torch.device:
