@@ -23,11 +23,11 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.sharded import (
     CURRENT_PREFIX,
     SHARD_KEY_PREFIXES,
-    averaged_tensors,
     build_manifest,
     load_model,
     load_optimizer,
     mesh_of,
+    model_tensors,
     read_full_state,
 )
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
@@ -79,7 +79,7 @@ def weight_entries(
                 f"A weight-averaging callback put weights into the checkpoint's `state_dict` that lack {missing[:5]}"
                 " of the module's parameters. HINT: save one file instead: `ZeroStrategy(..., state_dict_type=\"full\")`."
             )
-        entries = averaged_tensors(state, module, engine, mesh_of(group, engine))
+        entries = model_tensors(module, engine, mesh_of(group, engine), weights=state)
         entries.update({CURRENT_PREFIX + key: value for key, value in current.items()})
         return entries, True
     foreign = next(key for key in state if not key.startswith(SHARD_KEY_PREFIXES))

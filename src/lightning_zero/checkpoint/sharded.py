@@ -81,40 +81,30 @@ def _param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str], lis
     return first, aliases, buffers
 
 
-def model_tensors(module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh) -> dict[str, Tensor]:
-    """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers."""
-    sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
-    first, _, buffers = _param_names(module)
-    tensors: dict[str, Tensor] = {}
-    for name, p in module.named_parameters():
-        sp = sharded.get(id(p))
-        if sp is not None:
-            tensors[f"model/{name}"] = _flat_dtensor(_weight_chunk(sp), sp.layout.numel, mesh)
-        else:
-            tensors[f"model/{name}"] = p.detach().reshape(-1).to("cpu")
-    state = module.state_dict(keep_vars=True)
-    for key in buffers:
-        tensors[f"buffer/{key}"] = state[key].detach().to("cpu")
-    return tensors
-
-
-def averaged_tensors(average: dict[str, Tensor], module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh) -> dict[str, Tensor]:
-    """An averaged copy's full weights (``module``'s state_dict keys; identical on every rank, as a
-    weight-averaging callback keeps them) as the same DCP entries as ``model_tensors``: each rank
-    writes its own chunk of each sharded parameter, so no rank stages more than 1/N of them."""
+def model_tensors(
+    module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh, weights: Optional[dict[str, Tensor]] = None
+) -> dict[str, Tensor]:
+    """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers.
+    ``weights``: full values to write in their place, identical on every rank (a weight-averaging
+    callback's average, by the module's state_dict keys): each rank writes its own chunk of each
+    sharded parameter, so no rank stages more than 1/N of them."""
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
     _, _, buffers = _param_names(module)
+    state = module.state_dict(keep_vars=True) if weights is None else weights
     tensors: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
-        flat = average[name].detach().reshape(-1)
         sp = sharded.get(id(p))
-        if sp is not None:
-            start, end = sp.layout.owned_range(sp.rank)
-            tensors[f"model/{name}"] = _flat_dtensor(flat[start:end], sp.layout.numel, mesh)
+        if sp is None:
+            tensors[f"model/{name}"] = (p if weights is None else weights[name]).detach().reshape(-1).to("cpu")
+            continue
+        if weights is None:  # at stage 3 the parameter itself is an empty placeholder at rest
+            chunk = _weight_chunk(sp)
         else:
-            tensors[f"model/{name}"] = flat.to("cpu")
+            start, end = sp.layout.owned_range(sp.rank)
+            chunk = weights[name].detach().reshape(-1)[start:end]
+        tensors[f"model/{name}"] = _flat_dtensor(chunk, sp.layout.numel, mesh)
     for key in buffers:
-        tensors[f"buffer/{key}"] = average[key].detach().to("cpu")
+        tensors[f"buffer/{key}"] = state[key].detach().to("cpu")
     return tensors
 
 
