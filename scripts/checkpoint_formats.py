@@ -72,13 +72,13 @@ def main() -> None:
     for state_dict_type in ("sharded", "full"):
         L.seed_everything(0, verbose=False)
         module = _GPTModule(args.layers, args.width)
+        numel = sum(p.numel() for p in module.parameters())  # before fit: at stage 3 it stays sharded after
         strategy = ZeroStrategy(stage=3, state_dict_type=state_dict_type)
         trainer = L.Trainer(
             strategy=strategy, accelerator=args.accelerator, devices=args.devices, max_steps=1, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
         trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
-        numel = sum(p.numel() for p in module.parameters())
         for attempt in range(2):
             path = os.path.join(out, f"{state_dict_type}-{attempt}.ckpt")
             trainer.strategy.barrier()

@@ -71,6 +71,14 @@ class WeightRecorder(Callback):
             self.history.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
 
+def full_weights(module: L.LightningModule, strategy: Any = None) -> dict[str, torch.Tensor]:
+    """A copy of ``module.state_dict()`` with full tensors. After ``fit`` a stage-3 module stays
+    sharded at rest, so it is gathered with ``strategy.summon_full_params()`` (on every rank)."""
+    summon = getattr(strategy, "summon_full_params", contextlib.nullcontext)
+    with summon():
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None, **kwargs: Any) -> L.Trainer:
     options = dict(
         accelerator="cpu",

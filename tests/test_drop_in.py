@@ -177,7 +177,7 @@ def pruning(ctx: RankContext, strategy: str) -> Any:
     """The weights ModelPruning leaves (pruned every epoch, made permanent at the end), or the error."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelPruning
-    from lightning_helpers import GPTModule, make_trainer, token_data
+    from lightning_helpers import GPTModule, full_weights, make_trainer, token_data
 
     L.seed_everything(0, verbose=False)
     module = GPTModule()
@@ -187,7 +187,7 @@ def pruning(ctx: RankContext, strategy: str) -> Any:
         trainer.fit(module, token_data())
     except RuntimeError as err:
         return str(err)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return full_weights(module, trainer.strategy)
 
 
 for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
@@ -220,7 +220,16 @@ def pickled_after_fit(ctx: RankContext) -> dict:
     sizes = {}
     for name in ("ddp", *(f"zero{s}" for s in STAGES)):
         _, _, trainer = fit_and_record(_strategy(name), 2)
-        pickled = pickle.dumps(trainer)
+        if name == "zero3":  # the module stays sharded after fit: pickled with its full weights only
+            try:
+                pickle.dumps(trainer)
+                sizes["zero3 at rest"] = None
+            except RuntimeError as err:
+                sizes["zero3 at rest"] = str(err)
+            with trainer.strategy.summon_full_params():
+                pickled = pickle.dumps(trainer)
+        else:
+            pickled = pickle.dumps(trainer)
         assert pickle.loads(pickled).strategy.__class__ is trainer.strategy.__class__
         sizes[name] = len(pickled)
     return sizes
@@ -261,13 +270,13 @@ def averaging(ctx: RankContext, strategy: str, callback: str) -> dict:
     """3 epochs of 3 steps with validation after each: EMA (updated every step, swapped in for
     validation) or SWA (from epoch 1); the weights after each step and after fit (the average)."""
     from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
-    from lightning_helpers import fit_gpt
+    from lightning_helpers import fit_gpt, full_weights
 
     chosen = EMAWeightAveraging() if callback == "ema" else StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1)
-    module, history, _ = fit_gpt(
+    module, history, trainer = fit_gpt(
         _strategy(strategy), -1, callbacks=[chosen], max_epochs=3, limit_train_batches=3, limit_val_batches=2
     )
-    return {"history": history, "final": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    return {"history": history, "final": full_weights(module, trainer.strategy)}
 
 
 for _callback in ("ema", "swa"):
@@ -286,7 +295,7 @@ def averaging_resumed(ctx: RankContext, strategy: str) -> dict:
     import os
 
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
-    from lightning_helpers import GPTModule, fit_gpt, make_trainer, token_data
+    from lightning_helpers import GPTModule, fit_gpt, full_weights, make_trainer, token_data
 
     from lightning_zero import checkpoint_file
 
@@ -295,11 +304,11 @@ def averaging_resumed(ctx: RankContext, strategy: str) -> dict:
     saving = ModelCheckpoint(dirpath=folder, save_last=True)
     fit_gpt(_strategy(strategy), -1, callbacks=[EMAWeightAveraging(), saving], enable_checkpointing=True, max_epochs=2, **epochs)
     last = os.path.join(folder, "last.ckpt")
-    module, history, _ = fit_gpt(_strategy(strategy), -1, callbacks=[EMAWeightAveraging()], ckpt_path=last, max_epochs=3, **epochs)
+    module, history, trainer = fit_gpt(_strategy(strategy), -1, callbacks=[EMAWeightAveraging()], ckpt_path=last, max_epochs=3, **epochs)
     validated = make_trainer(_strategy(strategy), -1).validate(GPTModule(), token_data(8), ckpt_path=last, verbose=False)
     return {
         "history": history,
-        "final": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "final": full_weights(module, trainer.strategy),
         "validated": validated[0]["val_loss"],
         "loaded": GPTModule.load_from_checkpoint(last).state_dict(),
         "training_weights": torch.load(checkpoint_file(last), weights_only=False)["current_model_state"],
@@ -313,28 +322,31 @@ def averaging_added_on_resume(ctx: RankContext, strategy: str) -> dict:
     import os
 
     from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
-    from lightning_helpers import fit_gpt
+    from lightning_helpers import fit_gpt, full_weights
 
     from lightning.pytorch import Callback
 
     class AverageAtStart(Callback):
         """The callback's average once the checkpoint is restored (what a validation before the
-        first update would evaluate)."""
+        first update would evaluate): swapped into the module by the callback, read, swapped back
+        (under ZeRO the average is the callback's chunks, not a module)."""
 
         def on_train_start(self, trainer, pl_module):
-            self.weights = {k: v.detach().clone() for k, v in ema._average_model.module.state_dict().items()}
+            ema._swap_models(pl_module)
+            self.weights = full_weights(pl_module, trainer.strategy)
+            ema._swap_models(pl_module)
 
     folder = os.path.join(ctx.tmpdir, f"ema_added_{strategy}")
     epochs = dict(limit_train_batches=3, limit_val_batches=2)
     fit_gpt(_strategy(strategy), -1, callbacks=[ModelCheckpoint(dirpath=folder, save_last=True)], enable_checkpointing=True, max_epochs=1, **epochs)
     ema, at_start = EMAWeightAveraging(), AverageAtStart()
-    module, history, _ = fit_gpt(
+    module, history, trainer = fit_gpt(
         _strategy(strategy), -1, callbacks=[ema, at_start], ckpt_path=os.path.join(folder, "last.ckpt"), max_epochs=2, **epochs
     )
     return {
         "average_at_start": at_start.weights,
         "history": history,
-        "final": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        "final": full_weights(module, trainer.strategy),
     }
 
 
@@ -412,6 +424,8 @@ def test_a_distributed_optimizer_is_refused_at_setup_on_every_rank(results):
 
 def test_the_trainer_pickles_after_fit(results):
     for sizes in results["pickled_after_fit"]:
+        at_rest = sizes.pop("zero3 at rest")
+        assert at_rest is not None and "summon_full_params" in at_rest
         assert all(size > 0 for size in sizes.values())
 
 

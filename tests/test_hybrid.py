@@ -252,12 +252,13 @@ def test_checkpoints_resume_across_topologies(results: GroupResults) -> None:
 
 def _load_on_fewer_ranks(rank: int, world_size: int, path: str, stage: int) -> dict[str, torch.Tensor]:
     import lightning as L
-    from lightning_helpers import GPTModule, make_trainer, token_data
+    from lightning_helpers import GPTModule, full_weights, make_trainer, token_data
 
     L.seed_everything(7, verbose=False)
     module = GPTModule()
-    make_trainer(_strategy(f"zero{stage}"), 1).validate(module, token_data(4), ckpt_path=path, verbose=False)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    trainer = make_trainer(_strategy(f"zero{stage}"), 1)
+    trainer.validate(module, token_data(4), ckpt_path=path, verbose=False)
+    return full_weights(module, trainer.strategy)
 
 
 def test_a_hybrid_checkpoint_loads_on_2_and_1_ranks_and_converts(results: GroupResults, tmp_path) -> None:

@@ -83,14 +83,15 @@ def slurm_run(tmp_path_factory) -> Path:
 
 def _resume_on_one_node(rank: int, world_size: int, path: str, stage: int) -> dict[str, torch.Tensor]:
     import lightning as L
-    from lightning_helpers import GPTModule, make_trainer, token_data
+    from lightning_helpers import GPTModule, full_weights, make_trainer, token_data
 
     from lightning_zero import ZeroStrategy
 
     L.seed_everything(5, verbose=False)
     module = GPTModule()
-    make_trainer(ZeroStrategy(stage=stage), 1, devices=world_size).validate(module, token_data(4), ckpt_path=path, verbose=False)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    trainer = make_trainer(ZeroStrategy(stage=stage), 1, devices=world_size)
+    trainer.validate(module, token_data(4), ckpt_path=path, verbose=False)
+    return full_weights(module, trainer.strategy)
 
 
 @pytest.mark.parametrize(

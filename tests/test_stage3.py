@@ -104,7 +104,7 @@ PARITY = {
 
 def parity_with_ddp(ctx: RankContext, label: str) -> dict:
     """DDP and zero3 fitted alike, with validation inside fit; the zero3 run probed."""
-    from lightning_helpers import fit_gpt, max_abs_diff
+    from lightning_helpers import fit_gpt, full_weights, max_abs_diff
 
     module_kwargs, reference = PARITY[label]
     ref_module, ref_history, ref_trainer = fit_gpt(reference, STEPS, module_kwargs=module_kwargs, limit_val_batches=2, val_check_interval=2)
@@ -114,13 +114,14 @@ def parity_with_ddp(ctx: RankContext, label: str) -> dict:
     return {
         "diffs": [max_abs_diff(a, b) for a, b in zip(ref_history, history)],
         "val_loss": (ref_trainer.callback_metrics["val_loss"].item(), trainer.callback_metrics["val_loss"].item()),
-        # after fit the module holds plain full parameters again
-        "after_fit": max_abs_diff(ref_module.state_dict(), module.state_dict()),
+        # after fit the module stays sharded; summoned, it holds DDP's weights
+        "after_fit": max_abs_diff(ref_module.state_dict(), full_weights(module, trainer.strategy)),
         "probe": {
             "calls": probe.calls, "bytes": probe.bytes, "units": probe.units, "live_max": probe.live_param_numel_max,
             "at_rest": probe.at_rest, "summary": probe.summary,
-            "total_numel": sum(p.numel() for p in module.parameters()),
-            "trainable_numel": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            # true sizes from DDP's module (at rest a stage-3 parameter describes its placeholder)
+            "total_numel": sum(p.numel() for p in ref_module.parameters()),
+            "trainable_numel": sum(p.numel() for p in ref_module.parameters() if p.requires_grad),
         },
     }
 
@@ -131,8 +132,8 @@ for _label in PARITY:
 
 @GROUP.case
 def evaluation_after_fit(ctx: RankContext) -> dict:
-    """validate/predict after fit (the modules `parity_tied` fitted): a new setup shards the (now
-    full) module again."""
+    """validate/predict after fit (the modules `parity_tied` fitted), with a new Trainer: at stage 3
+    it resumes the engine that kept the module sharded after fit."""
     import lightning as L
     from lightning_helpers import token_data
 

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -25,8 +26,15 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
 from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine import ZeroEngine
+from lightning_zero.engine.averaged_shards import AveragedShards
 
 StateDictType = Literal["sharded", "full"]
+
+
+def check_state_dict_type(state_dict_type: Any) -> StateDictType:
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
+    return state_dict_type
 
 
 class RankCoordination(Protocol):
@@ -47,9 +55,7 @@ class ZeroCheckpointing:
     """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
 
     def __init__(self, state_dict_type: StateDictType) -> None:
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
-        self.state_dict_type = state_dict_type
+        self.state_dict_type = check_state_dict_type(state_dict_type)
         self.group = CheckpointGroup()
         self.restored_from_directory = False
         """Whether the last ``load`` read a directory (weights and optimizer state are then already
@@ -59,9 +65,10 @@ class ZeroCheckpointing:
         """Sharded format, and an engine whose shards there are to write."""
         return self.state_dict_type == "sharded" and engine is not None
 
-    def module_shards(self, module: nn.Module, engine: ZeroEngine) -> dict[str, Any]:
-        """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication."""
-        return model_tensors(module, engine, mesh_of(self.group, engine))
+    def module_shards(self, module: nn.Module, engine: ZeroEngine, average: Optional[AveragedShards] = None) -> dict[str, Any]:
+        """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication
+        (``average``: of a weight-averaging callback's average instead)."""
+        return model_tensors(module, engine, mesh_of(self.group, engine), average)
 
     def optimizer_shards(self, engine: ZeroEngine, optimizers: Sequence[Optimizer], optimizer: Optimizer) -> Any:
         """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state."""
@@ -135,6 +142,26 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
+
+
+def file_writer(checkpoint_io: Any) -> Callable[[dict[str, Any], Path], None]:
+    """How a ``state_dict_type="full"`` file is written with the strategy's ``checkpoint_io``.
+
+    Lightning's ``TorchCheckpointIO`` serializes the whole checkpoint into memory before writing it
+    (for atomicity), a second copy of the checkpoint on rank 0. ``ZeroCheckpointing.save`` already
+    writes a temporary sibling and moves it into place once complete, so with that IO ``torch.save``
+    streams the same bytes straight to the file: rank 0 holds the checkpoint once. Any other IO
+    (a user's, a remote filesystem's) writes as it always does."""
+    from lightning.fabric.plugins import TorchCheckpointIO  # the adapters' dependency, not this package's
+
+    if type(checkpoint_io) is TorchCheckpointIO:
+        return _stream_to_file
+    return lambda checkpoint, path: checkpoint_io.save_checkpoint(checkpoint, path)
+
+
+def _stream_to_file(checkpoint: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, path)
 
 
 def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:

@@ -2,7 +2,8 @@
 
 The output has the full fp32 weights under ``state_dict`` (tied weights under each of their keys;
 with a weight-averaging callback the average there and the training weights under
-``current_model_state``, as in DDP's file) and the rest of the Lightning checkpoint (hyperparameters, loops, callbacks, ...), so
+``current_model_state``, as in DDP's file) and the rest of the Lightning checkpoint
+(hyperparameters, loops, callbacks — SWA's average whole, as in DDP's file — ...), so
 ``torch.load`` and ``LightningModule.load_from_checkpoint`` read it with no process group. With
 ``include_optimizer=True`` it also holds the optimizer state in the unsharded format DDP writes, so
 training can resume from it under any strategy.
@@ -22,7 +23,7 @@ from typing import Any, Union
 import torch
 
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
-from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY
+from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY, read_callback_shards
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
 from lightning_zero.checkpoint.integrity import check_directory
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
@@ -81,6 +82,7 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False) -> dict[str,
     checkpoint["state_dict"] = read_full_state(src, manifest)
     if meta.get(AVERAGED_KEY):  # a weight-averaging callback's average above; the training weights here
         checkpoint[CURRENT_MODEL_STATE] = read_full_state(src, manifest, CURRENT_PREFIX)
+    read_callback_shards(checkpoint.get("callbacks", {}), lambda prefix: read_full_state(src, manifest, prefix))
     if include_optimizer:
         metadata = tensor_metadata(src)
         checkpoint["optimizer_states"] = [

@@ -6,17 +6,22 @@ written by every rank, and the rest — loops, callbacks, LR schedulers, precisi
 hyperparameters — to ``meta.pt``, written by rank 0.
 
 A weight-averaging callback (Lightning's ``WeightAveraging``: ``EMAWeightAveraging``) replaces
-``state_dict`` with its averaged copy's full weights and moves the chunks to ``current_model_state``
-in its ``on_save_checkpoint``. Both are kept, as in DDP's file: the average as the weights (each rank
-writing its chunk of it), the chunks under ``current/``. A load puts the average into the module, as
-DDP's does; resuming a fit with the callback also hands it both in full, which it needs.
+``state_dict`` with its average and moves the chunks to ``current_model_state`` in its
+``on_save_checkpoint``; under ZeRO its average is this rank's chunks too
+(``lightning/sharded_averaging.py``). Both are kept, as in DDP's file: the average as the weights,
+the training weights under ``current/``. A load puts the average into the module, as DDP's does;
+resuming a fit with the callback also hands it both, as this rank's chunks.
+
+Lightning's ``StochasticWeightAveraging`` keeps its average in its own state (``callbacks`` in the
+checkpoint); under ZeRO that entry holds shards, which go to DCP under ``callbacks/<i>/<field>/``
+with a stub left in meta.pt, and come back as this rank's chunks (whole, in ``convert.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.manifest import PathLike
@@ -27,8 +32,7 @@ from lightning_zero.checkpoint.sharded import (
     load_model,
     load_optimizer,
     mesh_of,
-    model_tensors,
-    read_full_state,
+    read_chunks,
 )
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
 from lightning_zero.engine import ZeroEngine
@@ -40,17 +44,21 @@ AVERAGED_KEY = "lightning_zero_averaged"
 """True in meta.pt when the weights are a weight-averaging callback's average (see above)."""
 CURRENT_MODEL_STATE = "current_model_state"
 """Where Lightning's ``WeightAveraging`` moves the weights it replaces with the average."""
+SHARDED_ENTRY = "lightning_zero_sharded_entry"
+"""In meta.pt, the stub left for a callback's state entry that holds shards: the prefix of its DCP keys."""
 
 
 def save_directory(
     directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
 ) -> None:
     """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it)."""
-    tensors, averaged = weight_entries(checkpoint, module, engine, group)
+    tensors, averaged = weight_entries(checkpoint)
     optimizers = checkpoint.get("optimizer_states", [])  # absent for weights-only checkpoints
     for shards in optimizers:
         tensors.update(shards.tensors)
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", CURRENT_MODEL_STATE)}
+    if "callbacks" in meta:
+        meta["callbacks"] = _move_callback_shards(meta["callbacks"], tensors)
     meta[OPTIMIZERS_KEY] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
     meta[AVERAGED_KEY] = averaged
     manifest = build_manifest(module, engine, stage, world_size, optimizers)
@@ -61,33 +69,49 @@ def _holds_shards(state: dict[str, Any]) -> bool:
     return all(key.startswith(SHARD_KEY_PREFIXES) for key in state)
 
 
-def weight_entries(
-    checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, group: CheckpointGroup
-) -> tuple[dict[str, Any], bool]:
+def weight_entries(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The DCP entries of the checkpoint's weights, and whether they are a weight-averaging
     callback's average (the training weights then beside them, under ``current/``). Refuses a
-    ``state_dict`` that a callback replaced with plain weights otherwise: writing it would lose the
-    weights silently."""
+    ``state_dict`` that a callback replaced with plain weights: writing it would lose the weights
+    silently."""
     state = checkpoint.get("state_dict", {})
-    if _holds_shards(state):
-        return dict(state), False
     current = checkpoint.get(CURRENT_MODEL_STATE)
-    if current is not None and _holds_shards(current):
-        missing = [name for name, _ in module.named_parameters() if name not in state]
-        if missing:
-            raise ValueError(
-                f"A weight-averaging callback put weights into the checkpoint's `state_dict` that lack {missing[:5]}"
-                " of the module's parameters. HINT: save one file instead: `ZeroStrategy(..., state_dict_type=\"full\")`."
-            )
-        entries = model_tensors(module, engine, mesh_of(group, engine), weights=state)
-        entries.update({CURRENT_PREFIX + key: value for key, value in current.items()})
-        return entries, True
-    foreign = next(key for key in state if not key.startswith(SHARD_KEY_PREFIXES))
+    if _holds_shards(state) and current is None:
+        return dict(state), False
+    if _holds_shards(state) and _holds_shards(current):
+        return {**state, **{CURRENT_PREFIX + key: value for key, value in current.items()}}, True
+    foreign = next((key for key in state if not key.startswith(SHARD_KEY_PREFIXES)), None)
     raise ValueError(
         f"A callback replaced the checkpoint's `state_dict` with plain weights (e.g. {foreign!r}),"
         " which a sharded checkpoint directory cannot hold. HINT: save one file instead:"
         " `ZeroStrategy(..., state_dict_type=\"full\")`."
     )
+
+
+def _move_callback_shards(callbacks: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The callbacks' states for meta.pt: each entry that holds shards (a dict of ``model/`` and
+    ``buffer/`` keys) moves into ``tensors`` under its own prefix, a stub naming it left behind."""
+    kept: dict[str, Any] = {}
+    for index, (key, state) in enumerate(callbacks.items()):
+        if isinstance(state, dict):
+            state = dict(state)
+            for field, value in state.items():
+                if isinstance(value, dict) and value and _holds_shards(value):
+                    prefix = f"callbacks/{index}/{field}/"
+                    tensors.update({prefix + name: t for name, t in value.items()})
+                    state[field] = {SHARDED_ENTRY: prefix}
+        kept[key] = state
+    return kept
+
+
+def read_callback_shards(callbacks: dict[str, Any], read: Callable[[str], dict[str, Tensor]]) -> None:
+    """Put back, in place, each callback state entry that ``_move_callback_shards`` stubbed, as
+    ``read(prefix)`` gives it (this rank's chunks, or whole tensors)."""
+    for state in callbacks.values():
+        if isinstance(state, dict):
+            for field, value in state.items():
+                if isinstance(value, dict) and SHARDED_ENTRY in value:
+                    state[field] = read(value[SHARDED_ENTRY])
 
 
 def load_directory(
@@ -105,10 +129,10 @@ def load_directory(
     against its checksum first, each rank checking a share.
 
     ``averaging_states``: for a fit resumed with a weight-averaging callback, the checkpoint's
-    weights (its average, if saved with one) are also returned in full under ``state_dict``, and
-    its training weights under ``current_model_state``, as in DDP's file, for the callback to
-    restore (each rank reads them all: up to two full copies of the weights in host memory while
-    the callback loads them)."""
+    weights (its average, if saved with one) are also returned under ``state_dict``, and its
+    training weights under ``current_model_state``, as in DDP's file, for the callback to restore:
+    as shard entries (``read_chunks``), each rank reading its chunks only. A callback state entry
+    saved as shards comes back the same way."""
     manifest = verify_on_ranks(directory, group)
     meta = read_meta(directory)
     averaged = meta.pop(AVERAGED_KEY, False)
@@ -117,8 +141,13 @@ def load_directory(
         for index, optimizer in enumerate(optimizers):
             load_optimizer(directory, manifest, meta[OPTIMIZERS_KEY], engine, optimizer, index, group)
     checkpoint = {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
+
+    def chunks(prefix: str = "") -> dict[str, Tensor]:  # a mesh only when asked: a process with no process group loads too
+        return read_chunks(directory, manifest, group, mesh_of(group, engine), prefix)
+
+    read_callback_shards(checkpoint.get("callbacks", {}), chunks)
     if averaging_states:  # the callback starts its average from `state_dict`, saved with one or not
-        checkpoint["state_dict"] = read_full_state(directory, manifest)
+        checkpoint["state_dict"] = chunks()
         if averaged:
-            checkpoint[CURRENT_MODEL_STATE] = read_full_state(directory, manifest, CURRENT_PREFIX)
+            checkpoint[CURRENT_MODEL_STATE] = chunks(CURRENT_PREFIX)
     return checkpoint

@@ -20,6 +20,9 @@ DCP keys (flat, "/"-separated so that parameter names keep their dots)::
     current/buffer/<key>           ``WeightAveraging``, e.g. EMA): the training weights, which the
                                    callback moves to ``current_model_state``; ``model/`` and
                                    ``buffer/`` then hold the average, as DDP's ``state_dict`` does
+    callbacks/<i>/<field>/model/…, a callback's state entry that holds shards (Lightning's SWA
+    callbacks/<i>/<field>/buffer/… average, ``lightning/sharded_averaging.py``), laid out as the
+                                   weights; meta.pt keeps a stub in its place (``directory.py``)
 
 Why DTensor: plain tensors saved under one key by every rank are deduplicated by DCP as if
 replicated, silently keeping rank 0's chunk only. A DTensor tells DCP which slice each rank
@@ -31,6 +34,7 @@ Reading and writing the files (with checksums and errors that name the file) is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -44,6 +48,8 @@ from lightning_zero.checkpoint.errors import CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
+from lightning_zero.engine.averaged_shards import AveragedShards
+from lightning_zero.engine.partition import ChunkLayout
 from lightning_zero.engine.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.sharded_param import ShardedParam
 
@@ -82,29 +88,26 @@ def _param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str], lis
 
 
 def model_tensors(
-    module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh, weights: Optional[dict[str, Tensor]] = None
+    module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh, average: Optional[AveragedShards] = None
 ) -> dict[str, Tensor]:
     """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers.
-    ``weights``: full values to write in their place, identical on every rank (a weight-averaging
-    callback's average, by the module's state_dict keys): each rank writes its own chunk of each
-    sharded parameter, so no rank stages more than 1/N of them."""
+    ``average``: a weight-averaging callback's average instead (its chunks, laid out on ``mesh`` as
+    the engine's; its buffers where it keeps them, else the module's)."""
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
     _, _, buffers = _param_names(module)
-    state = module.state_dict(keep_vars=True) if weights is None else weights
+    state = module.state_dict(keep_vars=True)
     tensors: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         sp = sharded.get(id(p))
-        if sp is None:
-            tensors[f"model/{name}"] = (p if weights is None else weights[name]).detach().reshape(-1).to("cpu")
-            continue
-        if weights is None:  # at stage 3 the parameter itself is an empty placeholder at rest
-            chunk = _weight_chunk(sp)
-        else:
-            start, end = sp.layout.owned_range(sp.rank)
-            chunk = weights[name].detach().reshape(-1)[start:end]
-        tensors[f"model/{name}"] = _flat_dtensor(chunk, sp.layout.numel, mesh)
+        if average is not None:
+            tensors[f"model/{name}"] = _flat_dtensor(average.chunk(name), average.chunks[name].layout.numel, mesh)
+        elif sp is None:
+            tensors[f"model/{name}"] = p.detach().reshape(-1).to("cpu")
+        else:  # at stage 3 the parameter itself is an empty placeholder at rest
+            tensors[f"model/{name}"] = _flat_dtensor(_weight_chunk(sp), sp.layout.numel, mesh)
     for key in buffers:
-        tensors[f"buffer/{key}"] = state[key].detach().to("cpu")
+        kept = average.buffer(key) if average is not None else None
+        tensors[f"buffer/{key}"] = (kept if kept is not None else state[key]).detach().to("cpu")
     return tensors
 
 
@@ -172,6 +175,25 @@ def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, li
 
 
 # ---- what is loaded -----------------------------------------------------------------------------
+def read_chunks(directory: PathLike, manifest: Manifest, group: CheckpointGroup, mesh: DeviceMesh, prefix: str = "") -> dict[str, Tensor]:
+    """The weights under ``prefix`` as shard entries: ``model/<param>`` this rank's chunk of it on
+    ``mesh`` (the layout of the engine's chunks and of ``AveragedShards``), ``buffer/<key>`` whole.
+    A collective over ``group``; no rank reads more than its chunks and the buffers."""
+    metadata = tensor_metadata(directory)
+    shard_dim = mesh.ndim - 1
+    size, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    targets: dict[str, Tensor] = {}
+    for name, shape in manifest.params.items():
+        numel, key = math.prod(shape), f"{prefix}model/{name}"
+        local = torch.empty(ChunkLayout(numel, size).owned_numel(rank), dtype=metadata[key].properties.dtype)
+        targets[key] = _flat_dtensor(local, numel, mesh)
+    for buffer in manifest.buffers:
+        key = f"{prefix}buffer/{buffer}"
+        targets[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
+    read_tensors(targets, directory, group)
+    return {key[len(prefix) :]: t.to_local() if isinstance(t, DTensor) else t for key, t in targets.items()}
+
+
 def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "") -> dict[str, Tensor]:
     """The module's full ``state_dict`` (tied weights under each of their keys), read from the
     entries under ``prefix`` in this process alone: every rank that calls it reads all of it."""

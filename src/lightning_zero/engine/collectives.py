@@ -136,22 +136,45 @@ def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     return tensor
 
 
+BROADCAST_BUCKET_BYTES = 25 * 2**20
+"""What ``broadcast_tensors_`` copies into one flat buffer at most (a model-sized buffer would be a
+second copy of the model on every rank)."""
+
+
 def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> None:
-    """Overwrite ``tensors`` on every rank with rank ``src``'s values, one collective per dtype
-    and device (used to start all replicas from the same weights, as DDP does)."""
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values (used to start all replicas
+    from the same weights, as DDP does): small tensors of one dtype and device coalesced into
+    buckets of up to ``BROADCAST_BUCKET_BYTES``, larger ones broadcast in place."""
     if world_size(group) == 1 or not tensors:
         return
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for members in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        broadcast_(flat, src, group)
-        offset = 0
-        with torch.no_grad():
-            for t in members:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        bucket: list[Tensor] = []
+        bucket_bytes = 0
+        for t in members:
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= BROADCAST_BUCKET_BYTES and t.is_contiguous():
+                broadcast_(t.detach(), src, group)
+                continue
+            bucket.append(t)
+            bucket_bytes += nbytes
+            if bucket_bytes >= BROADCAST_BUCKET_BYTES:
+                _broadcast_coalesced(bucket, src, group)
+                bucket, bucket_bytes = [], 0
+        if bucket:
+            _broadcast_coalesced(bucket, src, group)
+
+
+def _broadcast_coalesced(tensors: list[Tensor], src: int, group: ProcessGroup) -> None:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    broadcast_(flat, src, group)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def new_group_like(group: ProcessGroup, timeout: Optional[timedelta] = None) -> ProcessGroup:

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine import collectives, module_link
+from lightning_zero.engine.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.host_reads import HostReads
@@ -42,7 +43,7 @@ from lightning_zero.engine.host_step import FusedHostStep, fuse_host_steps
 from lightning_zero.engine.memory import MemoryReport, measure
 from lightning_zero.engine.norms import global_norms
 from lightning_zero.engine.param_guard import ParameterReplacementGuard
-from lightning_zero.engine.residency import HOST, ParameterResidency, ReplicatedParameters, ShardedParameters
+from lightning_zero.engine.residency import HOST, FullCopies, ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
     check_optimizer,
     gather_full_state_dict,
@@ -109,6 +110,10 @@ class ZeroEngine:
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
         self._replacement_guard = ParameterReplacementGuard(module, self.params)
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
+        self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
+        """Weight averages kept beside the shards (``average_weights``), counted by ``memory_report``."""
+        if self.shards_parameters:
+            module_link.link(module, self)  # the module's weights are this engine's chunks now
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """Shard ``optimizer`` too (stage 3 only: a module is sharded before the optimizers built
@@ -126,12 +131,25 @@ class ZeroEngine:
         self.optimizers.append(optimizer)
         self._shard_optimizer(optimizer)
 
+    def use_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
+        finished run's (whose state is dropped), as a new engine would have been built with them."""
+        self._close_fused_host_steps()
+        self.optimizers, self._params_of_optimizer = [], []
+        for optimizer in optimizers:
+            self.add_optimizer(optimizer)
+
     def _shard_optimizer(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step)."""
         sharded = {id(sp.param): sp for sp in self.params}
         self._params_of_optimizer.append(rebind_param_groups(optimizer, sharded))
         if self.config.offload_optimizer and self.config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Stage 3: the module's parameters are chunks at rest, gathered around their use."""
+        return isinstance(self.residency, ShardedParameters)
 
     @property
     def shard_group_size(self) -> Optional[int]:
@@ -196,25 +214,40 @@ class ZeroEngine:
             for p in self.params:
                 p.sync_master_from_param()
 
-    def gathered(self, writeback: bool = False) -> AbstractContextManager[None]:
+    def gathered(self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False) -> AbstractContextManager[None]:
         """Inside, every parameter is its full tensor on every rank; edits are written back to the
-        shards only with ``writeback=True``. A collective: enter it on every rank."""
-        return self.residency.gathered(writeback)
+        shards only with ``writeback=True``. A collective: enter it on every rank.
+
+        Stage 3 takes FSDP's knobs: ``offload_to_cpu`` makes the full parameters copies in host
+        memory (gathered one unit at a time, so the device holds one unit more than at rest);
+        ``rank0_only`` gives them to global rank 0 alone, the other ranks' parameters staying at
+        rest (no ``writeback`` then). At stages 1-2 the parameters are whole already and the knobs
+        change nothing."""
+        if writeback and rank0_only:  # on every rank alike, before any gather
+            raise ValueError(
+                "summon_full_params(writeback=True) needs the full parameters on every rank, so it cannot be"
+                " combined with rank0_only=True: the other ranks would have nothing to write back."
+            )
+        full_copies = None
+        if rank0_only or offload_to_cpu:
+            full_copies = FullCopies(
+                device=HOST if offload_to_cpu else self.residency.compute_device,
+                keep=not rank0_only or collectives.rank() == 0,
+            )
+        return self.residency.gathered(writeback, full_copies)
 
     def full_state_dict(self, module: nn.Module, keep: bool = True, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with full parameters copied to ``device``, gathering one unit at a
         time (a collective). ``keep=False`` (e.g. on ranks that will not save) still takes part in
         the collectives but returns an empty dict, so no rank holds more than it needs."""
+        entries = module.state_dict(keep_vars=True)  # on every rank: its hooks may communicate
         values: dict[int, torch.Tensor] = {}
         for p, value in self.residency.full_values(device):
             if keep:
                 values[id(p.param)] = value
         if not keep:
             return {}
-        return {
-            key: values[id(t)] if id(t) in values else t.detach().to(device, copy=True)
-            for key, t in module.state_dict(keep_vars=True).items()
-        }
+        return {key: values[id(t)] if id(t) in values else t.detach().to(device, copy=True) for key, t in entries.items()}
 
     def load_full_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load unsharded weights (a plain ``state_dict``, e.g. from a DDP checkpoint) into the
@@ -244,12 +277,34 @@ class ZeroEngine:
                     target.copy_(state_dict[key])
 
     def release_parameters(self, device: torch.device) -> None:
-        """Training is over: leave the module with plain full parameters on ``device`` and remove
-        every hook (stage 3 gathers one unit at a time)."""
+        """Leave the module with plain full parameters on ``device`` and remove every hook (stage 3
+        gathers one unit at a time; every rank then holds the whole model)."""
         self.grad_sync.close()
         self._close_fused_host_steps()
         self._replacement_guard.close()
         self.residency.release_to(device)
+        module_link.unlink(self.module, self)
+
+    def end_training(self) -> None:
+        """A run on the module ended normally. Stages 1-2: as ``release_parameters`` (the parameters
+        are whole already). Stage 3: the module stays sharded at rest and its hooks go; gradients
+        and communication buffers are freed, the optimizers' state is kept (see [Note: after fit]
+        in ``module_link.py``). ``resume_training`` undoes it."""
+        if not self.shards_parameters:
+            self.release_parameters(self.residency.compute_device)
+            return
+        self.grad_sync.close()
+        self.residency.end_training()
+        for p in self.params:
+            p.shard.grad = None
+
+    def resume_training(self, optimizers: Optional[Sequence[Optimizer]] = None) -> None:
+        """Stage 3: the module kept sharded by ``end_training`` is used again; ``optimizers`` (a new
+        ``fit``) replace the finished run's."""
+        self.grad_sync.open()
+        self.residency.resume()
+        if optimizers is not None:
+            self.use_optimizers(optimizers)
 
     def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
         """The ``norm_type``-norm of every parameter's full (reduced) gradient, by parameter name, and
@@ -273,6 +328,7 @@ class ZeroEngine:
             list(zip(self.optimizers, self._params_of_optimizer)),
             self.residency.pool.kept_bytes,
             [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows],
+            [held for average in self.averages for held in average.held()],
         )
 
     @property
@@ -286,11 +342,23 @@ class ZeroEngine:
         self.residency.close()
         self._close_fused_host_steps()
         self._replacement_guard.close()
+        module_link.unlink(self.module, self)
 
     def _close_fused_host_steps(self) -> None:
         for step in self._fused_host_steps:
             step.close()
         self._fused_host_steps = []
+
+    def average_weights(self, device: Optional[torch.device] = None, buffers: Buffers = Buffers.AVERAGED) -> AveragedShards:
+        """A running average of the module's weights kept as this rank's chunks beside the
+        optimizer's (EMA, SWA: see ``averaged_shards.py``), starting from the current weights;
+        ``memory_report`` counts it while it lives."""
+        average = AveragedShards(
+            self.module, self.params, self.group, self.residency.compute_device, self.config.bucket_bytes,
+            device=device, buffers=buffers, copies=self.residency.copies,
+        )  # fmt: skip
+        self.averages.add(average)
+        return average
 
     # ---- helpers ---------------------------------------------------------------------------
     def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:

@@ -77,6 +77,13 @@ class GatherSchedule:
         self._queue_position: dict[int, int] = {}
         self._issued = 0  # queue entries whose gather has been issued
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
+        self.open()
+
+    def open(self) -> None:
+        """Register the units' module hooks (at construction, and again when a module kept sharded
+        after ``fit`` is used again; a no-op while they are registered)."""
+        if self._handles:
+            return
         for unit in self.units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward(unit), with_kwargs=True))

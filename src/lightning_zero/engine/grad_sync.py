@@ -31,6 +31,9 @@ class GradientSync(abc.ABC):
         gradient (DDP's average). ``sync=False`` marks a micro-batch that will not step
         (accumulation)."""
 
+    def open(self) -> None:
+        """Register what ``close`` removed (nothing to register by default)."""
+
     def close(self) -> None:
         """Remove whatever this policy registered."""
 
@@ -82,15 +85,20 @@ class ReduceDuringBackward(GradientSync):
         super().__init__(buckets)
         self.max_in_flight = max_in_flight
         self._on_grad_accumulated = on_grad_accumulated
-        self._bucket_of: dict[int, Bucket] = {}
+        self._bucket_of: dict[int, Bucket] = {id(p.param): bucket for bucket in self.buckets for p in bucket.params}
         self._handles: list[RemovableHandle] = []
-        for bucket in self.buckets:
-            for p in bucket.params:
-                self._bucket_of[id(p.param)] = bucket
-                self._handles.append(p.param.register_post_accumulate_grad_hook(self._hook_for(p)))
         self._next_to_launch = 0
         self._in_flight: list[PendingGradientReduction] = []  # launched in this backward
         self._unfinished: deque[PendingGradientReduction] = deque()
+        self.open()
+
+    def open(self) -> None:
+        """Register the hooks (at construction, and again when a module kept sharded after ``fit``
+        trains again; a no-op while they are registered)."""
+        if not self._handles:
+            self._handles = [
+                p.param.register_post_accumulate_grad_hook(self._hook_for(p)) for bucket in self.buckets for p in bucket.params
+            ]
 
     def _hook_for(self, param: ShardedParam):
         def on_grad_accumulated(_: object) -> None:

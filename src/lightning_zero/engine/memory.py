@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,10 +26,13 @@ class StateBytes:
     """Optimizer state tensors and fp32 master chunks (the ZeRO paper counts both as optimizer state)."""
     buffers: int = 0
     """The module's buffers (the estimator has no such term)."""
+    averages: int = 0
+    """A weight-averaging callback's average (``averaged_shards.py``): this rank's chunks of the
+    parameters' average and the buffers' averages (the estimator has no such term)."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.buffers
+        return self.parameters + self.gradients + self.optimizer_state + self.buffers + self.averages
 
     def scaled(self, factor: int, divisor: int = 1) -> StateBytes:
         """Every kind times ``factor`` and floor-divided by ``divisor`` (e.g. one rank's share of a node)."""
@@ -63,8 +66,20 @@ class MemoryReport:
         return self.device.optimizer_state + self.host.optimizer_state
 
     @property
+    def averages(self) -> int:
+        return self.device.averages + self.host.averages
+
+    @property
     def total(self) -> int:
         return self.device.total + self.host.total
+
+
+def place_of(t: torch.Tensor, offloaded: bool, compute_device: torch.device) -> str:
+    """Where ``measure`` counts ``t``: "host" when it is a CPU tensor and either what it belongs to
+    is offloaded or computes on an accelerator, else "device". So offloaded state that something
+    moved to the device counts as device memory, and on a CPU-only machine offload stays visible."""
+    on_host = t.device.type == "cpu" and (offloaded or compute_device.type != "cpu")
+    return "host" if on_host else "device"
 
 
 def measure(
@@ -73,22 +88,21 @@ def measure(
     optimizers: Sequence[tuple[Optimizer, Sequence[ShardedParam]]],
     comm_buffers: int = 0,
     host_gradient_buffers: Sequence[torch.Tensor] = (),
+    averages: Iterable[tuple[torch.Tensor, str]] = (),
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
     ``host_chunks.py``); counted whole, also between steps, and the gradients viewing them not again.
+    ``averages``: the tensors of weight averages, each with where it counts (``place_of``).
 
-    Each tensor counts where it is: in host memory when it is a CPU tensor and either its parameter
-    is offloaded or the parameter computes on an accelerator. So offloaded state that something
-    moved to the device counts as device memory, and on a CPU-only machine offload stays visible.
+    Each tensor counts where it is (``place_of``).
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
     def place(t: torch.Tensor, sp: ShardedParam) -> str:
-        on_host = t.device.type == "cpu" and (sp.offloaded or sp.device.type != "cpu")
-        return "host" if on_host else "device"
+        return place_of(t, sp.offloaded, sp.device)
 
     counts = {"device": Counter(), "host": Counter()}
     counts["host"]["gradients"] += sum(nbytes(b) for b in host_gradient_buffers)
@@ -107,4 +121,6 @@ def measure(
                 if isinstance(t, torch.Tensor):
                     counts[place(t, sp)]["optimizer_state"] += nbytes(t)
     counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
+    for t, where in averages:
+        counts[where]["averages"] += nbytes(t)
     return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers)

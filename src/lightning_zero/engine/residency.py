@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Optional, Sequence
 
@@ -41,6 +42,17 @@ step at stages 1-2): enough to overlap one with the next one's copies, and what 
 communication buffers."""
 
 
+@dataclass(frozen=True)
+class FullCopies:
+    """Stage 3, ``summon_full_params(rank0_only=..., offload_to_cpu=...)``: full parameters as
+    copies on ``device``, gathered one unit at a time, held only where ``keep`` (FSDP's knobs)."""
+
+    device: torch.device
+    """Where the copies live: the host (``offload_to_cpu``) or the compute device."""
+    keep: bool
+    """Whether this rank holds them (``rank0_only``: rank 0 alone; the others keep their chunks)."""
+
+
 class ParameterResidency(abc.ABC):
     """The sharded parameters, the buckets their gradients are reduced in, and the step hooks."""
 
@@ -51,6 +63,8 @@ class ParameterResidency(abc.ABC):
     """The buckets' communication buffers (see ``buffers.py``)."""
     copies: Optional[CopyStream]
     """Host↔device copies of offloaded buckets (None without offload; see ``host_chunks.py``)."""
+    compute_device: torch.device
+    """Where the full parameters are computed with."""
 
     @property
     def host_allocations(self) -> int:
@@ -94,8 +108,9 @@ class ParameterResidency(abc.ABC):
         """Every sharded parameter's full value, copied to ``device`` (a collective at stage 3)."""
 
     @abc.abstractmethod
-    def gathered(self, writeback: bool) -> AbstractContextManager[None]:
-        """A context in which every parameter is its full tensor on every rank."""
+    def gathered(self, writeback: bool, full_copies: Optional[FullCopies] = None) -> AbstractContextManager[None]:
+        """A context in which every parameter is its full tensor (on every rank, unless
+        ``full_copies`` says otherwise)."""
 
     def adopt_assigned_data(self) -> None:
         """After each backward, before any optimizer step: keep the values of parameters whose
@@ -124,6 +139,9 @@ class ParameterResidency(abc.ABC):
         """Leave the module with plain full parameters (when training ends)."""
         self.close()
 
+    def resume(self) -> None:
+        """Stage 3: register the hooks ``end_training`` removed."""
+
     def close(self) -> None:
         """Remove hooks."""
 
@@ -141,7 +159,8 @@ class ReplicatedParameters(ParameterResidency):
     ) -> None:
         rank, world_size = collectives.rank(group), collectives.world_size(group)
         host = HOST if config.offload_optimizer else None
-        self.copies = CopyStream(_device_of_params(module)) if host is not None else None
+        self.compute_device = _device_of_params(module)
+        self.copies = CopyStream(self.compute_device) if host is not None else None
         self.params = [
             ShardedParam(name, p, rank, world_size, keep_full=True, host=host)
             for name, p in module.named_parameters()
@@ -177,7 +196,8 @@ class ReplicatedParameters(ParameterResidency):
             yield p, p.param.detach().to(device, copy=True)
 
     @contextmanager
-    def gathered(self, writeback: bool) -> Iterator[None]:
+    def gathered(self, writeback: bool, full_copies: Optional[FullCopies] = None) -> Iterator[None]:
+        # the parameters are whole on every rank already: where full copies would go changes nothing
         try:
             yield
         finally:
@@ -203,6 +223,7 @@ class ShardedParameters(ParameterResidency):
         offload = config.offload_optimizer
         self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if offload else 1) + 1 + config.prefetch_units)
         self.copies = CopyStream(device) if offload else None
+        self.compute_device = device
         self._verdicts = verdicts
         gather_group = collectives.new_group_like(group, timeout)  # see GatherSchedule's docstring
         self._own_group = gather_group if gather_group is not group else None  # destroyed by release_to
@@ -288,8 +309,14 @@ class ShardedParameters(ParameterResidency):
         self._verdicts.read()
 
     @contextmanager
-    def gathered(self, writeback: bool) -> Iterator[None]:
-        """Every unit gathered; with ``writeback``, edits to the full parameters are kept."""
+    def gathered(self, writeback: bool, full_copies: Optional[FullCopies] = None) -> Iterator[None]:
+        """Every unit gathered; with ``writeback``, edits to the full parameters are kept. With
+        ``full_copies``, the units are gathered one at a time and their parameters become copies
+        (see :class:`FullCopies`)."""
+        if full_copies is not None:
+            with self._full_copies(writeback, full_copies):
+                yield
+            return
         was_sharded = [unit for unit in self.units if unit.state is not UnitState.UNSHARDED]
         for unit in self.units:
             unit.unshard()
@@ -302,9 +329,48 @@ class ShardedParameters(ParameterResidency):
             for unit in was_sharded:
                 unit.reshard()
 
+    @contextmanager
+    def _full_copies(self, writeback: bool, copies: FullCopies) -> Iterator[None]:
+        """Each unit at rest is gathered in turn and its parameters copied to ``copies.device``
+        (kept only where ``copies.keep``), so the compute device never holds more than one unit
+        beyond what it holds now. Units already gathered (inside a step) stay as they are. With
+        ``writeback``, each rank takes its chunk of the edited copies when the context ends."""
+        lent = []
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED:
+                continue
+            unit.unshard()
+            values = [p.param.detach().to(copies.device, copy=True) if copies.keep else None for p in unit.params]
+            unit.reshard()
+            lent.extend(zip(unit.params, values))
+        self._verdicts.read()
+        if copies.keep:
+            for p, value in lent:
+                p.lend_full_copy(value)
+        try:
+            yield
+        finally:
+            if copies.keep:
+                if writeback and self.copies is not None:
+                    self.copies.synchronize()  # no copy to the device still reads the host chunks
+                for p, _ in lent:
+                    p.end_full_copy(writeback)
+
+    def end_training(self) -> None:
+        """A run ended normally: the module stays sharded at rest for evaluation, checkpoints or
+        another ``fit``; its hooks and communication buffers go (see [Note: after fit] in
+        ``module_link.py``)."""
+        self.schedule.end_step()
+        self.schedule.close()
+        self.pool.clear()
+
+    def resume(self) -> None:
+        self.schedule.open()
+
     def release_to(self, device: torch.device) -> None:
         """Give the module plain full parameters on ``device`` again (one unit on the compute
-        device at a time) and drop the sharding; used when training ends."""
+        device at a time) and drop the sharding (a stage-3 model handed to a differently configured
+        engine: every rank then holds the whole model)."""
         full = {id(p): value for p, value in self.full_values(device)}
         self.close()
         for p in self.params:

@@ -266,6 +266,20 @@ class ShardedParam:
             )
         self.param.data = self._unsharded
 
+    def lend_full_copy(self, value: Tensor) -> None:
+        """At rest: let the parameter show ``value``, a full copy made for the user (FSDP's
+        ``summon_full_params(offload_to_cpu=True)``), until ``end_full_copy``."""
+        wake(self.param)
+        self.param.data = value
+
+    def end_full_copy(self, writeback: bool) -> None:
+        """Back to rest after ``lend_full_copy``; with ``writeback`` this rank first takes its chunk
+        of the (possibly edited or reassigned) copy."""
+        if writeback:
+            self.load_full_value(self.param.data.to(self.device))
+        self.param.data = self._placeholder
+        put_to_rest(self.param)
+
     def free_unsharded(self) -> None:
         """Back to rest: release the full data (see [Note: stage-3 storage])."""
         if self.data_was_assigned():

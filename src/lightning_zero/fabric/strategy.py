@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.atomic import recover
-from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, file_writer
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
 from lightning_zero.engine import MemoryReport, ZeroStage, collectives
@@ -233,14 +233,17 @@ class ZeroFabricStrategy(DDPStrategy):
         return clip_grads_by_global_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite, shard_group)
 
     @contextmanager
-    def summon_full_params(self, module: Optional[nn.Module] = None, writeback: bool = False) -> Iterator[None]:
+    def summon_full_params(
+        self, module: Optional[nn.Module] = None, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> Iterator[None]:
         """Inside, every parameter of ``module`` (default: of every module set up) is its full tensor
         on every rank; edits are written back to the shards only with ``writeback=True``. Enter it
-        on every rank: gathering is a collective."""
+        on every rank: gathering is a collective. ``rank0_only`` and ``offload_to_cpu`` are FSDP's
+        knobs, as in ``ZeroStrategy.summon_full_params``."""
         with ExitStack() as stack:
             for sharded in self._modules.selected(module):
                 if sharded.engine is not None:
-                    stack.enter_context(sharded.engine.gathered(writeback))
+                    stack.enter_context(sharded.engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu))
             yield
 
     def finish_evaluation(self, module: Optional[nn.Module] = None) -> None:
@@ -331,7 +334,7 @@ class ZeroFabricStrategy(DDPStrategy):
         checkpoint[LIGHTNING_VERSION_KEY] = lightning.__version__
         self._checkpointing.save(
             self, checkpoint, path, split.module or nn.Module(), engine,
-            write_file=lambda ckpt, file: self.checkpoint_io.save_checkpoint(ckpt, file),
+            write_file=file_writer(self.checkpoint_io),
         )  # fmt: skip
 
     @override

@@ -34,7 +34,8 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
 
 def has_weight_averaging(trainer: "pl.Trainer") -> bool:
     """A Lightning ``WeightAveraging`` callback (EMA) is among the Trainer's: a fit resumed from a
-    sharded directory then hands it the checkpoint's full average and training weights."""
+    sharded directory then hands it the checkpoint's average and training weights, as this rank's
+    chunks (``sharded_averaging.py`` loads them)."""
     return WeightAveraging is not None and any(isinstance(callback, WeightAveraging) for callback in trainer.callbacks)
 
 

@@ -1,17 +1,15 @@
-"""Lightning's weight-averaging callbacks under ZeRO: their hooks that read or write the module's
-parameters between steps run with the full parameters in place.
+"""Lightning callbacks that edit the module's parameters between steps, under ZeRO: their hooks that
+read or write them run with the full parameters in place.
 
-``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) keep an averaged copy
-of the module and, between steps, read the module's parameters into it, swap the two around
-validation and copy the average back at the end. At stage 3 the module's parameters then exist only
-as this rank's chunks, and FSDP and DeepSpeed refuse these callbacks. Here the strategy runs exactly
-those hooks inside ``summon_full_params`` — with ``writeback`` where the hook writes the parameters
-— so each averages what DDP averages, and the run ends with DDP's weights. At stages 1-2 the
-parameters are whole anyway; the writeback still refreshes the fp32 master copies (``bf16-true``).
+``ModelPruning`` re-parametrizes modules and rewrites weights between steps. At stage 3 the
+module's parameters then exist only as this rank's chunks, so the strategy runs exactly those hooks
+inside ``summon_full_params`` (with ``writeback`` where the hook writes the parameters), and the
+run ends with DDP's weights. At stages 1-2 the parameters are whole anyway; the writeback still
+refreshes the fp32 master copies (``bf16-true``). Cost at stage 3: each such hook gathers the whole
+model on every rank for its duration.
 
-Cost, at stage 3: each such hook gathers the whole model on every rank for its duration (one extra
-all-gather of the weights per averaging update: EMA's default is every step), and the averaged copy
-is the callback's own full-size module on every rank, as under DDP.
+The weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging``) are not
+gathered: their average is kept as shards (``sharded_averaging.py``).
 """
 
 from __future__ import annotations
@@ -20,42 +18,22 @@ import functools
 from typing import Any, Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
-
-try:
-    from lightning.pytorch.callbacks import WeightAveraging
-except ImportError:  # Lightning before 2.6 has no WeightAveraging callback
-    WeightAveraging = None
+from lightning.pytorch.callbacks import ModelPruning
 
 READS, WRITES = False, True
 """Whether a hook's edits of the parameters must be written back into the shards."""
 
 PARAMETER_HOOKS: list[tuple[type, dict[str, bool]]] = [
-    (StochasticWeightAveraging, {"on_train_epoch_start": WRITES, "on_train_end": WRITES}),
     (
         ModelPruning,
         {"on_train_epoch_end": WRITES, "on_validation_epoch_end": WRITES, "on_train_end": WRITES, "on_save_checkpoint": READS},
     ),
 ]
 """Each callback class, and its hooks that touch the module's parameters."""
-if WeightAveraging is not None:
-    PARAMETER_HOOKS.append(
-        (
-            WeightAveraging,
-            {
-                "on_train_batch_end": READS,
-                "on_train_epoch_end": READS,
-                "on_validation_epoch_start": WRITES,
-                "on_validation_epoch_end": WRITES,
-                "on_train_end": WRITES,
-                "on_load_checkpoint": WRITES,
-            },
-        )
-    )
 
 
 def gather_around_parameter_hooks(trainer: "pl.Trainer", strategy: Any) -> None:
-    """Make the parameter-touching hooks of the Trainer's weight-averaging callbacks run inside
+    """Make the parameter-touching hooks of the Trainer's callbacks in ``PARAMETER_HOOKS`` run inside
     ``strategy.summon_full_params(writeback)``. Idempotent: setup runs again for ``validate``."""
     for callback in trainer.callbacks:
         for cls, hooks in PARAMETER_HOOKS:

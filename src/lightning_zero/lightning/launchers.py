@@ -9,13 +9,15 @@ resolves "last" before the strategy sees a path, and would otherwise start again
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Literal, Optional, get_args
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Literal, Optional, get_args
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_zero.checkpoint.atomic import recover_folder
+from lightning_zero.engine.module_link import linked_engine
 
 __all__ = ["RecoveringLauncher", "RecoveringMultiProcessingLauncher", "StartMethod", "check_start_method", "checkpoint_folders"]
 
@@ -44,7 +46,28 @@ class RecoveringLauncher(_RecoversCheckpoints, _SubprocessScriptLauncher):
 
 class RecoveringMultiProcessingLauncher(_RecoversCheckpoints, _MultiProcessingLauncher):
     """``start_method="spawn"|"fork"|"forkserver"``: ranks started from the calling process, which
-    gets rank 0's results back (at stage 3 its weights are full again after teardown)."""
+    gets rank 0's results back, its full weights included: at stage 3, where the module stays
+    sharded after ``fit``, they are gathered one unit at a time and kept on rank 0 alone."""
+
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
+        module = trainer.lightning_module
+        engine = linked_engine(module)
+        if engine is None:
+            return super()._collect_rank_zero_results(trainer, results)
+        full = engine.full_state_dict(module, keep=self._strategy.local_rank == 0)  # a collective
+        with _state_dict_is(module, full):
+            return super()._collect_rank_zero_results(trainer, results)
+
+
+@contextmanager
+def _state_dict_is(module: "pl.LightningModule", state_dict: dict[str, Any]) -> Iterator[None]:
+    """Lightning's launcher asks the module for its ``state_dict``; at stage 3 it gets the one
+    gathered for it (the module's own would read parameters at rest)."""
+    module.state_dict = lambda *args, **kwargs: state_dict  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.state_dict
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:

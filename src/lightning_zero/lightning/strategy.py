@@ -29,10 +29,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.checkpointing import check_state_dict_type, file_writer
 from lightning_zero.checkpoint.layout import as_trainer_checkpoint
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
+from lightning_zero.engine.module_link import linked_engine
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
     StateDictType,
@@ -44,6 +46,7 @@ from lightning_zero.lightning.checkpointing import (
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
+from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
 
@@ -167,7 +170,12 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def state_dict_type(self) -> StateDictType:
+        """The format ``trainer.save_checkpoint`` writes; settable, e.g. for one full file at the end."""
         return self._checkpointing.state_dict_type
+
+    @state_dict_type.setter
+    def state_dict_type(self, value: StateDictType) -> None:
+        self._checkpointing.state_dict_type = check_state_dict_type(value)
 
     @property
     def engine(self) -> Optional[ZeroEngine]:
@@ -180,6 +188,13 @@ class ZeroStrategy(DDPStrategy):
         return self.zero_config.zero_stage is ZeroStage.PARAMETERS
 
     @override
+    def setup_environment(self) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None:  # before the callbacks' `setup`, where Lightning's would copy the whole module
+            shard_weight_averaging(trainer)
+        super().setup_environment()
+
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         collectives.let_workers_finish_at_exit()
@@ -189,26 +204,33 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
-        gather_around_parameter_hooks(trainer, self)  # weight averaging reads and writes parameters between steps
+        gather_around_parameter_hooks(trainer, self)  # pruning reads and writes parameters between steps
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._close_engine()
-        self._finished = None
+        self._end_engine()
+        if fitting:  # evaluation leaves the optimizers' state as the finished run left it
+            self._finished = None
         shard_group, replicate_group = self._data_parallel_groups()
         set_norm_group(self.precision_plugin, shard_group)
+        kept = self._engine_to_resume(shard_group)
+        if kept is None:  # a module kept sharded has its dtypes already
+            self.precision_plugin.convert_module(self.model)
         if self.shards_parameters:
             if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
                 self.setup_optimizers(trainer)
-            self._engine = ZeroEngine(
-                self.lightning_module,
-                self.optimizers if fitting else [],
-                self.zero_config,
-                group=shard_group,
-                device=self.root_device,
-                timeout=self._timeout,  # also for the all-gathers' own process group
-                replicate_group=replicate_group,
-            )
+            if kept is not None:  # the module stayed sharded after an earlier run (see [Note: after fit])
+                kept.resume_training(self.optimizers if fitting else None)
+                self._engine = kept
+            else:
+                self._engine = ZeroEngine(
+                    self.lightning_module,
+                    self.optimizers if fitting else [],
+                    self.zero_config,
+                    group=shard_group,
+                    device=self.root_device,
+                    timeout=self._timeout,  # also for the all-gathers' own process group
+                    replicate_group=replicate_group,
+                )
             use_true_sizes_in_model_summary(trainer, self._engine)
             run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)
         else:
@@ -221,6 +243,23 @@ class ZeroStrategy(DDPStrategy):
                     self.lightning_module, self.optimizers, self.zero_config, group=shard_group, replicate_group=replicate_group
                 )
         self.setup_precision_plugin()
+
+    def _engine_to_resume(self, shard_group: collectives.ProcessGroup) -> Optional[ZeroEngine]:
+        """The engine an earlier run left holding the module sharded (see [Note: after fit] in
+        ``engine/module_link.py``), if this run can go on with it: the same configuration over as
+        many ranks. Any other engine first gives the module its full weights back (on every rank)."""
+        held = linked_engine(self.lightning_module)
+        if held is None:
+            return None
+        if (
+            self.shards_parameters
+            and held.config == self.zero_config
+            and collectives.world_size(held.group) == collectives.world_size(shard_group)
+            and held.shard_group_size == self.shard_group_size
+        ):
+            return held
+        held.release_parameters(self.root_device)
+        return None
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group): (None, None) when every rank shards; with hybrid
@@ -260,14 +299,23 @@ class ZeroStrategy(DDPStrategy):
             yield
 
     @contextmanager
-    def summon_full_params(self, writeback: bool = False) -> Generator[None, None, None]:
+    def summon_full_params(
+        self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+    ) -> Generator[None, None, None]:
         """Inside, every parameter is its full tensor on every rank (for inspection, generation or
-        export). Edits are written back to the shards only with ``writeback=True``. Enter it on
-        every rank: gathering is a collective."""
-        if self._engine is None:
+        export), during ``fit`` and after it. Edits are written back to the shards only with
+        ``writeback=True``. Enter it on every rank: gathering is a collective.
+
+        At stage 3, as FSDP's: ``offload_to_cpu=True`` makes the full parameters copies in host
+        memory, gathered one unit at a time (the accelerator holds one unit more than at rest);
+        ``rank0_only=True`` gives them to rank 0 alone, the other ranks taking part in the gathers
+        and keeping only their chunks (not with ``writeback``). Together: rank 0 alone holds the
+        model, in host memory — what exporting a model that fits no device wants."""
+        engine = self._state_engine
+        if engine is None:
             yield
             return
-        with self._engine.gathered(writeback):
+        with engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
             yield
 
     @override
@@ -288,22 +336,31 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        kept_sharded = False
         if self._engine is not None:
             if self._failed:
                 self._engine.close()
             else:
-                # stage 3: the module leaves with full parameters (on the CPU, where Lightning's
-                # teardown moves it anyway), gathered one unit at a time
-                self._engine.release_parameters(torch.device("cpu"))
-                self._finished = self._engine
-            self._engine = None
+                kept_sharded = self._engine.shards_parameters
+                self._end_engine()
         self._failed = False
-        super().teardown()
+        if not kept_sharded:
+            super().teardown()
+            return
+        # stage 3: the module stays sharded where its chunks are, as under Lightning's FSDPStrategy
+        # (Lightning's teardown would move it to the CPU, reading every parameter at rest)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
-    def _close_engine(self) -> None:
+    def _end_engine(self) -> None:
+        """The run's engine becomes the finished one: stage 3 keeps the module sharded at rest (see
+        [Note: after fit] in ``engine/module_link.py``); stages 1-2 remove their hooks."""
         if self._engine is not None:
-            self._engine.release_parameters(self.root_device)
-            self._engine = None
+            self._engine.end_training()
+            self._finished, self._engine = self._engine, None
 
     # ---- the training step ---------------------------------------------------------------------
     @override
@@ -400,10 +457,12 @@ class ZeroStrategy(DDPStrategy):
         return out
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state this rank holds now."""
-        if self._engine is None:
-            raise RuntimeError("memory_report() is available while `trainer.fit` runs (after setup).")
-        return self._engine.memory_report()
+        """Bytes of parameters, gradients and optimizer state this rank holds now (during ``fit``,
+        or what the finished run kept)."""
+        engine = self._state_engine
+        if engine is None:
+            raise RuntimeError("memory_report() is available once `trainer.fit` has set up the strategy.")
+        return engine.memory_report()
 
     # ---- checkpoints: see checkpointing.py --------------------------------------------------------
     @property
@@ -418,8 +477,8 @@ class ZeroStrategy(DDPStrategy):
         engine = self._state_engine
         if self._checkpointing.saves_directory(engine):
             return self._checkpointing.module_shards(self.lightning_module, engine)
-        if self._engine is not None and self.shards_parameters:
-            return self._engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
+        if engine is not None and engine.shards_parameters:
+            return engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
         return super().lightning_module_state_dict()  # full parameters on every rank
 
     @override
@@ -437,7 +496,7 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
         self._checkpointing.save(
-            self, checkpoint, filepath, self.lightning_module, self._state_engine, self.checkpoint_io.save_checkpoint
+            self, checkpoint, filepath, self.lightning_module, self._state_engine, file_writer(self.checkpoint_io)
         )
 
     @override

@@ -1,0 +1,59 @@
+"""Which engine holds a module's parameters sharded, found from the module itself.
+
+[Note: after fit]
+ZeRO-3 exists so that no rank ever holds the whole model, so a stage-3 module stays sharded at rest
+when ``fit`` (or ``validate``/``test``/``predict``) ends, as under FSDP: its weights are then the
+chunks its engine holds. The engine drops what only a running step needs (gradients, communication
+buffers, its hooks) and keeps the parameter chunks and the optimizers' state (``save_checkpoint``
+after ``fit`` writes it). The module keeps a link to that engine, so the engine lives exactly as
+long as the module; the next run on the module (the same Trainer validating, or a new Trainer with
+the same configuration) resumes the engine instead of building one, and a differently configured
+engine first has it release the full parameters (every rank then holds the whole model, as
+stages 1-2 need anyway). Full weights appear only where asked for: ``summon_full_params()``
+(optionally on rank 0 only, or in host memory), a ``state_dict_type="full"`` save, the spawn
+launcher's hand-back to the calling process (rank 0 only).
+
+The link is neither copied nor pickled with the module: a copy made inside ``summon_full_params``
+is a plain module with full weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.engine import ZeroEngine
+
+_ATTRIBUTE = "_lightning_zero_engine"
+
+
+class _Link:
+    """Holds the engine; copies and pickles of the module get an empty link."""
+
+    def __init__(self, engine: Optional["ZeroEngine"]) -> None:
+        self.engine = engine
+
+    def __reduce__(self) -> Any:
+        return (_Link, (None,))
+
+    def __deepcopy__(self, memo: dict) -> "_Link":
+        return _Link(None)
+
+
+def link(module: nn.Module, engine: "ZeroEngine") -> None:
+    """``engine`` holds ``module``'s parameters sharded from now on."""
+    object.__setattr__(module, _ATTRIBUTE, _Link(engine))
+
+
+def unlink(module: nn.Module, engine: "ZeroEngine") -> None:
+    """``engine`` no longer holds ``module`` (it released or dropped the parameters)."""
+    if linked_engine(module) is engine:
+        object.__delattr__(module, _ATTRIBUTE)
+
+
+def linked_engine(module: nn.Module) -> Optional["ZeroEngine"]:
+    """The engine holding ``module``'s parameters sharded, if one does."""
+    held = module.__dict__.get(_ATTRIBUTE)
+    return held.engine if held is not None else None

@@ -1,0 +1,260 @@
+"""Lightning's weight-averaging callbacks with their average kept as shards beside the optimizer's.
+
+``EMAWeightAveraging`` / ``WeightAveraging`` keep an ``AveragedModel`` (a full copy of the module),
+``StochasticWeightAveraging`` a copy of the module. Under ZeRO the copy is a ``ShardedAverage``:
+this rank's chunks of the average, beside the optimizer's (``engine/averaged_shards.py``), so 4 B
+per fp32 parameter / N per rank at every stage, and an update reads only this rank's chunks (no
+gather at stage 3). What Lightning wrote about *when* and *how* to average runs as it wrote it
+(``should_update``, ``_latest_update_step``, SWA's epochs, its LR schedule and BatchNorm epoch, the
+checkpoint hooks); only the methods that create or move the copy are replaced, on each callback
+instance, before the callbacks' ``setup``:
+
+    WeightAveraging:           setup, on_fit_start, _swap_models, _copy_average_to_current, on_load_checkpoint
+    StochasticWeightAveraging: setup, on_fit_start, update_parameters, transfer_weights
+
+``setup`` copies nothing (nor calls ``configure_model``, which at stage 3 builds on the meta device
+in the strategy's context); ``on_fit_start`` makes the average from the weights the strategy set
+up, as Lightning's copy starts from the weights at setup. Outside ``fit`` the callbacks hold no
+average, as on a Trainer that never fitted: after ``fit`` the module holds the average (copied in
+when training ends), and ``validate(ckpt_path=...)`` loads the checkpoint's average (its weights),
+so evaluation sees the average as under DDP, where the callback swaps it in and out again. A
+subclass's own override of one of the replaced methods is not called.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_zero.checkpoint.directory import CURRENT_MODEL_STATE
+from lightning_zero.checkpoint.sharded import SHARD_KEY_PREFIXES
+from lightning_zero.engine import ZeroEngine
+from lightning_zero.engine.averaged_shards import AveragedShards, AvgFn, Buffers, MultiAvgFn
+
+try:
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # Lightning before 2.6 has no WeightAveraging callback
+    WeightAveraging = None
+
+
+class ShardedAverage:
+    """Stands in for a weight-averaging callback's full copy: an ``AveragedModel``
+    (``averaged_model=True``: ``state_dict`` keys under ``module.``, and ``n_averaged``) or, for
+    SWA, a copy of the module. The average itself is an ``AveragedShards`` made by ``start``.
+
+    Its ``state_dict`` is what the strategy saves: shard entries (``model/<param>`` this rank's
+    chunk as a DTensor, ``buffer/<key>``) for sharded directories, full tensors on rank 0 for
+    ``state_dict_type="full"`` (a collective, as Lightning calls it on every rank).
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        device: Optional[torch.device],
+        buffers: Buffers,
+        averaged_model: bool,
+        avg_fn: Optional[AvgFn] = None,
+        multi_avg_fn: Optional[MultiAvgFn] = None,
+    ) -> None:
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise ValueError("Only one of `avg_fn` and `multi_avg_fn` can be given (as for torch's AveragedModel).")
+        self.strategy, self.device, self.buffers = strategy, device, buffers
+        self.avg_fn, self.multi_avg_fn = avg_fn, multi_avg_fn
+        self.prefix = "module." if averaged_model else ""
+        self.counts = averaged_model
+        self.n_averaged = torch.tensor(0, dtype=torch.long)
+        """Models averaged so far (``AveragedModel``'s; SWA counts in the callback itself)."""
+        self.engine: Optional[ZeroEngine] = None
+        self._shards: Optional[AveragedShards] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a Trainer pickled after `fit` carries the options, not this process's chunks
+        return {**self.__dict__, "engine": None, "_shards": None}
+
+    def start(self, engine: Optional[ZeroEngine]) -> None:
+        """Make the average, from the current weights, beside ``engine``'s chunks."""
+        if engine is None:
+            raise RuntimeError("Weight averaging under ZeroStrategy needs the strategy's engine; start it at `on_fit_start`.")
+        self.close()
+        self.engine = engine
+        self._shards = engine.average_weights(self.device, self.buffers)
+
+    @property
+    def shards(self) -> AveragedShards:
+        if self._shards is None:
+            raise RuntimeError(
+                "The weight average under ZeroStrategy is made at `on_fit_start`; it was used before that, or after a pickle."
+            )
+        return self._shards
+
+    def close(self) -> None:
+        """Drop the average (its memory, and its place in the engine's ``memory_report``)."""
+        if self._shards is not None and self.engine is not None:
+            self.engine.averages.discard(self._shards)
+        self.engine, self._shards = None, None
+
+    def to(self, *args: Any, **kwargs: Any) -> "ShardedAverage":
+        """SWA moves its copy to its ``device``; the chunks were made there (``device``) already."""
+        return self
+
+    # ---- what the callbacks call -----------------------------------------------------------------
+    def update_parameters(self, model: Any) -> None:
+        """``AveragedModel.update_parameters(model)`` (``model``'s chunks are the engine's)."""
+        self.shards.update(self.n_averaged, self.avg_fn, self.multi_avg_fn)
+        self.n_averaged += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        shards = self.shards
+        if self.strategy.state_dict_type == "sharded":  # the strategy's own checkpointing: the DCP mesh
+            weights = self.strategy._checkpointing.module_shards(shards.module, self.engine, shards)
+        else:
+            weights = shards.full_state_dict(keep=self.strategy.is_global_zero)
+        state = {self.prefix + key: value for key, value in weights.items()}
+        if self.counts:
+            state["n_averaged"] = self.n_averaged.clone()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        weights = {key[len(self.prefix) :]: v for key, v in state.items() if key.startswith(self.prefix) and key != "n_averaged"}
+        self.load_weights(weights, strict)
+        if self.counts and "n_averaged" in state:
+            self.n_averaged.copy_(state["n_averaged"])
+
+    def load_weights(self, state: Mapping[str, Tensor], strict: bool = True) -> None:
+        """The average from ``state``: shard entries (this rank's chunks) or a full ``state_dict``."""
+        params, buffers, chunked = _split_weights(state, self.shards)
+        self.shards.load(params, buffers, chunked, strict)
+
+    def load_training_weights(self, state: Mapping[str, Tensor]) -> None:
+        """The module's training weights from ``state``: shard entries or a full ``state_dict``."""
+        params, buffers, chunked = _split_weights(state, self.shards)
+        if chunked:
+            self.shards.load_training_chunks(params, buffers)
+        else:
+            assert self.engine is not None
+            self.engine.load_full_state_dict(self.shards.module, state)
+
+
+def _split_weights(state: Mapping[str, Tensor], shards: AveragedShards) -> tuple[dict[str, Tensor], dict[str, Tensor], bool]:
+    """(parameters by name, buffers by key, whether the parameters are this rank's chunks): a
+    sharded checkpoint's entries (``model/<param>``, ``buffer/<key>``) or a ``state_dict`` (whose
+    tied aliases are skipped)."""
+    if state and all(key.startswith(SHARD_KEY_PREFIXES) for key in state):
+        params = {key[len("model/") :]: v for key, v in state.items() if key.startswith("model/")}
+        buffers = {key[len("buffer/") :]: v for key, v in state.items() if key.startswith("buffer/")}
+        return params, buffers, True
+    params = {key: v for key, v in state.items() if key in shards.chunks}
+    return params, {key: v for key, v in state.items() if key not in params}, False
+
+
+# ---- the methods replaced on the callbacks ---------------------------------------------------------
+def _averaging_setup(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    _close(callback)
+    callback._average_model = None
+    if stage == "fit":
+        buffers = Buffers.AVERAGED if callback._use_buffers else Buffers.COPIED
+        callback._average_model = ShardedAverage(
+            trainer.strategy, callback._device, buffers, averaged_model=True, **callback._kwargs
+        )
+
+
+def _swa_setup(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    _close(callback)
+    callback._average_model = None
+    if stage == "fit":
+        callback._average_model = ShardedAverage(trainer.strategy, callback._device, Buffers.NOT_KEPT, averaged_model=False)
+
+
+def _close(callback: Any) -> None:
+    if isinstance(callback._average_model, ShardedAverage):
+        callback._average_model.close()
+
+
+def _start(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    callback._average_model.start(trainer.strategy.engine)
+    type(callback).on_fit_start(callback, trainer, pl_module)  # SWA's checks; a no-op for WeightAveraging
+
+
+def _swap(callback: Any, pl_module: "pl.LightningModule") -> None:
+    callback._average_model.shards.swap()
+
+
+def _copy_in(callback: Any, pl_module: "pl.LightningModule") -> None:
+    callback._average_model.shards.copy_to_training()
+
+
+def _averaging_load(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]) -> None:
+    """``WeightAveraging.on_load_checkpoint``, with both weights loaded into chunks."""
+    average = callback._average_model
+    if average is None:
+        type(callback).on_load_checkpoint(callback, trainer, pl_module, checkpoint)  # Lightning's warning
+    elif CURRENT_MODEL_STATE in checkpoint and "averaging_state" in checkpoint:
+        rank_zero_info("Found current_model_state in the checkpoint. This will be used to initialize the model.")
+        average_state = {"module." + key: value for key, value in checkpoint["state_dict"].items()}
+        average.load_state_dict({**average_state, **checkpoint["averaging_state"]})
+        average.load_training_weights(checkpoint[CURRENT_MODEL_STATE])
+    else:
+        rank_zero_warn(
+            "The checkpoint was not created with WeightAveraging. Both the current and the average model will be"
+            " initialized with state_dict."
+        )
+        average.load_weights(checkpoint["state_dict"], strict=False)
+
+
+def _swa_update(callback: Any, average: ShardedAverage, model: Any, n_averaged: Tensor, avg_fn: AvgFn) -> None:
+    """``StochasticWeightAveraging.update_parameters``: its ``avg_fn`` on the parameters' chunks."""
+    average.shards.update(n_averaged, avg_fn)
+    n_averaged += 1
+
+
+def _swa_transfer(callback: Any, average: ShardedAverage, pl_module: "pl.LightningModule") -> None:
+    average.shards.copy_to_training()
+
+
+REPLACED: list[tuple[Optional[type], dict[str, Callable[..., Any]]]] = [
+    (
+        WeightAveraging,
+        {
+            "setup": _averaging_setup,
+            "on_fit_start": _start,
+            "_swap_models": _swap,
+            "_copy_average_to_current": _copy_in,
+            "on_load_checkpoint": _averaging_load,
+        },
+    ),
+    (
+        StochasticWeightAveraging,
+        {"setup": _swa_setup, "on_fit_start": _start, "update_parameters": _swa_update, "transfer_weights": _swa_transfer},
+    ),
+]
+"""Each callback class, and its methods replaced by functions of (callback, *the method's arguments)."""
+
+
+class ReplacedMethod:
+    """``function(callback, *args)`` in place of one of ``callback``'s methods; a class rather than a
+    closure so that a Trainer holding the callback still pickles."""
+
+    def __init__(self, function: Callable[..., Any], callback: Callback) -> None:
+        self.function, self.callback = function, callback
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(self.callback, *args, **kwargs)
+
+
+def shard_weight_averaging(trainer: "pl.Trainer") -> None:
+    """Give the Trainer's weight-averaging callbacks sharded storage; before their ``setup``, where
+    Lightning's would copy the whole module. Idempotent: every run of the Trainer calls it."""
+    for callback in trainer.callbacks:
+        for cls, methods in REPLACED:
+            replaced = isinstance(callback.__dict__.get("setup"), ReplacedMethod)
+            if cls is not None and isinstance(callback, cls) and not replaced:
+                for name, function in methods.items():
+                    setattr(callback, name, ReplacedMethod(function, callback))
+
+
+__all__ = ["ShardedAverage", "shard_weight_averaging"]

@@ -1,0 +1,328 @@
+"""After ``fit`` a stage-3 module stays sharded at rest (see [Note: after fit] in
+``engine/module_link.py``): what users do next — validate, predict, save, look at the weights, fit
+again — gives DDP's answers, and no phase of the lifecycle brings the full model onto a rank that
+did not ask for it.
+
+Memory: each rank's peak RSS per phase (VmHWM, reset between phases; glibc's mmap threshold lowered
+so freed buffers leave the process, see ``bench/memory.py``) for a GPT whose full fp32 weights are
+8 units. No phase may exceed the fit's peak by more than one unit plus ``MARGIN``; rank 0's full
+save may rise by at most 1.1x the checkpoint file's size above what it held before the save.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import pytest
+
+from case_groups import CaseGroup, GroupResults, RankContext
+
+GROUP = CaseGroup(world_size=2)
+STAGE_2 = CaseGroup(world_size=2)
+"""Stage 2's lifecycle in processes of its own: what stage 3's run left mapped would blur it."""
+STEPS = 4
+MARGIN = 8 * 2**20
+"""Allowed above the fit's peak besides one unit: Python objects, Lightning's loop state, glibc's
+bookkeeping (the measured excess of validate/predict/saves over the fit's peak is at most ~3 MB)."""
+FULL_SAVE_FACTOR = 1.1
+
+
+# ---- the lifecycle's memory -----------------------------------------------------------------------
+def _lifecycle_module():
+    import lightning as L
+    import torch
+
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    class Lifecycle(L.LightningModule):
+        """A GPT of 8 blocks of 1.8M parameters (7.1 MB each, 57 MB in all), built in
+        ``configure_model`` (on the meta device at stage 3)."""
+
+        config = GPTConfig(block_size=32, n_layer=8, n_head=6, n_embd=384)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = GPT(self.config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch[0][:, :-1], batch[0][:, 1:])[1]
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", self.model(batch[0][:, :-1], batch[0][:, 1:])[1], sync_dist=True)
+
+        test_step = validation_step
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(batch[0][:, :-1])[0][:, -1].argmax(-1)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Lifecycle
+
+
+class _Phases:
+    """Peak RSS of each phase on this rank."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from lightning_zero.bench.memory import PeakMemory, small_mmap_threshold
+
+        small_mmap_threshold()
+        self.memory = PeakMemory(torch.device("cpu"))
+        self.peaks: dict[str, int] = {}
+        self.before: dict[str, int] = {}
+
+    def start(self, name: str) -> None:
+        gc.collect()
+        self.before[name] = self.memory.current()
+        self.memory.reset()
+
+    def end(self, name: str) -> None:
+        self.peaks[name] = self.memory.peak()
+
+
+def _phase_callback(phases: _Phases):
+    from lightning.pytorch.callbacks import Callback
+
+    class PhaseBoundaries(Callback):
+        """Setup ends where ``on_fit_start`` is called; training ends at ``on_train_end``."""
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            phases.end("setup")
+            phases.start("fit")
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            phases.end("fit")
+            phases.start("teardown")
+
+    return PhaseBoundaries()
+
+
+def lifecycle(ctx: RankContext, stage: int) -> dict:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_helpers import make_trainer
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.models.gpt import Block
+
+    Lifecycle = _lifecycle_module()
+    g = torch.Generator().manual_seed(3)
+    data = DataLoader(TensorDataset(torch.randint(0, 256, (16, 33), generator=g)), batch_size=2)
+    directory, file = os.path.join(ctx.tmpdir, f"life{stage}"), os.path.join(ctx.tmpdir, f"life{stage}.ckpt")
+    unit_bytes = sum(p.numel() * 4 for p in Block(Lifecycle.config).parameters())
+    phases = _Phases()
+
+    def trainer_for(max_steps: int, *callbacks: Any) -> L.Trainer:
+        # fit gets no validation data: validation comes after fit
+        return make_trainer(
+            ZeroStrategy(stage=stage), max_steps, callbacks=list(callbacks), limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, num_sanity_val_steps=0
+        )
+
+    L.seed_everything(0, verbose=False)
+    module = Lifecycle()
+    trainer = trainer_for(2, _phase_callback(phases))
+    phases.start("setup")
+    trainer.fit(module, data)
+    phases.end("teardown")
+
+    for name, run in (
+        ("sharded save", lambda: trainer.save_checkpoint(directory)),
+        ("validate after fit", lambda: trainer.validate(module, data, verbose=False)),
+        ("test after fit", lambda: trainer.test(module, data, verbose=False)),
+        ("predict after fit", lambda: trainer.predict(module, data)),
+    ):
+        phases.start(name)
+        run()
+        phases.end(name)
+
+    trainer.strategy.state_dict_type = "full"
+    phases.start("full save")
+    trainer.save_checkpoint(file)
+    phases.end("full save")
+
+    del trainer, module
+    L.seed_everything(0, verbose=False)
+    module = Lifecycle()
+    trainer = trainer_for(3)
+    phases.start("resume")
+    trainer.fit(module, data, ckpt_path=directory)  # one step more
+    phases.end("resume")
+    return {
+        "peaks": phases.peaks,
+        "before": phases.before,
+        "unit_bytes": unit_bytes,
+        "file_bytes": os.path.getsize(file),
+        "resumed_step": trainer.global_step,
+    }
+
+
+GROUP.case(lifecycle, name="lifecycle_zero3", stage=3)
+STAGE_2.case(lifecycle, name="lifecycle_zero2", stage=2)
+
+
+# ---- what users do after fit, against DDP ---------------------------------------------------------
+@GROUP.case
+def after_fit(ctx: RankContext) -> dict:
+    import lightning as L
+    import torch
+
+    from lightning_helpers import fit_gpt, full_weights, make_trainer, max_abs_diff, token_data
+    from lightning_zero.engine.at_rest import ParameterAtRest
+    from lightning_zero.engine.module_link import linked_engine
+
+    ref, _, ref_trainer = fit_gpt("ddp", STEPS)
+    module, _, trainer = fit_gpt("zero3", STEPS)
+    out: dict[str, Any] = {}
+    out["at_rest"] = all(isinstance(p, ParameterAtRest) for p in module.parameters())
+    try:
+        module.model.wte.weight.sum()
+        out["read_at_rest"] = None
+    except RuntimeError as err:
+        out["read_at_rest"] = str(err)
+    out["weights"] = max_abs_diff(full_weights(ref), full_weights(module, trainer.strategy))
+
+    def evaluated(t: L.Trainer, m: L.LightningModule) -> tuple[float, torch.Tensor]:
+        loss = t.validate(m, token_data(8), verbose=False)[0]["val_loss"]
+        return loss, torch.cat(t.predict(m, token_data(8)))
+
+    (ref_loss, ref_pred), (loss, pred) = evaluated(ref_trainer, ref), evaluated(trainer, module)
+    out["validate"], out["predict"] = (ref_loss, loss), torch.equal(ref_pred, pred)
+    out["at_rest_after_evaluation"] = all(isinstance(p, ParameterAtRest) for p in module.parameters())
+
+    # FSDP's knobs: rank 0 alone gets host copies; the others keep their chunks
+    strategy = trainer.strategy
+    with strategy.summon_full_params(rank0_only=True, offload_to_cpu=True):
+        if ctx.rank == 0:
+            copies = {k: v.clone() for k, v in module.state_dict().items()}
+            out["rank0_copies"] = max_abs_diff(full_weights(ref), copies)
+            out["rank0_devices"] = {str(p.device) for p in module.parameters()}
+        else:
+            out["others_at_rest"] = all(isinstance(p, ParameterAtRest) for p in module.parameters())
+    try:
+        with strategy.summon_full_params(rank0_only=True, writeback=True):
+            pass
+        out["rank0_writeback"] = None
+    except ValueError as err:
+        out["rank0_writeback"] = str(err)
+    with strategy.summon_full_params(offload_to_cpu=True, writeback=True), torch.no_grad():
+        module.model.blocks[1].mlp.fc.weight.mul_(0.5)
+    with torch.no_grad():
+        ref.model.blocks[1].mlp.fc.weight.mul_(0.5)
+    out["written_back"] = max_abs_diff(full_weights(ref), full_weights(module, strategy))
+
+    # a full file after fit, as DDP writes it
+    strategy.state_dict_type = "full"
+    for t, name in ((ref_trainer, "ddp"), (trainer, "zero3")):
+        t.save_checkpoint(os.path.join(ctx.tmpdir, f"after_fit_{name}.ckpt"))
+    if ctx.rank == 0:
+        saved = {n: torch.load(os.path.join(ctx.tmpdir, f"after_fit_{n}.ckpt"), weights_only=False) for n in ("ddp", "zero3")}
+        out["file_weights"] = max_abs_diff(saved["ddp"]["state_dict"], saved["zero3"]["state_dict"])
+        states = [saved[n]["optimizer_states"][0]["state"] for n in ("ddp", "zero3")]
+        out["file_optimizer"] = max(
+            (states[0][i][k] - states[1][i][k]).abs().max().item() for i in states[0] for k in ("exp_avg", "exp_avg_sq")
+        )
+
+    # a second fit in the same process goes on from the shards, with the new run's optimizer only
+    engine = linked_engine(module)
+    second = {}
+    for name, m in (("ddp", ref), ("zero3", module)):
+        L.seed_everything(1, verbose=False)
+        second[name] = make_trainer(name, 2)
+        second[name].fit(m, token_data())
+    out["same_engine"] = linked_engine(module) is engine and len(engine.optimizers) == 1
+    out["second_fit"] = max_abs_diff(full_weights(ref), full_weights(module, second["zero3"].strategy))
+
+    # another configuration takes the module over: it releases the full weights first
+    other = make_trainer("zero2", 1)
+    out["other_config"] = (
+        ref_trainer.validate(ref, token_data(8), verbose=False)[0]["val_loss"],
+        other.validate(module, token_data(8), verbose=False)[0]["val_loss"],
+    )
+    out["released"] = linked_engine(module) is None and not any(isinstance(p, ParameterAtRest) for p in module.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("after_fit"))
+
+
+@pytest.fixture(scope="module")
+def stage_2_results(tmp_path_factory) -> GroupResults:
+    return STAGE_2.run(tmp_path_factory.mktemp("lifecycle_zero2"))
+
+
+def _lifecycle(request: Any, stage: int) -> list[dict]:
+    group = request.getfixturevalue("results" if stage == 3 else "stage_2_results")
+    return group[f"lifecycle_zero{stage}"]
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(request, stage):
+    for rank, r in enumerate(_lifecycle(request, stage)):
+        peaks, unit = r["peaks"], r["unit_bytes"] if stage == 3 else 0
+        for phase, peak in peaks.items():
+            if phase in ("fit", "resume") or (phase == "full save" and rank == 0):
+                continue
+            assert peak <= peaks["fit"] + unit + MARGIN, (phase, (peak - peaks["fit"]) / 2**20)
+        # the resumed run starts where the first one left this process (freed memory stays mapped
+        # in part): it may rise above that as far as the first run rose above the process's start
+        first_rise, resume_rise = peaks["fit"] - r["before"]["setup"], peaks["resume"] - r["before"]["resume"]
+        assert resume_rise <= first_rise + unit + MARGIN, (resume_rise - first_rise) / 2**20
+        assert r["resumed_step"] == 3
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_rank_zero_holds_the_full_checkpoint_once_while_saving_it(request, stage):
+    r = _lifecycle(request, stage)[0]
+    rise = r["peaks"]["full save"] - r["before"]["full save"]
+    assert rise <= FULL_SAVE_FACTOR * r["file_bytes"], (rise / 2**20, r["file_bytes"] / 2**20)
+
+
+def test_the_module_stays_sharded_after_fit_and_says_how_to_read_it(results):
+    for r in results["after_fit"]:
+        assert r["at_rest"] and r["at_rest_after_evaluation"]
+        assert "summon_full_params" in r["read_at_rest"] and "model.wte.weight" in r["read_at_rest"]
+        assert r["weights"] == 0.0
+
+
+def test_validate_and_predict_after_fit_reuse_the_shards_and_match_ddp(results):
+    for r in results["after_fit"]:
+        assert r["validate"][0] == r["validate"][1]
+        assert r["predict"]
+
+
+def test_summon_full_params_takes_fsdps_knobs(results):
+    rank0, rank1 = results["after_fit"]
+    assert rank0["rank0_copies"] == 0.0 and rank0["rank0_devices"] == {"cpu"}
+    assert rank1["others_at_rest"]
+    for r in (rank0, rank1):
+        assert "rank0_only" in r["rank0_writeback"] and "writeback" in r["rank0_writeback"]
+        assert r["written_back"] == 0.0
+
+
+def test_a_full_file_saved_after_fit_is_ddps(results):
+    r = results["after_fit"][0]
+    assert r["file_weights"] == 0.0 and r["file_optimizer"] == 0.0
+
+
+def test_a_second_fit_goes_on_from_the_shards_as_ddp_does(results):
+    for r in results["after_fit"]:
+        assert r["same_engine"]
+        assert r["second_fit"] == 0.0
+
+
+def test_another_configuration_takes_the_module_over_with_full_weights(results):
+    for r in results["after_fit"]:
+        assert r["other_config"][0] == r["other_config"][1]
+        assert r["released"]
