@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from lightning_zero.engine.config import ZeroStage, check_offload, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
@@ -417,21 +417,25 @@ def largest_model(
 def _largest_fitting(
     layout: Layout, scheme: PrecisionScheme, topology: Topology, gpu_memory: int, host_memory: Optional[int]
 ) -> int:
-    """The largest Ψ whose model states fit in `layout`, or 0: bytes grow with Ψ, so double an upper
-    bound, then bisect. Every layout costs at least one byte per parameter somewhere, and both places
-    searched have a budget, so the doubling ends."""
+    """The largest Ψ whose model states fit in `layout`, or 0 (`largest_passing`). Every layout costs
+    at least one byte per parameter somewhere, and both places searched have a budget, so the
+    doubling ends."""
+    return largest_passing(lambda num_params: fits(estimate(num_params, layout, scheme, topology), gpu_memory, host_memory))
 
-    def fits_at(num_params: int) -> bool:
-        return fits(estimate(num_params, layout, scheme, topology), gpu_memory, host_memory)
 
-    if not fits_at(1):
+def largest_passing(passes: Callable[[int], bool]) -> int:
+    """The largest n ≥ 1 with `passes(n)`, or 0 when `passes(1)` fails, for a test that passes up to
+    some n and fails from there on (bytes grow with the size): double n from 1 until the first
+    failure, then bisect between the last pass and it. `passes` is called in that order, O(log n)
+    times, which `lightning-zero bench --capacity` relies on (each call there is a training run)."""
+    if not passes(1):
         return 0
     good, bad = 1, 2
-    while fits_at(bad):
+    while passes(bad):
         good, bad = bad, 2 * bad
-    while bad - good > 1:  # invariant: `good` fits, `bad` does not
+    while bad - good > 1:  # invariant: `good` passes, `bad` does not
         middle = (good + bad) // 2
-        good, bad = (middle, bad) if fits_at(middle) else (good, middle)
+        good, bad = (middle, bad) if passes(middle) else (good, middle)
     return good
 
 

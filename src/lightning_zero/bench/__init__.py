@@ -5,9 +5,12 @@ on one model, one data stream and one machine, each next to the ZeRO paper's flo
     result = run_bench(BenchOptions(devices=2, steps=5, variants=("ddp", "zero2")))
 
 Modules: `options` (what to run), `variants` (the table), `wrappers` (how each variant is built
-and stepped), `worker` (one process group per variant), `memory` and `comm` (what is measured and
-how), `theory` (the floors), `targets` (issue 8's targets and the notes), `results` (the figures),
-`report` (markdown, JSON, PNG). The console subcommand is `lightning_zero.cli.bench`.
+and stepped), `worker` (one process group per variant) and `rank` (what each of its ranks runs),
+`memory` and `comm` (what is measured and how), `theory` (the floors), `targets` (issue 8's targets
+and the notes), `results` (the figures), `report` (markdown, JSON, PNG). `--capacity`: `capacity`
+(the search for the largest model or batch under a memory budget), `budget` (how the budget is
+enforced, per rank), `footprint` (the prediction beside each row), `capacity_report` (its table
+and chart). The console subcommand is `lightning_zero.cli.bench`.
 """
 
 from lightning_zero.bench.options import BenchOptions

@@ -18,7 +18,7 @@ nothing for barriers. This is the convention of the ZeRO paper's 2Ψ / 3Ψ (see 
 the world size: every process group in this benchmark spans all ranks.
 
 A dispatch mode sees every operator, not only collectives, and costs Python time on each; so it is
-switched on for one dedicated step after the timed ones (`worker.py`), never while timing.
+switched on for one dedicated step after the timed ones (`rank.py`), never while timing.
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ from lightning_zero.models.gpt import GPT, GPTConfig
 PRECISIONS = ("fp32", "bf16-mixed")
 """fp32, or Lightning's bf16-mixed: autocast to bf16 around the forward, fp32 model states."""
 DEVICES = ("cpu", "cuda")
+CAPACITY_MODES = ("model", "batch")
+"""What `--capacity` grows: `n_layer` at a fixed width, or the sequences per rank of a fixed model."""
+CAPACITY_VARIANTS = ("ddp", "fsdp2_z3", "zero1", "zero2", "zero3", "zero3_offload")
+"""The variants a capacity run compares unless `--variants` names others."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,13 @@ class BenchOptions:
     """Our variants only: hybrid sharding, states sharded within groups of this many ranks and
     replicated across the groups; the report then splits our traffic by group."""
     timeout_s: float = 900.0
-    """A variant whose processes have not all reported by then is killed and marked failed."""
+    """A variant whose processes have not all reported by then is killed and marked failed (with
+    `capacity`: each try)."""
+    capacity: Optional[str] = None
+    """One of `CAPACITY_MODES`: search the largest model or batch that trains under `memory_budget`
+    (see `capacity.py`) instead of measuring one."""
+    memory_budget: Optional[int] = None
+    """With `capacity`: bytes every rank must stay under (see `budget.py` for what is counted)."""
 
     def __post_init__(self) -> None:
         positive = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "steps")
@@ -92,6 +102,7 @@ class BenchOptions:
             raise ValueError(f"`timeout_s` must be positive, got {self.timeout_s!r}")
         if self.shard_group_size is not None:
             check_shard_group_size(self.shard_group_size, self.devices)
+        self._check_capacity()
         if not self.variants:
             raise ValueError("`variants` must name at least one variant")
         variants.select(self.variants)  # raises for unknown names
@@ -99,6 +110,18 @@ class BenchOptions:
         object.__setattr__(self, "out", Path(self.out))
         if self.n_embd % self.n_head and self.params is None:
             raise ValueError(f"`n_head` ({self.n_head}) must divide `n_embd` ({self.n_embd})")
+
+    def _check_capacity(self) -> None:
+        if self.capacity is None:
+            if self.memory_budget is not None:
+                modes = ", ".join(CAPACITY_MODES)
+                raise ValueError(f"`memory_budget` is only used with `capacity` (one of: {modes})")
+            return
+        if self.capacity not in CAPACITY_MODES:
+            raise ValueError(f"`capacity` must be one of {', '.join(CAPACITY_MODES)}, got {self.capacity!r}")
+        budget = self.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"`capacity` needs `memory_budget`, a positive number of bytes, got {budget!r}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,4 +1,6 @@
 """Writing one run down: a markdown table for people, a JSON file with every figure, a PNG chart.
+A capacity run (`capacity.py`) is written the same way, with its own table and chart
+(`capacity_report.py`).
 
 Bytes are shown in decimal MB (10^6), the unit of the `estimate` subcommand and the ZeRO paper.
 The chart needs matplotlib (the `bench` extra); without it the run writes the rest and says so.
@@ -12,13 +14,13 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 
 from lightning_zero.bench import theory
 from lightning_zero.bench.options import BenchOptions
-from lightning_zero.bench.results import OK, BenchResult, VariantResult
+from lightning_zero.bench.results import OK, BenchResult, RunReport, VariantResult
 
 MARKDOWN_NAME, JSON_NAME, CHART_NAME, LOG_DIR_NAME = "bench.md", "bench.json", "bench.png", "logs"
 
@@ -138,15 +140,26 @@ def command_line(options: BenchOptions) -> str:
         parts.append("--activation-checkpointing")
     if options.shard_group_size is not None:
         parts.append(f"--shard-group-size {options.shard_group_size}")
+    if options.capacity is not None:
+        parts.append(f"--capacity {options.capacity} --memory-budget {options.memory_budget}B")
+    if options.timeout_s != defaults.timeout_s:
+        parts.append(f"--timeout {options.timeout_s:g}")
     if options.out != defaults.out:
         parts.append(f"--out {options.out}")
     return " ".join(parts)
 
 
+def options_record(options: BenchOptions) -> dict[str, Any]:
+    """`options` as the JSON records them, with the command that reproduces them."""
+    record = {k: str(v) if k == "out" else v for k, v in dataclasses.asdict(options).items()}
+    record["command"] = command_line(options)
+    return record
+
+
 # --- markdown -------------------------------------------------------------------------------
 
 
-def _mb(nbytes: Optional[float]) -> str:
+def format_mb(nbytes: Optional[float]) -> str:
     if nbytes is None:
         return "—"
     value = nbytes / 1e6
@@ -172,10 +185,10 @@ def _main_row(r: VariantResult) -> list[str]:
     return [
         f"`{r.name}`",
         str(r.stage),
-        _mb(r.model_state_bytes),
-        _mb(r.theory.model_state.total),
+        format_mb(r.model_state_bytes),
+        format_mb(r.theory.model_state.total),
         _pct(r.model_state_vs_theory),
-        _mb(r.peak_memory_bytes),
+        format_mb(r.peak_memory_bytes),
         number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.0f"),
         number(r.step_time_ratio_to_ddp, ".2f"),
         number(r.tokens_per_s, ",.0f"),
@@ -183,8 +196,8 @@ def _main_row(r: VariantResult) -> list[str]:
         number(r.aten_ops_ratio_to_ddp, ".2f"),
         _syncs(r),
         number(r.collective_calls_per_step, "d"),
-        _mb(r.comm_bytes_per_step),
-        _mb(r.theory.comm_bytes_per_step),
+        format_mb(r.comm_bytes_per_step),
+        format_mb(r.theory.comm_bytes_per_step),
         _pct(r.comm_vs_theory),
         number(r.final_loss, ".4f"),
         _missed(r),
@@ -206,20 +219,20 @@ def _engine_kind(report: dict[str, Any], kind: str) -> int:
 def _state_row(r: VariantResult) -> list[str]:
     floor = r.theory.model_state
     kinds = r.model_state_by_kind or {}
-    where = ", ".join(f"{k} {_mb(v)}" for k, v in sorted((r.model_state_by_location or {}).items())) or "—"
+    where = ", ".join(f"{k} {format_mb(v)}" for k, v in sorted((r.model_state_by_location or {}).items())) or "—"
     engine, comm_buffers = "—", "—"
     if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
         report = r.ranks[0].engine_reports[r.model_state_phase]
-        engine = " / ".join(_mb(_engine_kind(report, k)) for k in ("parameters", "gradients", "optimizer_state"))
-        comm_buffers = _mb(report.get("comm_buffers"))
+        engine = " / ".join(format_mb(_engine_kind(report, k)) for k in ("parameters", "gradients", "optimizer_state"))
+        comm_buffers = format_mb(report.get("comm_buffers"))
     return [
         f"`{r.name}`",
         r.model_state_phase or "—",
-        f"{_mb(kinds.get('parameters'))} / {_mb(floor.parameters)}",
-        f"{_mb(kinds.get('gradients'))} / {_mb(floor.gradients)}",
-        f"{_mb(kinds.get('optimizer_state'))} / {_mb(floor.optimizer_state)}",
+        f"{format_mb(kinds.get('parameters'))} / {format_mb(floor.parameters)}",
+        f"{format_mb(kinds.get('gradients'))} / {format_mb(floor.gradients)}",
+        f"{format_mb(kinds.get('optimizer_state'))} / {format_mb(floor.optimizer_state)}",
         where,
-        _mb(floor.offloaded) if floor.offloaded else "—",
+        format_mb(floor.offloaded) if floor.offloaded else "—",
         engine,
         comm_buffers,
     ]
@@ -243,15 +256,15 @@ def _traffic_by_group(result: BenchResult, ran: Sequence[VariantResult], shard_g
         expected = theory.traffic_by_group(psi, r.stage, shard_group_size)
         rows.append([
             r.name,
-            f"{_mb(measured['within'])} / {_mb(expected['within'])}",
-            f"{_mb(measured['across'])} / {_mb(expected['across'])}",
-            _mb(measured["all"]),
+            f"{format_mb(measured['within'])} / {format_mb(expected['within'])}",
+            f"{format_mb(measured['across'])} / {format_mb(expected['across'])}",
+            format_mb(measured["all"]),
         ])  # fmt: skip
     headers = ["variant", "within a group", "across groups", "over all ranks"]
-    return lines + _table(headers, rows, "lrrr")
+    return lines + markdown_table(headers, rows, "lrrr")
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
     marks = {"l": ":--", "r": "--:"}
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -284,14 +297,14 @@ def markdown(result: BenchResult) -> str:
         "variant", "stage", "model state MB", "floor MB", "Δ", "peak MB", "step ms", "× DDP", "tokens/s",
         "aten ops/step", "× DDP", "host syncs", "calls/step", "comm MB/step", "floor MB", "Δ", "loss", "missed",
     ]  # fmt: skip
-    lines += _table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrrrrl")
+    lines += markdown_table(headers, [_main_row(r) for r in result.variants], "llrrrrrrrrrrrrrrrl")
     lines += ["", "Model states per rank, measured / floor (MB), where the total was largest:", ""]
     state_headers = [
         "variant", "phase", "parameters", "gradients", "optimizer state", "by location", "floor offloaded",
         "engine's own report", "comm buffers kept",
     ]  # fmt: skip
     ran = [r for r in result.variants if r.status == OK]
-    lines += _table(state_headers, [_state_row(r) for r in ran], "llrrrlrrr")
+    lines += markdown_table(state_headers, [_state_row(r) for r in ran], "llrrrlrrr")
     if opts.get("shard_group_size"):
         lines += _traffic_by_group(result, ran, opts["shard_group_size"])
     lines += ["", "## Notes", ""]
@@ -313,10 +326,8 @@ def to_json(result: BenchResult) -> str:
     return json.dumps(dataclasses.asdict(result), indent=2, default=str)
 
 
-def write_chart(result: BenchResult, path: Path) -> Optional[str]:
-    """Three panels per variant that ran: model state next to its floor; peak memory, with the part
-    already in use after setup shaded; median step time against DDP's. Returns None when written,
-    otherwise why not."""
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files only, or why it cannot be imported (a string)."""
     try:
         import matplotlib
 
@@ -324,6 +335,16 @@ def write_chart(result: BenchResult, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError as error:
         return f"matplotlib is not importable ({error}); install the `bench` extra for the chart"
+    return plt
+
+
+def write_chart(result: BenchResult, path: Path) -> Optional[str]:
+    """Three panels per variant that ran: model state next to its floor; peak memory, with the part
+    already in use after setup shaded; median step time against DDP's. Returns None when written,
+    otherwise why not."""
+    plt = pyplot()
+    if isinstance(plt, str):
+        return plt
     ran = [r for r in result.variants if r.status == OK]
     if not ran:
         return "no variant ran"
@@ -356,11 +377,20 @@ def write_chart(result: BenchResult, path: Path) -> Optional[str]:
     return None
 
 
-def write_all(result: BenchResult, out: Path) -> BenchResult:
-    """Write the chart, the markdown and the JSON into `out`; returns `result` with `files` set."""
+Report = TypeVar("Report", bound=RunReport)
+
+
+def write_all(
+    result: Report,
+    out: Path,
+    render: Callable[[Report], str] = markdown,
+    chart: Callable[[Report, Path], Optional[str]] = write_chart,
+) -> Report:
+    """Write the chart, the markdown and the JSON into `out`; returns `result` with `files` set (and
+    a note when there is no chart). `render` and `chart` draw a capacity run's instead."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"markdown": str(out / MARKDOWN_NAME), "json": str(out / JSON_NAME), "logs": str(out / LOG_DIR_NAME)}
-    chart_problem = write_chart(result, out / CHART_NAME)
+    chart_problem = chart(result, out / CHART_NAME)
     notes = result.notes
     if chart_problem is None:
         files["png"] = str(out / CHART_NAME)
@@ -368,6 +398,6 @@ def write_all(result: BenchResult, out: Path) -> BenchResult:
         files["png"] = f"not written: {chart_problem}"
         notes = notes + (f"No chart: {chart_problem}.",)
     result = dataclasses.replace(result, files=files, notes=notes)
-    (out / MARKDOWN_NAME).write_text(markdown(result))
+    (out / MARKDOWN_NAME).write_text(render(result))
     (out / JSON_NAME).write_text(to_json(result) + "\n")
     return result

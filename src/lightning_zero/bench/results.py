@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Generic, Optional, Sequence, TypeVar
 
 from lightning_zero.bench.comm import CommCount
 from lightning_zero.bench.memory import HeldBytes
@@ -18,6 +18,8 @@ from lightning_zero.bench.variants import VariantSpec
 
 OK, UNAVAILABLE, FAILED = "ok", "unavailable", "failed"
 """A variant's status: it ran; it cannot run in this installation; it broke (the reason says how)."""
+OVER_BUDGET = "over budget"
+"""A capacity try's status: a rank needed more memory than `--memory-budget` (see `budget.py`)."""
 
 
 @dataclass(frozen=True)
@@ -212,19 +214,114 @@ def not_run(spec: VariantSpec, theory: VariantTheory, status: str, reason: str) 
     )
 
 
+Row = TypeVar("Row")
+
+
 @dataclass(frozen=True)
-class BenchResult:
-    """One run: where and how it ran, and every variant's result."""
+class RunReport(Generic[Row]):
+    """One run of `lightning-zero bench`: where and how it ran, and a row per variant."""
 
     environment: dict[str, Any]
     """Versions, processor or GPU, world size, threads per rank."""
     options: dict[str, Any]
-    """The `BenchOptions`, as given."""
+    """The `BenchOptions`, as given, with the command that reproduces them."""
     model: dict[str, Any]
-    """The GPT shape, Ψ, and the largest unit's bytes (for the tolerance)."""
-    variants: tuple[VariantResult, ...]
+    """The GPT shape and Ψ, and what the run derived from them: the largest unit's bytes (for the
+    tolerance), or with `--capacity` the activation bytes and the process baseline of the estimate."""
+    variants: tuple[Row, ...]
     """One per variant asked for, in the table's order."""
     notes: tuple[str, ...]
     """Notes about the whole run (targets missed are also in each variant's notes)."""
     files: dict[str, str]
     """What was written: markdown, json, png (or why not), logs."""
+
+
+@dataclass(frozen=True)
+class BenchResult(RunReport[VariantResult]):
+    """A benchmark run: every variant's measurements (`run.py`)."""
+
+
+# --- capacity (`--capacity`) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TryMeasurement:
+    """What one rank measured in one capacity try (see `budget.py`, [Note: enforcing a memory budget])."""
+
+    rank: int
+    """The rank that measured."""
+    baseline_bytes: int
+    """Memory in use before the model was built: the process itself (RSS on CPU; 0 on CUDA)."""
+    peak_bytes: int
+    """Peak memory charged to the budget over setup and the steps."""
+    uncharged_bytes: int
+    """Host-side state of an offload variant on a CPU machine, left out of `peak_bytes` (0 otherwise)."""
+    final_loss: float
+    """The last step's loss: the try trained."""
+
+
+@dataclass(frozen=True)
+class CapacityTry:
+    """One size tried for one variant."""
+
+    size: int
+    """The value of the knob grown (`n_layer` or `batch_size`)."""
+    num_params: int
+    """Ψ of the GPT tried."""
+    status: str
+    """`OK` (every rank stayed under the budget), `OVER_BUDGET`, `UNAVAILABLE` or `FAILED`."""
+    reason: Optional[str]
+    """Why it did not fit or failed; None when it fit."""
+    peak_bytes: Optional[int]
+    """Largest over ranks of the charged peak (None where the ranks were stopped before reporting)."""
+    baseline_bytes: Optional[int]
+    """Largest over ranks of the memory in use before the model was built."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The figures of a capacity row that `bench.json` promises under `capacity`."""
+
+    mode: str
+    """"model" (`n_layer` grown at a fixed width) or "batch" (sequences per rank grown, model fixed)."""
+    budget_bytes: int
+    """Memory every rank had to stay under."""
+    largest: int
+    """The largest that trained: parameters (model) or samples per rank (batch); 0 when none did."""
+    estimate: int
+    """The same, predicted from `footprint.py` (the `estimate` arithmetic plus activations and baseline)."""
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    """One variant's capacity search."""
+
+    name: str
+    """`variants.VariantSpec.name`."""
+    stage: int
+    """The ZeRO stage it corresponds to (0 = DDP)."""
+    description: str
+    """How it is configured, in one line."""
+    status: str
+    """`OK` when the search ended at the budget; `UNAVAILABLE` or `FAILED` when it ended otherwise."""
+    reason: Optional[str]
+    """Why the search ended: the first try that did not fit, or what broke."""
+    capacity: Capacity
+    """The figures (see `Capacity`)."""
+    knob: str
+    """What was grown: "n_layer" or "batch_size"."""
+    largest_size: int
+    """The knob's value at `capacity.largest` (0: none fit)."""
+    estimate_size: int
+    """The knob's value at `capacity.estimate`."""
+    estimate_bytes: dict[str, int]
+    """The predicted per-rank footprint at `estimate_size`, by term (see `footprint.Footprint`)."""
+    tries: tuple[CapacityTry, ...]
+    """Every try, in the order run."""
+    notes: tuple[str, ...] = ()
+    """Targets met or missed and anything else a reader must know."""
+
+
+@dataclass(frozen=True)
+class CapacityResult(RunReport[CapacityRow]):
+    """A `--capacity` run: every variant's search (`capacity.py`)."""

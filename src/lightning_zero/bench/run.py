@@ -17,15 +17,20 @@ def _say_nothing(line: str) -> None:
     """The default progress callback: silence."""
 
 
+def check_devices(options: BenchOptions) -> None:
+    """Raise a `ValueError` when `--device cuda` asks for more GPUs than are visible."""
+    if options.device == "cuda" and torch.cuda.device_count() < options.devices:
+        raise ValueError(
+            f"--device cuda needs {options.devices} GPUs (one per rank), {torch.cuda.device_count()} visible."
+        )
+
+
 def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_nothing) -> BenchResult:
     """Run the benchmark `options` describes, write its report into `options.out` and return it.
 
     `progress` receives one line as each variant starts and ends (the command line passes `print`).
     """
-    if options.device == "cuda" and torch.cuda.device_count() < options.devices:
-        raise ValueError(
-            f"--device cuda needs {options.devices} GPUs (one per rank), {torch.cuda.device_count()} visible."
-        )
+    check_devices(options)
     environment = report.describe_environment(options)  # now, before our own processes load the machine
     config = model_config(options)
     psi = num_parameters(config)
@@ -49,11 +54,9 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
             progress(f"      {run.status}: {run.reason}")
         results.append(result)
     judged, notes = targets.judge(results, options, environment["load_average_1min"])
-    options_record = {k: str(v) if k == "out" else v for k, v in dataclasses.asdict(options).items()}
-    options_record["command"] = report.command_line(options)
     bench = BenchResult(
         environment=environment,
-        options=options_record,
+        options=report.options_record(options),
         model={"config": dataclasses.asdict(config), "num_params": psi, "largest_unit_bytes": unit_bytes},
         variants=judged,
         notes=notes,

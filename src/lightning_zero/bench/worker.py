@@ -1,4 +1,4 @@
-"""One variant, one fresh process group: start N ranks, train, measure, report back.
+"""One variant, one fresh process group: start N ranks, let each run its part, collect the reports.
 
 Each variant gets its own processes so nothing leaks between them (allocator state, peak RSS, CUDA
 caches, hooks, DeepSpeed's globals). They are forked from multiprocessing's *forkserver*, a clean
@@ -7,19 +7,10 @@ instead of spending ~3 s importing torch and Lightning, which is most of a small
 never forked from the caller, whose threads or CUDA state would not survive a fork. The forkserver
 is started with `CHILD_ENVIRONMENT` in its environment, which the ranks inherit.
 
-Every rank of every variant:
-1. builds the same model: `torch.manual_seed(seed)` then `GPT(config)`, so all variants start from
-   identical weights;
-2. draws the same data: random byte tokens (uniform over the 256-symbol vocabulary) from a
-   generator seeded with `seed + 1 + rank`, so ranks see different samples and every variant sees
-   the same ones. Random tokens need no files, cost nothing to make, and a language model cannot
-   learn them, which keeps the loss near ln(256) ≈ 5.55 and comparable across variants;
-3. makes the same optimizer: `ADAMW` below, `fused` as asked;
-4. runs `warmup` untimed steps, `steps` timed ones, then one instrumented step in which collectives
-   are counted and model state is measured at each phase (instrumentation costs time, so it is kept
-   out of the timed steps; every step moves the same bytes, so one is representative).
-
-Output of the processes (DeepSpeed's logs, warnings) goes to one log file per rank.
+What a rank does once its process group is up is its `body`: `rank.measure_rank` for the benchmark
+(see `rank.py`), a few steps under a memory budget for a capacity try (`capacity.py`), where a
+`budget.Watchdog` in the parent may end the try early. Output of the processes (DeepSpeed's logs,
+warnings) goes to one log file per rank.
 """
 
 from __future__ import annotations
@@ -35,24 +26,22 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from lightning_zero.bench.comm import CollectiveCounter, CommCount
-from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES, HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
+from lightning_zero.bench.budget import OverBudget, Watchdog
+from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES
 from lightning_zero.bench.options import BenchOptions
-from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
-from lightning_zero.bench.results import FAILED, OK, UNAVAILABLE, RankMeasurement
+from lightning_zero.bench.rank import checkpoint_every_block, measure_rank
+from lightning_zero.bench.results import FAILED, OK, OVER_BUDGET, UNAVAILABLE
 from lightning_zero.bench.variants import VariantSpec
-from lightning_zero.bench.wrappers import OursWrapped, Setup, VariantUnavailable, Wrapped, autocast_for, build
-from lightning_zero.engine.collectives import COLLECTIVE_STATS
-from lightning_zero.models.gpt import GPT, Block, GPTConfig
+from lightning_zero.bench.wrappers import VariantUnavailable
+from lightning_zero.models.gpt import GPTConfig
 
-ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-"""nanoGPT's AdamW settings, for every variant: one parameter group, decay on every parameter."""
+__all__ = ["CHILD_ENVIRONMENT", "RankBody", "VariantRun", "checkpoint_every_block", "run_variant"]
+"""`checkpoint_every_block` lives in `rank.py`; it is still importable from here, where it was."""
 
 CHILD_ENVIRONMENT = {
     # glibc: allocations of 128 KiB and more are mmap'ed and unmapped on free, so peak RSS shows
@@ -72,11 +61,16 @@ class VariantRun:
     """What the processes of one variant reported."""
 
     status: str
-    """`OK`, `UNAVAILABLE` or `FAILED`."""
+    """`OK`, `UNAVAILABLE`, `OVER_BUDGET` or `FAILED`."""
     reason: Optional[str]
-    """Why it is unavailable or failed (None when it ran)."""
-    ranks: tuple[RankMeasurement, ...]
-    """Every rank's measurement, in rank order (empty unless it ran)."""
+    """Why it is unavailable, over budget or failed (None when it ran)."""
+    ranks: tuple[Any, ...]
+    """Every rank's payload in rank order, a `RankMeasurement` from `measure_rank` (empty unless it ran)."""
+
+
+RankBody = Callable[[int, VariantSpec, BenchOptions, GPTConfig], Any]
+"""What a rank runs once its process group is up: `(rank, spec, options, config)` to the payload it
+reports (`measure_rank`, or a capacity try's). A module-level function: it is pickled by name."""
 
 
 @dataclass(frozen=True)
@@ -93,15 +87,25 @@ class _Task:
     """The rendezvous port on 127.0.0.1."""
     log_dir: Path
     """Where each rank's output goes."""
+    body: RankBody
+    """What each rank runs."""
 
     def log_path(self, rank: int) -> Path:
         return self.log_dir / f"{self.spec.name}-rank{rank}.log"
 
 
-def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log_dir: Path) -> VariantRun:
-    """Run `spec` on `options.devices` fresh processes and collect their measurements."""
+def run_variant(
+    spec: VariantSpec,
+    options: BenchOptions,
+    config: GPTConfig,
+    log_dir: Path,
+    body: Optional[RankBody] = None,
+    watchdog: Optional[Watchdog] = None,
+) -> VariantRun:
+    """Run `spec` on `options.devices` fresh processes and collect what `body` (default:
+    `measure_rank`) returns on each; `watchdog`, if given, may stop them early."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    task = _Task(spec, options, config, _free_port(), log_dir)
+    task = _Task(spec, options, config, _free_port(), log_dir, body or measure_rank)
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([__name__])  # imported once by the server, inherited by every rank
@@ -114,10 +118,15 @@ def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log
             process.start()
     collected: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + options.timeout_s
+    poll_s = _POLL_S if watchdog is None else watchdog.interval_s
     try:
         while len(collected) < options.devices:
+            stop = watchdog and watchdog.problem({r: p for r, p in enumerate(processes) if r not in collected})
+            if stop:
+                _kill(processes)  # now: an over-budget rank must not go on allocating
+                return VariantRun(OVER_BUDGET, stop, ())
             try:
-                rank, status, payload = reports.get(timeout=_POLL_S)
+                rank, status, payload = reports.get(timeout=poll_s)
             except queue.Empty:
                 problem = _silent_failure(processes, collected, deadline, options.timeout_s)
                 if problem is None:
@@ -130,16 +139,25 @@ def run_variant(spec: VariantSpec, options: BenchOptions, config: GPTConfig, log
             if status != OK:
                 break  # the other ranks may be blocked in a collective: stop them below
     finally:
+        # one grace period for all: ranks that reported are exiting, the others are stopped
+        grace_end = time.monotonic() + (10 if len(collected) == options.devices else 2)
         for process in processes:
-            process.join(timeout=10 if len(collected) == options.devices else 2)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    for wanted in (UNAVAILABLE, FAILED):
+            process.join(timeout=max(0.0, grace_end - time.monotonic()))
+        _kill(processes)
+    for wanted in (UNAVAILABLE, OVER_BUDGET, FAILED):
         reasons = [str(payload) for status, payload in collected.values() if status == wanted]
         if reasons:
             return VariantRun(wanted, reasons[0], ())
     return VariantRun(OK, None, tuple(collected[r][1] for r in range(options.devices)))  # type: ignore[misc]
+
+
+def _kill(processes: list) -> None:
+    """Kill every process still alive and reap it."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
 
 
 _POLL_S = 1.0
@@ -211,163 +229,17 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.devices))  # ranks share the cores
         backend = "nccl" if options.device == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=options.devices, timeout=PROCESS_GROUP_TIMEOUT)
-        reports.put((rank, OK, measure_rank(rank, task.spec, options, task.config)))
+        reports.put((rank, OK, task.body(rank, task.spec, options, task.config)))
     except VariantUnavailable as error:
         reports.put((rank, UNAVAILABLE, str(error)))
     except BaseException as error:  # noqa: BLE001 - reported to the parent, with the log for details
         traceback.print_exc()
-        reports.put((rank, FAILED, f"{type(error).__name__}: {error} (see {task.log_path(rank)})"))
+        # under a budget, running out of it is the try's verdict, not a crash
+        budgeted = options.memory_budget is not None and isinstance(error, (torch.cuda.OutOfMemoryError, OverBudget))
+        status = OVER_BUDGET if budgeted else FAILED
+        reports.put((rank, status, f"{type(error).__name__}: {error} (see {task.log_path(rank)})"))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTConfig) -> RankMeasurement:
-    """Build the variant on this rank, train it, and return what was measured (see the module doc)."""
-    device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
-    threshold_fixed = device.type != "cpu" or small_mmap_threshold()  # before the model is allocated
-    torch.manual_seed(options.seed)
-    model = GPT(config).to(device)
-    if options.activation_checkpointing:
-        checkpoint_every_block(model)
-    batches = _batches(options, rank, device, count=options.warmup + options.steps + 1)
-    setup = Setup(
-        optimizer_class=torch.optim.AdamW,
-        optimizer_kwargs=dict(ADAMW, fused=options.fused),
-        autocast=autocast_for(options.precision, device),
-        device=device,
-        bucket_size_mb=options.bucket_size_mb,
-        batch_size=options.batch_size,
-        shard_group_size=options.shard_group_size,
-    )
-    wrapped = build(spec, model, setup)
-
-    peak = PeakMemory(device)
-    _synchronize(device)
-    peak_meaning = peak.reset()
-    if not threshold_fixed:
-        peak_meaning += " (glibc's mmap threshold could not be fixed: freed memory may stay resident)"
-    resting = peak.current()
-    losses = [wrapped.step(x, y) for x, y in batches[: options.warmup]]
-    dist.barrier()  # the timed steps start together
-    step_times = []
-    for x, y in batches[options.warmup : options.warmup + options.steps]:
-        start = time.perf_counter()
-        losses.append(wrapped.step(x, y))
-        _synchronize(device)
-        step_times.append(time.perf_counter() - start)
-    peak_bytes = peak.peak()
-    instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=device)
-    wrapped.close()
-    return RankMeasurement(
-        rank=rank,
-        step_times_s=tuple(step_times),
-        losses=tuple(float(loss) for loss in (*losses, instrumented.loss)),
-        resting_memory_bytes=resting,
-        peak_memory_bytes=peak_bytes,
-        peak_memory_meaning=peak_meaning,
-        model_state=instrumented.phases[instrumented.largest_phase],
-        model_state_phase=instrumented.largest_phase,
-        phases=instrumented.phases,
-        engine_reports=instrumented.engine_reports,
-        collectives=instrumented.collectives,
-        overhead=instrumented.overhead,
-        traffic_by_group=instrumented.traffic,
-    )
-
-
-@dataclass(frozen=True)
-class _InstrumentedStep:
-    """What the one instrumented step measured."""
-
-    loss: Tensor
-    """The step's loss."""
-    phases: dict[str, HeldBytes]
-    """Model-state bytes at each probe point."""
-    engine_reports: dict[str, dict[str, Any]]
-    """The implementation's own report at each probe point, where it has one."""
-    collectives: CommCount
-    """The step's collectives."""
-    overhead: Overhead
-    """The step's aten ops and host syncs."""
-    traffic: dict[str, int]
-    """Ours: the step's collective bytes by where they went (see `traffic_by_group`)."""
-
-    @property
-    def largest_phase(self) -> str:
-        return max(self.phases, key=lambda phase: self.phases[phase].total)
-
-
-def _instrumented_step(
-    wrapped: Wrapped, x: Tensor, y: Tensor, world_size: int, device: torch.device
-) -> _InstrumentedStep:
-    """One step with every collective, aten op and host sync counted and model state measured at
-    each probe point (the counters pause while memory is measured, so the measuring is not counted)."""
-    phases: dict[str, HeldBytes] = {}
-    engine_reports: dict[str, dict[str, Any]] = {}
-    counter, ops, syncs = CollectiveCounter(world_size), OpCounter(), HostSyncCounter()
-    COLLECTIVE_STATS.reset()  # the engine's own count, which knows each collective's process group
-
-    def probe(phase: str) -> None:
-        counter.recording = ops.recording = syncs.recording = False
-        _synchronize(device)
-        phases[phase] = held_bytes(wrapped.state_tensors())
-        report = wrapped.engine_report()
-        if report is not None:
-            engine_reports[phase] = report
-        if phase == "backward":
-            syncs.in_forward_backward = False
-        counter.recording = ops.recording = syncs.recording = True
-
-    with counter, ops, syncs.installed():
-        loss = wrapped.step(x, y, probe)
-        counter.recording = ops.recording = syncs.recording = False
-        _synchronize(device)
-    traffic = traffic_by_group(COLLECTIVE_STATS.bytes_by_group) if isinstance(wrapped, OursWrapped) else {}
-    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs), traffic)
-
-
-def traffic_by_group(bytes_by_group: dict[tuple[str, tuple[int, ...]], int]) -> dict[str, int]:
-    """Full-buffer bytes by where they went: over "all" ranks, or under hybrid sharding "within" a
-    shard group (consecutive ranks) or "across" shard groups (a strided group)."""
-    world = dist.get_world_size()
-    out = {"all": 0, "within": 0, "across": 0}
-    for (_, ranks), nbytes in bytes_by_group.items():
-        if len(ranks) >= world or len(ranks) <= 1:
-            out["all"] += nbytes
-        elif ranks == tuple(range(ranks[0], ranks[0] + len(ranks))):
-            out["within"] += nbytes
-        else:
-            out["across"] += nbytes
-    return out
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a clock reading or a memory figure covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _batches(options: BenchOptions, rank: int, device: torch.device, count: int) -> list[tuple[Tensor, Tensor]]:
-    """`count` (inputs, targets) pairs of random byte tokens, (B, T) each, targets shifted by one."""
-    generator = torch.Generator().manual_seed(options.seed + 1 + rank)
-    tokens = torch.randint(0, 256, (count, options.batch_size, options.block_size + 1), generator=generator)
-    return [(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens]
-
-
-def checkpoint_every_block(model: torch.nn.Module) -> None:
-    """Wrap each `Block` in torch's non-reentrant `checkpoint_wrapper`, as Lightning users enable
-    activation checkpointing for FSDP; the wrapped `Block` stays the stage-3 / FSDP2 unit."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, Block),
-    )

@@ -1,15 +1,20 @@
 """`lightning-zero bench`: the options of `lightning_zero.bench.BenchOptions`, a run, and where the
-report went."""
+report went; with `--capacity`, a capacity search (`lightning_zero.bench.capacity`) under a progress bar."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
+from typing import Callable, Iterator
 
 from lightning_zero.bench import variants
-from lightning_zero.bench.options import DEVICES, PRECISIONS, BenchOptions
+from lightning_zero.bench.capacity import CapacityProgress, run_capacity
+from lightning_zero.bench.options import CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, BenchOptions
 from lightning_zero.bench.run import run_bench
-from lightning_zero.cli.arguments import Subcommand, non_negative_int, parse_count, positive_float, positive_int
+from lightning_zero.cli.arguments import (
+    Subcommand, non_negative_int, parse_count, parse_memory, positive_float, positive_int,
+)  # fmt: skip
 
 _DEFAULTS = BenchOptions()
 
@@ -59,9 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument(
         "--variants",
         type=_variant_list,
-        default=d.variants,
         metavar="A,B,...",
-        help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS) + " (default: all)",
+        help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS)
+        + " (default: all; with --capacity: " + ",".join(CAPACITY_VARIANTS) + ")",
     )
     training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
@@ -81,15 +86,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--seed", type=int, default=d.seed, help=f"model and data seed (default: {d.seed})")
     training.add_argument(
         "--timeout", type=positive_float, default=d.timeout_s, metavar="S",
-        help=f"seconds a variant may take before it is killed (default: {d.timeout_s:g})",
+        help=f"seconds a variant (with --capacity: a try) may take before it is killed (default: {d.timeout_s:g})",
     )  # fmt: skip
     training.add_argument(
         "--out", type=Path, default=d.out, metavar="DIR", help=f"report directory (default: ./{d.out})"
     )
 
+    capacity = parser.add_argument_group(
+        "capacity: the largest model or batch each variant trains (3 steps, fresh ranks per try) with"
+        " every rank under a memory budget, next to the estimate's prediction"
+    )
+    capacity.add_argument(
+        "--capacity", choices=CAPACITY_MODES,
+        help="model: grow --n-layer from 1 at the given width; batch: grow --batch-size from 1 for the given model",
+    )  # fmt: skip
+    capacity.add_argument(
+        "--memory-budget", type=parse_memory, metavar="SIZE",
+        help="per rank, e.g. 1.5GB or 141GB (a bare number is GB); CUDA: the caching allocator's cap; CPU:"
+        " the process's resident memory, ~300 MB of Python and torch included (see the README)",
+    )  # fmt: skip
+
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Build `BenchOptions` (its checks fail as usage errors), run, print the table and the files."""
+    if args.capacity is not None and args.memory_budget is None:
+        parser.error("--capacity needs --memory-budget SIZE, e.g. --memory-budget 1.5GB")
+    if args.memory_budget is not None and args.capacity is None:
+        parser.error("--memory-budget is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
+    default_variants = CAPACITY_VARIANTS if args.capacity else _DEFAULTS.variants
     try:
         options = BenchOptions(
             n_layer=args.n_layer,
@@ -101,7 +125,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             devices=args.devices,
             warmup=args.warmup,
             steps=args.steps,
-            variants=args.variants,
+            variants=args.variants or default_variants,
             precision=args.precision,
             fused=args.fused,
             activation_checkpointing=args.activation_checkpointing,
@@ -111,16 +135,40 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             bucket_size_mb=args.bucket_size_mb,
             shard_group_size=args.shard_group_size,
             timeout_s=args.timeout,
+            capacity=args.capacity,
+            memory_budget=args.memory_budget,
         )
     except ValueError as error:
         parser.error(str(error))
         raise  # parser.error exits; this line only tells type checkers so
-    result = run_bench(options, progress=lambda line: print(line, flush=True))
+    if options.capacity is None:
+        result = run_bench(options, progress=lambda line: print(line, flush=True))
+    else:
+        with _progress_bar() as progress:
+            result = run_capacity(options, progress)
     print()
     print(Path(result.files["markdown"]).read_text())
     for kind, where in result.files.items():
         print(f"{kind}: {where}")
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[CapacityProgress], None]]:
+    """A rich progress bar over the variants, showing the try running; a line per finished variant."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    ) as bar:
+        task = bar.add_task("capacity", total=None)
+
+        def update(progress: CapacityProgress) -> None:
+            bar.update(task, description=progress.text, completed=progress.completed, total=progress.total)
+            if progress.line is not None:
+                bar.console.print(progress.line)
+
+        yield update
 
 
 BENCH = Subcommand(
