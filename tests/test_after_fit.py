@@ -23,9 +23,10 @@ GROUP = CaseGroup(world_size=2)
 STAGE_2 = CaseGroup(world_size=2)
 """Stage 2's lifecycle in processes of its own: what stage 3's run left mapped would blur it."""
 STEPS = 4
-MARGIN = 8 * 2**20
+MARGIN = 12 * 2**20
 """Allowed above the fit's peak besides one unit: Python objects, Lightning's loop state, glibc's
-bookkeeping (the measured excess of validate/predict/saves over the fit's peak is at most ~3 MB)."""
+bookkeeping, DCP's read buffers (measured: validate/test/predict and saves stay under the fit's
+peak; a stage-2 resume in the same processes rose 8-9 MB above it)."""
 FULL_SAVE_FACTOR = 1.1
 
 
@@ -170,6 +171,21 @@ GROUP.case(lifecycle, name="lifecycle_zero3", stage=3)
 STAGE_2.case(lifecycle, name="lifecycle_zero2", stage=2)
 
 
+@GROUP.case
+def dropped_after_fit(ctx: RankContext) -> dict:
+    """A module and Trainer the user drops after a stage-3 fit are freed, engine and all."""
+    import weakref
+
+    from lightning_helpers import fit_gpt
+    from lightning_zero.engine.module_link import linked_engine
+
+    module, _, trainer = fit_gpt("zero3", 2)
+    alive = [weakref.ref(o) for o in (module, trainer, linked_engine(module))]
+    del module, trainer
+    gc.collect()
+    return {"alive": [ref() is not None for ref in alive]}
+
+
 # ---- what users do after fit, against DDP ---------------------------------------------------------
 @GROUP.case
 def after_fit(ctx: RankContext) -> dict:
@@ -272,13 +288,11 @@ def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(request,
     for rank, r in enumerate(_lifecycle(request, stage)):
         peaks, unit = r["peaks"], r["unit_bytes"] if stage == 3 else 0
         for phase, peak in peaks.items():
-            if phase in ("fit", "resume") or (phase == "full save" and rank == 0):
+            if phase == "fit" or (phase == "full save" and rank == 0):
                 continue
+            # "resume" runs in the same processes, after the first run's module and Trainer were
+            # dropped: they must really be freed (see `_weakly` in gather_schedule.py)
             assert peak <= peaks["fit"] + unit + MARGIN, (phase, (peak - peaks["fit"]) / 2**20)
-        # the resumed run starts where the first one left this process (freed memory stays mapped
-        # in part): it may rise above that as far as the first run rose above the process's start
-        first_rise, resume_rise = peaks["fit"] - r["before"]["setup"], peaks["resume"] - r["before"]["resume"]
-        assert resume_rise <= first_rise + unit + MARGIN, (resume_rise - first_rise) / 2**20
         assert r["resumed_step"] == 3
 
 
@@ -326,3 +340,8 @@ def test_another_configuration_takes_the_module_over_with_full_weights(results):
     for r in results["after_fit"]:
         assert r["other_config"][0] == r["other_config"][1]
         assert r["released"]
+
+
+def test_a_module_dropped_after_fit_is_freed_with_its_engine_and_trainer(results):
+    for r in results["dropped_after_fit"]:
+        assert r["alive"] == [False, False, False]

@@ -41,7 +41,8 @@ and storage resizes inside break the graph there anyway.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -50,6 +51,23 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.unit import Unit, UnitState
+
+
+def _weakly(schedule: "GatherSchedule", method: Callable[["GatherSchedule", Unit], None], index: int) -> Callable[[Any], None]:
+    """An autograd hook calling ``method(schedule, unit)`` that holds the schedule weakly.
+
+    torch's ``register_multi_grad_hook(mode="all")`` keeps the hooked tensors' autograd nodes in
+    the hook's closure while the nodes keep the hook: a cycle through C++ that Python's garbage
+    collector cannot see, so a hook holding the schedule would keep the whole engine, the module and
+    the Trainer alive for the life of the process (measured: every stage-3 run's, before this)."""
+    ref = weakref.ref(schedule)
+
+    def hook(_: Any) -> None:
+        alive = ref()
+        if alive is not None:
+            method(alive, alive.units[index])
+
+    return hook
 
 
 def _grad_tensors(*trees: Any) -> list[torch.Tensor]:
@@ -160,12 +178,12 @@ class GatherSchedule:
             outputs, inputs = _grad_tensors(output), _grad_tensors(args, kwargs)
             if outputs:
                 self._called_with_grad.append(unit.index)
-                register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit), mode="any")
+                register_multi_grad_hook(outputs, _weakly(self, GatherSchedule._pre_backward, unit.index), mode="any")
             if outputs and not inputs:
                 self._grads_pending[unit.index] = {id(p) for p in unit.params if p.param.requires_grad}
             if inputs:
                 self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
-                register_multi_grad_hook(inputs, lambda _: self._call_backward_ended(unit), mode="all")
+                register_multi_grad_hook(inputs, _weakly(self, GatherSchedule._call_backward_ended, unit.index), mode="all")
             return output
 
         return hook
