@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,140 +32,29 @@ FULL_SAVE_FACTOR = 1.1
 
 
 # ---- the lifecycle's memory -----------------------------------------------------------------------
-def _lifecycle_module():
-    import lightning as L
-    import torch
-
-    from lightning_zero.models.gpt import GPT, GPTConfig
-
-    class Lifecycle(L.LightningModule):
-        """A GPT of 8 blocks of 1.8M parameters (7.1 MB each, 57 MB in all), built in
-        ``configure_model`` (on the meta device at stage 3)."""
-
-        config = GPTConfig(block_size=32, n_layer=8, n_head=6, n_embd=384)
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = None
-
-        def configure_model(self) -> None:
-            if self.model is None:
-                self.model = GPT(self.config)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self.model(batch[0][:, :-1], batch[0][:, 1:])[1]
-
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.log("val_loss", self.model(batch[0][:, :-1], batch[0][:, 1:])[1], sync_dist=True)
-
-        test_step = validation_step
-
-        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self.model(batch[0][:, :-1])[0][:, -1].argmax(-1)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    return Lifecycle
-
-
-class _Phases:
-    """Peak RSS of each phase on this rank."""
-
-    def __init__(self) -> None:
-        import torch
-
-        from lightning_zero.bench.memory import PeakMemory, small_mmap_threshold
-
-        small_mmap_threshold()
-        self.memory = PeakMemory(torch.device("cpu"))
-        self.peaks: dict[str, int] = {}
-        self.before: dict[str, int] = {}
-
-    def start(self, name: str) -> None:
-        gc.collect()
-        self.before[name] = self.memory.current()
-        self.memory.reset()
-
-    def end(self, name: str) -> None:
-        self.peaks[name] = self.memory.peak()
-
-
-def _phase_callback(phases: _Phases):
-    from lightning.pytorch.callbacks import Callback
-
-    class PhaseBoundaries(Callback):
-        """Setup ends where ``on_fit_start`` is called; training ends at ``on_train_end``."""
-
-        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-            phases.end("setup")
-            phases.start("fit")
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            phases.end("fit")
-            phases.start("teardown")
-
-    return PhaseBoundaries()
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 
 
 def lifecycle(ctx: RankContext, stage: int) -> dict:
-    import lightning as L
+    """``scripts/lifecycle_memory.py``'s phases on a GPT of 8 blocks of 1.8M parameters (7.1 MB
+    each, 57 MB in all)."""
+    import sys
+
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_helpers import make_trainer
     from lightning_zero import ZeroStrategy
-    from lightning_zero.models.gpt import Block
+    from lightning_zero.models.gpt import Block, GPTConfig
 
-    Lifecycle = _lifecycle_module()
+    sys.path.insert(0, SCRIPTS)
+    from lifecycle_memory import measure_lifecycle
+
+    config = GPTConfig(block_size=32, n_layer=8, n_head=6, n_embd=384)
     g = torch.Generator().manual_seed(3)
     data = DataLoader(TensorDataset(torch.randint(0, 256, (16, 33), generator=g)), batch_size=2)
-    directory, file = os.path.join(ctx.tmpdir, f"life{stage}"), os.path.join(ctx.tmpdir, f"life{stage}.ckpt")
-    unit_bytes = sum(p.numel() * 4 for p in Block(Lifecycle.config).parameters())
-    phases = _Phases()
-
-    def trainer_for(max_steps: int, *callbacks: Any) -> L.Trainer:
-        # fit gets no validation data: validation comes after fit
-        return make_trainer(
-            ZeroStrategy(stage=stage), max_steps, callbacks=list(callbacks), limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2, num_sanity_val_steps=0
-        )
-
-    L.seed_everything(0, verbose=False)
-    module = Lifecycle()
-    trainer = trainer_for(2, _phase_callback(phases))
-    phases.start("setup")
-    trainer.fit(module, data)
-    phases.end("teardown")
-
-    for name, run in (
-        ("sharded save", lambda: trainer.save_checkpoint(directory)),
-        ("validate after fit", lambda: trainer.validate(module, data, verbose=False)),
-        ("test after fit", lambda: trainer.test(module, data, verbose=False)),
-        ("predict after fit", lambda: trainer.predict(module, data)),
-    ):
-        phases.start(name)
-        run()
-        phases.end(name)
-
-    trainer.strategy.state_dict_type = "full"
-    phases.start("full save")
-    trainer.save_checkpoint(file)
-    phases.end("full save")
-
-    del trainer, module
-    L.seed_everything(0, verbose=False)
-    module = Lifecycle()
-    trainer = trainer_for(3)
-    phases.start("resume")
-    trainer.fit(module, data, ckpt_path=directory)  # one step more
-    phases.end("resume")
-    return {
-        "peaks": phases.peaks,
-        "before": phases.before,
-        "unit_bytes": unit_bytes,
-        "file_bytes": os.path.getsize(file),
-        "resumed_step": trainer.global_step,
-    }
+    out = os.path.join(ctx.tmpdir, f"life{stage}")
+    result = measure_lifecycle(lambda: ZeroStrategy(stage=stage), config, data, out, accelerator="cpu", devices=ctx.world_size)
+    return {**result, "unit_bytes": sum(p.numel() * 4 for p in Block(config).parameters())}
 
 
 GROUP.case(lifecycle, name="lifecycle_zero3", stage=3)

@@ -289,3 +289,31 @@ def test_no_rank_holds_a_copy_of_the_module_and_setup_builds_no_layers(results):
         # Lightning's setup calls `configure_model` to copy the layers; under ZeRO-3 they are first
         # built (on the meta device) by the strategy, after the callbacks' setup
         assert ddp["fit"]["built_at_setup"] and not zero["fit"]["built_at_setup"]
+
+
+def test_a_subclass_override_still_runs_and_its_super_reaches_the_sharded_method():
+    import pickle
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
+
+    calls = []
+
+    class Counting(EMAWeightAveraging):  # as Lightning's own tests count swaps
+        def _swap_models(self, pl_module):
+            calls.append("override")
+            return super()._swap_models(pl_module)
+
+    ema, swa = Counting(), StochasticWeightAveraging(swa_lrs=0.1)
+    trainer = SimpleNamespace(callbacks=[ema, swa])
+    shard_weight_averaging(trainer)
+    shard_weight_averaging(trainer)  # idempotent: every run of a Trainer calls it
+    mro = [c.__name__ for c in type(ema).__mro__]
+    assert mro[:5] == ["Counting", "Counting", "EMAWeightAveraging", "ShardedWeightAveraging", "WeightAveraging"]
+    ema._average_model = SimpleNamespace(shards=SimpleNamespace(swap=lambda: calls.append("sharded swap")))
+    ema._swap_models(None)
+    assert calls == ["override", "sharded swap"]
+    # a pickled or copied callback is the user's class again (the next setup shards it again)
+    assert type(pickle.loads(pickle.dumps(swa))) is StochasticWeightAveraging

@@ -6,8 +6,9 @@ this rank's chunks of the average, beside the optimizer's (``engine/averaged_sha
 per fp32 parameter / N per rank at every stage, and an update reads only this rank's chunks (no
 gather at stage 3). What Lightning wrote about *when* and *how* to average runs as it wrote it
 (``should_update``, ``_latest_update_step``, SWA's epochs, its LR schedule and BatchNorm epoch, the
-checkpoint hooks); only the methods that create or move the copy are replaced, on each callback
-instance, before the callbacks' ``setup``:
+checkpoint hooks); only the methods that create or move the copy are replaced, before the
+callbacks' ``setup``, in a class inserted between the callback's own class and Lightning's
+(``sharded_class``):
 
     WeightAveraging:           setup, on_fit_start, _swap_models, _copy_average_to_current, on_load_checkpoint
     StochasticWeightAveraging: setup, on_fit_start, update_parameters, transfer_weights
@@ -18,7 +19,9 @@ up, as Lightning's copy starts from the weights at setup. Outside ``fit`` the ca
 average, as on a Trainer that never fitted: after ``fit`` the module holds the average (copied in
 when training ends), and ``validate(ckpt_path=...)`` loads the checkpoint's average (its weights),
 so evaluation sees the average as under DDP, where the callback swaps it in and out again. A
-subclass's own override of one of the replaced methods is not called.
+subclass's own override of one of the replaced methods runs, and its ``super()`` call reaches the
+sharded version (Lightning's own tests count calls that way); one that calls Lightning's SWA
+methods by class name (``StochasticWeightAveraging.update_parameters(...)``) fails, saying so.
 """
 
 from __future__ import annotations
@@ -103,6 +106,16 @@ class ShardedAverage:
         return self
 
     # ---- what the callbacks call -----------------------------------------------------------------
+    def parameters(self) -> Any:
+        """Lightning's own SWA ``update_parameters``/``transfer_weights`` iterate a full copy's
+        parameters; reached directly (``StochasticWeightAveraging.update_parameters(...)`` in a
+        subclass), they would average nothing here, so they fail saying what to call instead."""
+        raise RuntimeError(
+            "StochasticWeightAveraging's own `update_parameters`/`transfer_weights` were called on an average that"
+            " lightning-zero keeps as shards (a subclass calling them by class name?). HINT: call"
+            " `super().update_parameters(...)` / `super().transfer_weights(...)`, which reach the sharded versions."
+        )
+
     def update_parameters(self, model: Any) -> None:
         """``AveragedModel.update_parameters(model)`` (``model``'s chunks are the engine's)."""
         self.shards.update(self.n_averaged, self.avg_fn, self.multi_avg_fn)
@@ -177,7 +190,7 @@ def _close(callback: Any) -> None:
 
 def _start(callback: Any, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
     callback._average_model.start(trainer.strategy.engine)
-    type(callback).on_fit_start(callback, trainer, pl_module)  # SWA's checks; a no-op for WeightAveraging
+    _lightning_class(callback).on_fit_start(callback, trainer, pl_module)  # SWA's checks; a no-op for WeightAveraging
 
 
 def _swap(callback: Any, pl_module: "pl.LightningModule") -> None:
@@ -192,7 +205,7 @@ def _averaging_load(callback: Any, trainer: "pl.Trainer", pl_module: "pl.Lightni
     """``WeightAveraging.on_load_checkpoint``, with both weights loaded into chunks."""
     average = callback._average_model
     if average is None:
-        type(callback).on_load_checkpoint(callback, trainer, pl_module, checkpoint)  # Lightning's warning
+        _lightning_class(callback).on_load_checkpoint(callback, trainer, pl_module, checkpoint)  # Lightning's warning
     elif CURRENT_MODEL_STATE in checkpoint and "averaging_state" in checkpoint:
         rank_zero_info("Found current_model_state in the checkpoint. This will be used to initialize the model.")
         average_state = {"module." + key: value for key, value in checkpoint["state_dict"].items()}
@@ -235,26 +248,58 @@ REPLACED: list[tuple[Optional[type], dict[str, Callable[..., Any]]]] = [
 """Each callback class, and its methods replaced by functions of (callback, *the method's arguments)."""
 
 
-class ReplacedMethod:
-    """``function(callback, *args)`` in place of one of ``callback``'s methods; a class rather than a
-    closure so that a Trainer holding the callback still pickles."""
-
-    def __init__(self, function: Callable[..., Any], callback: Callback) -> None:
-        self.function, self.callback = function, callback
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(self.callback, *args, **kwargs)
-
-
 def shard_weight_averaging(trainer: "pl.Trainer") -> None:
     """Give the Trainer's weight-averaging callbacks sharded storage; before their ``setup``, where
-    Lightning's would copy the whole module. Idempotent: every run of the Trainer calls it."""
+    Lightning's would copy the whole module. Idempotent: every run of the Trainer calls it.
+
+    Each callback's class becomes a subclass of its own in which the replaced methods sit between
+    the user's class and Lightning's (``sharded_class``): a subclass's own override of one of them
+    (counting calls, say) still runs, and its ``super()`` call reaches the sharded version."""
     for callback in trainer.callbacks:
         for cls, methods in REPLACED:
-            replaced = isinstance(callback.__dict__.get("setup"), ReplacedMethod)
-            if cls is not None and isinstance(callback, cls) and not replaced:
-                for name, function in methods.items():
-                    setattr(callback, name, ReplacedMethod(function, callback))
+            if cls is not None and isinstance(callback, cls) and type(callback) not in _SHARDED_CLASSES.values():
+                callback.__class__ = sharded_class(type(callback), cls, methods)
+
+
+_SHARDED_CLASSES: dict[type, type] = {}
+"""A callback's own class -> the class it gets under ZeRO (made once per class)."""
+
+
+def sharded_class(own: type, lightning: type, methods: Mapping[str, Callable[..., Any]]) -> type:
+    """``own`` (a subclass of Lightning's ``lightning``, or that class itself) with ``methods`` in a
+    class between the two in the method resolution order: own → (Lightning's subclasses such as
+    ``EMAWeightAveraging``) → the sharded methods → ``lightning``. Its instances pickle and copy as
+    ``own``'s (the strategy gives the copy sharded storage again at its next setup)."""
+    if own not in _SHARDED_CLASSES:
+        sharded = type(f"Sharded{lightning.__name__}", (lightning,), {name: _as_method(f) for name, f in methods.items()})
+        bases = (sharded,) if own is lightning else (own, sharded)
+        _SHARDED_CLASSES[own] = type(
+            own.__name__, bases, {"__module__": own.__module__, "__qualname__": own.__qualname__, "__reduce_ex__": _reduce_as_own}
+        )
+    return _SHARDED_CLASSES[own]
+
+
+def _as_method(function: Callable[..., Any]) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    method.__name__ = function.__name__
+    return method
+
+
+def _reduce_as_own(self: Any, protocol: Any) -> Any:
+    own = next(own for own, made in _SHARDED_CLASSES.items() if made is type(self))
+    state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__  # Python 3.11+ / before
+    return (_new_instance_of, (own,), state)
+
+
+def _new_instance_of(cls: type) -> Any:
+    return cls.__new__(cls)
+
+
+def _lightning_class(callback: Any) -> type:
+    """Lightning's class whose methods ``callback``'s sharded ones stand in for."""
+    return next(cls for cls, _ in REPLACED if cls is not None and isinstance(callback, cls))
 
 
 __all__ = ["ShardedAverage", "shard_weight_averaging"]
