@@ -21,8 +21,6 @@ import pytest
 from case_groups import CaseGroup, GroupResults, RankContext
 
 GROUP = CaseGroup(world_size=2)
-STAGE_2 = CaseGroup(world_size=2)
-"""Stage 2's lifecycle in processes of its own: what stage 3's run left mapped would blur it."""
 STEPS = 4
 MARGIN = 12 * 2**20
 """Allowed above the fit's peak besides one unit: Python objects, Lightning's loop state, glibc's
@@ -58,7 +56,7 @@ def lifecycle(ctx: RankContext, stage: int) -> dict:
 
 
 GROUP.case(lifecycle, name="lifecycle_zero3", stage=3)
-STAGE_2.case(lifecycle, name="lifecycle_zero2", stage=2)
+GROUP.case(lifecycle, name="lifecycle_zero2", stage=2)
 
 
 @GROUP.case
@@ -163,19 +161,9 @@ def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("after_fit"))
 
 
-@pytest.fixture(scope="module")
-def stage_2_results(tmp_path_factory) -> GroupResults:
-    return STAGE_2.run(tmp_path_factory.mktemp("lifecycle_zero2"))
-
-
-def _lifecycle(request: Any, stage: int) -> list[dict]:
-    group = request.getfixturevalue("results" if stage == 3 else "stage_2_results")
-    return group[f"lifecycle_zero{stage}"]
-
-
 @pytest.mark.parametrize("stage", [3, 2])
-def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(request, stage):
-    for rank, r in enumerate(_lifecycle(request, stage)):
+def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(results, stage):
+    for rank, r in enumerate(results[f"lifecycle_zero{stage}"]):
         peaks, unit = r["peaks"], r["unit_bytes"] if stage == 3 else 0
         for phase, peak in peaks.items():
             if phase == "fit" or (phase == "full save" and rank == 0):
@@ -187,8 +175,8 @@ def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(request,
 
 
 @pytest.mark.parametrize("stage", [3, 2])
-def test_rank_zero_holds_the_full_checkpoint_once_while_saving_it(request, stage):
-    r = _lifecycle(request, stage)[0]
+def test_rank_zero_holds_the_full_checkpoint_once_while_saving_it(results, stage):
+    r = results[f"lifecycle_zero{stage}"][0]
     rise = r["peaks"]["full save"] - r["before"]["full save"]
     assert rise <= FULL_SAVE_FACTOR * r["file_bytes"], (rise / 2**20, r["file_bytes"] / 2**20)
 
