@@ -24,8 +24,11 @@ GROUP = CaseGroup(world_size=2)
 STEPS = 4
 MARGIN = 12 * 2**20
 """Allowed above the fit's peak besides one unit: Python objects, Lightning's loop state, glibc's
-bookkeeping, DCP's read buffers (measured: validate/test/predict and saves stay under the fit's
-peak; a stage-2 resume in the same processes rose 8-9 MB above it)."""
+bookkeeping (measured: validate/test/predict and saves stay under the fit's peak)."""
+RESUME_MARGIN = 24 * 2**20
+"""The same for the resumed run, which also reads the checkpoint through DCP's buffers in processes
+that already ran one fit (measured: a stage-2 resume rose 8-12 MB above the first fit's peak; the
+first run's module kept alive, as before `_weakly` in gather_schedule.py, adds ~90 MB)."""
 FULL_SAVE_FACTOR = 1.1
 
 
@@ -170,7 +173,8 @@ def test_no_phase_of_the_lifecycle_holds_more_than_the_fit_and_one_unit(results,
                 continue
             # "resume" runs in the same processes, after the first run's module and Trainer were
             # dropped: they must really be freed (see `_weakly` in gather_schedule.py)
-            assert peak <= peaks["fit"] + unit + MARGIN, (phase, (peak - peaks["fit"]) / 2**20)
+            margin = RESUME_MARGIN if phase == "resume" else MARGIN
+            assert peak <= peaks["fit"] + unit + margin, (phase, (peak - peaks["fit"]) / 2**20)
         assert r["resumed_step"] == 3
 
 
