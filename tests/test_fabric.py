@@ -106,6 +106,8 @@ def train(
                 norms.append(fabric.clip_gradients(wrapped, optimizer, max_norm=0.05).item())
             elif clip == "value":
                 fabric.clip_gradients(wrapped, optimizer, clip_val=1e-3)
+            elif clip == "raw_norm":  # torch's own, on `.grad` (engine/sharded_grad.py)
+                norms.append(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm=0.05).item())
             optimizer.step()
             optimizer.zero_grad()
             graphs.append(counters["stats"]["unique_graphs"])
@@ -134,6 +136,10 @@ FLOWS = {
 for _flow, _settings in FLOWS.items():
     for _strategy in ("ddp", *(f"zero{s}" for s in STAGES)):
         GROUP.case(name=f"{_flow}_{_strategy}", fn=train, strategy=_strategy, **_settings)
+
+# torch's clipping on `param.grad` after accumulated micro-batches, at the stage with units at rest
+for _strategy in ("ddp", "zero3"):
+    GROUP.case(name=f"raw_clip_{_strategy}", fn=train, strategy=_strategy, accumulate=2, clip="raw_norm", steps=3)
 
 # a meta-device build, materialized unit by unit, against DDP's eager build of the same seed
 GROUP.case(name="eager_mlp_ddp", fn=train, strategy="ddp", model="mlp")
@@ -397,6 +403,10 @@ TOLERANCE = {"plain": 0.0, "clip_value_separate_setup": 0.0, "accumulate": 1e-5,
 def test_parity_with_fabric_ddp(results: GroupResults, flow: str, stage: int) -> None:
     atol = 0.0 if (flow, stage) == ("accumulate", 1) else TOLERANCE[flow]  # stage 1 accumulates unreduced, as DDP
     _assert_same(results[f"{flow}_zero{stage}"], results[f"{flow}_ddp"], atol)
+
+
+def test_torchs_own_clipping_on_param_grad_matches_fabric_ddp(results: GroupResults) -> None:
+    _assert_same(results["raw_clip_zero3"], results["raw_clip_ddp"], TOLERANCE["accumulate"])
 
 
 def test_meta_device_init_matches_an_eager_build(results: GroupResults) -> None:

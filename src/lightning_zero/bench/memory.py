@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero.engine.sharded_grad import ShardedGradient
+
 KINDS = ("parameters", "gradients", "optimizer_state")
 """The three model-state terms of the ZeRO paper, in the order a shared storage is attributed."""
 
@@ -108,7 +110,9 @@ def module_and_optimizer_tensors(
     ]
     return StateTensors(
         parameters=tuple(module_params) + tuple(p for p in stepped if p.dtype == weight_dtype),
-        gradients=tuple(p.grad for p in (*module_params, *stepped) if p.grad is not None) + tuple(extra_gradients),
+        # our `ShardedGradient` views hold no memory: the chunks they show are the stepped tensors' `.grad`
+        gradients=tuple(g for g in (p.grad for p in (*module_params, *stepped)) if g is not None and not isinstance(g, ShardedGradient))
+        + tuple(extra_gradients),
         optimizer_state=tuple(state) + tuple(p for p in stepped if p.dtype != weight_dtype),
     )
 

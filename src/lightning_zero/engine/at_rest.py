@@ -13,6 +13,7 @@ the parameter's own class back, so a unit's forward and backward pay nothing for
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -34,9 +35,16 @@ class ParameterAtRest(nn.Parameter):
 
     names: dict[int, str] = {}
     """``id(param)`` → its name in the module, for the message (filled and emptied by the engine)."""
+    grad_setters: dict[int, weakref.WeakMethod] = {}
+    """``id(param)`` → what assigns it a full-shaped gradient at rest (``ShardedParam.show_grad``:
+    torch would refuse one, comparing it with the empty placeholder)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if _sets_grad(func) and isinstance(args[1], torch.Tensor) and args[1].shape != args[0].shape:
+            setter = ParameterAtRest.grad_setters.get(id(args[0]))
+            if setter is not None and setter() is not None:
+                return setter()(args[1])
         if _describes(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -52,6 +60,10 @@ class ParameterAtRest(nn.Parameter):
     def __repr__(self) -> str:
         name = ParameterAtRest.names.get(id(self), "?")
         return f"ParameterAtRest({name!r}, shape=(0,) on this rank: sharded by lightning-zero stage 3)"
+
+
+def _sets_grad(func: Any) -> bool:
+    return getattr(func, "__name__", "") == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "grad"
 
 
 def _describes(func: Any) -> bool:

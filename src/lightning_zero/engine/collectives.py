@@ -121,10 +121,10 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
-    """In-place all-reduce (``op`` is "sum" or "max"); returns ``tensor``."""
+    """In-place all-reduce (``op`` is "sum", "max" or "min"); returns ``tensor``."""
     COLLECTIVE_STATS.record("all_reduce", tensor, group)
     if world_size(group) > 1:
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op, group=group)
     return tensor
 

@@ -26,18 +26,20 @@ then frees the root unit, so ``after_optimizer_step`` has nothing gathered to re
 from __future__ import annotations
 
 import weakref
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.engine import collectives, module_link
 from lightning_zero.engine.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.grad_window import GradientWindow, full_gradients
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.host_step import FusedHostStep, fuse_host_steps
 from lightning_zero.engine.memory import MemoryReport, measure
@@ -96,6 +98,7 @@ class ZeroEngine:
         self.buckets = self.residency.grad_buckets
 
         self._params_of_optimizer: list[list[ShardedParam]] = []
+        self._step_hooks: list[RemovableHandle] = []
         self._fused_host_steps: list[FusedHostStep] = []
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
@@ -108,6 +111,8 @@ class ZeroEngine:
             self.grad_sync = ReduceDuringBackward(self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None)
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
+        self.gradients = GradientWindow(self.params, group)
+        """What ``param.grad`` shows between backward and the optimizer step (see ``grad_window.py``)."""
         self._replacement_guard = ParameterReplacementGuard(module, self.params)
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
         self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
@@ -135,14 +140,17 @@ class ZeroEngine:
         """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
         finished run's (whose state is dropped), as a new engine would have been built with them."""
         self._close_fused_host_steps()
+        self._remove_step_hooks()
         self.optimizers, self._params_of_optimizer = [], []
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
 
     def _shard_optimizer(self, optimizer: Optimizer) -> None:
-        """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step)."""
+        """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step);
+        gradients assigned to ``param.grad`` reach the shards before it steps."""
         sharded = {id(sp.param): sp for sp in self.params}
         self._params_of_optimizer.append(rebind_param_groups(optimizer, sharded))
+        self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.gradients.take_assignments()))
         if self.config.offload_optimizer and self.config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
 
@@ -159,7 +167,13 @@ class ZeroEngine:
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Before each training/evaluation step (stage 3 gathers the root unit here)."""
+        self.gradients.close()
         self.residency.begin_step()
+
+    def before_backward(self) -> None:
+        """Before each backward (only needed when a step runs several): ``param.grad`` stops
+        showing the previous backward's reduced gradients, so autograd accumulates as usual."""
+        self.gradients.close()
 
     def begin_evaluation_step(self) -> None:
         """Before each evaluation (validation, test, predict) step, instead of ``begin_step``."""
@@ -180,9 +194,13 @@ class ZeroEngine:
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._wait_for_host_copies()
         self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
+        if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
+            # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
+            self.gradients.open(reduced=self.sync_gradients)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Make the module see the shards ``optimizer`` just updated."""
+        """Make the module see the shards ``optimizer`` just updated (``param.grad`` is None again)."""
+        self.gradients.close()
         self.residency.after_optimizer_step(optimizer, self.params_of(optimizer))
 
     def end_step(self) -> None:
@@ -214,7 +232,9 @@ class ZeroEngine:
             for p in self.params:
                 p.sync_master_from_param()
 
-    def gathered(self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False) -> AbstractContextManager[None]:
+    def gathered(
+        self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False
+    ) -> AbstractContextManager[None]:
         """Inside, every parameter is its full tensor on every rank; edits are written back to the
         shards only with ``writeback=True``. A collective: enter it on every rank.
 
@@ -222,7 +242,9 @@ class ZeroEngine:
         memory (gathered one unit at a time, so the device holds one unit more than at rest);
         ``rank0_only`` gives them to global rank 0 alone, the other ranks' parameters staying at
         rest (no ``writeback`` then). At stages 1-2 the parameters are whole already and the knobs
-        change nothing."""
+        change nothing. ``with_grads``: each parameter's ``.grad`` is its full gradient too (a copy,
+        where the parameters are, gathered a bucket at a time; edits to it are not kept), or None
+        where it has none."""
         if writeback and rank0_only:  # on every rank alike, before any gather
             raise ValueError(
                 "summon_full_params(writeback=True) needs the full parameters on every rank, so it cannot be"
@@ -234,7 +256,28 @@ class ZeroEngine:
                 device=HOST if offload_to_cpu else self.residency.compute_device,
                 keep=not rank0_only or collectives.rank() == 0,
             )
-        return self.residency.gathered(writeback, full_copies)
+        parameters = self.residency.gathered(writeback, full_copies)
+        if not with_grads:
+            return parameters
+        return self._with_full_gradients(parameters, full_copies)
+
+    @contextmanager
+    def _with_full_gradients(self, parameters: AbstractContextManager[None], full_copies: Optional[FullCopies]) -> Iterator[None]:
+        keep = full_copies is None or full_copies.keep
+        device = full_copies.device if full_copies is not None else None
+        shown: list[ShardedParam] = []
+        self.gradients.take_assignments()  # the full gradients show what was assigned to `.grad`
+        with parameters:
+            for p, grad in full_gradients(self.params, self.group, self.config.bucket_bytes, device):
+                if keep:
+                    p.param.grad = grad
+                    shown.append(p)
+            try:
+                yield
+            finally:
+                for p in shown:
+                    p.param.grad = None
+        self.gradients.show_again()
 
     def full_state_dict(self, module: nn.Module, keep: bool = True, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with full parameters copied to ``device``, gathering one unit at a
@@ -279,6 +322,8 @@ class ZeroEngine:
     def release_parameters(self, device: torch.device) -> None:
         """Leave the module with plain full parameters on ``device`` and remove every hook (stage 3
         gathers one unit at a time; every rank then holds the whole model)."""
+        self.gradients.close()
+        self._remove_step_hooks()
         self.grad_sync.close()
         self._close_fused_host_steps()
         self._replacement_guard.close()
@@ -293,6 +338,7 @@ class ZeroEngine:
         if not self.shards_parameters:
             self.release_parameters(self.residency.compute_device)
             return
+        self.gradients.close()
         self.grad_sync.close()
         self.residency.end_training()
         for p in self.params:
@@ -338,11 +384,18 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Remove every hook (the optimizers step with their configured kernels again)."""
+        self.gradients.close()
+        self._remove_step_hooks()
         self.grad_sync.close()
         self.residency.close()
         self._close_fused_host_steps()
         self._replacement_guard.close()
         module_link.unlink(self.module, self)
+
+    def _remove_step_hooks(self) -> None:
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
 
     def _close_fused_host_steps(self) -> None:
         for step in self._fused_host_steps:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.engine.sharded_grad import ShardedGradient
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -109,7 +110,8 @@ def measure(
     held = {b.untyped_storage().data_ptr() for b in host_gradient_buffers}
     for sp in params:
         counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
-        counts["device"]["gradients"] += nbytes(sp.param.grad)
+        if not isinstance(sp.param.grad, ShardedGradient):  # a view of the chunk counted below
+            counts["device"]["gradients"] += nbytes(sp.param.grad)
         if sp.shard.grad is not None and sp.shard.grad.untyped_storage().data_ptr() not in held:
             counts[place(sp.shard.grad, sp)]["gradients"] += nbytes(sp.shard.grad)
         if not sp.aliases_param:

@@ -10,6 +10,7 @@ use and freed after (``gather_schedule``), so nothing needs gathering after a st
 from __future__ import annotations
 
 import abc
+import weakref
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -258,6 +259,7 @@ class ShardedParameters(ParameterResidency):
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
+        ParameterAtRest.grad_setters.update({id(p.param): weakref.WeakMethod(p.show_grad) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
@@ -387,6 +389,7 @@ class ShardedParameters(ParameterResidency):
         for p in self.params:  # plain parameters again (with their placeholders, unless released)
             wake(p.param)
             ParameterAtRest.names.pop(id(p.param), None)
+            ParameterAtRest.grad_setters.pop(id(p.param), None)
 
 
 def _device_of_params(module: nn.Module) -> torch.device:

@@ -71,6 +71,7 @@ class ShardedParam:
         # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
         self._shard_data = self.shard.detach()
         self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
+        self._shape_stand_in: Optional[Tensor] = None  # see show_grad
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -98,6 +99,21 @@ class ShardedParam:
             self.shard.grad = grad_shard.to(self.shard.device, self.shard.dtype)
         else:
             self.shard.grad.add_(grad_shard.to(self.shard.device))
+
+    def show_grad(self, grad: Optional[Tensor]) -> None:
+        """Put ``grad`` (a full-shaped view of the gradient, or None) in ``param.grad``. torch checks
+        a gradient's size against its parameter's, and at stage 3 a parameter at rest is empty: for
+        that one assignment it shows a full-shaped stand-in (one element, expanded) instead."""
+        if grad is None or self.param.shape == self.shape:
+            self.param.grad = grad
+            return
+        if self._shape_stand_in is None:
+            self._shape_stand_in = torch.empty((), dtype=self.param.dtype, device=self.device).expand(self.shape)
+        self.param.data = self._shape_stand_in
+        try:
+            self.param.grad = grad
+        finally:
+            self.param.data = self._placeholder
 
     def chunk_to_send(self) -> Tensor:
         """This rank's (updated) chunk as the all-gather sends it: the device copy where one is

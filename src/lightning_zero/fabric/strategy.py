@@ -200,6 +200,9 @@ class ZeroFabricStrategy(DDPStrategy):
     # ---- the training step ---------------------------------------------------------------------------
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        for sharded in self._modules:
+            if sharded.engine is not None:
+                sharded.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         for sharded in self._modules:
             sharded.after_backward()
@@ -234,16 +237,23 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @contextmanager
     def summon_full_params(
-        self, module: Optional[nn.Module] = None, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+        self,
+        module: Optional[nn.Module] = None,
+        writeback: bool = False,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> Iterator[None]:
         """Inside, every parameter of ``module`` (default: of every module set up) is its full tensor
         on every rank; edits are written back to the shards only with ``writeback=True``. Enter it
         on every rank: gathering is a collective. ``rank0_only`` and ``offload_to_cpu`` are FSDP's
-        knobs, as in ``ZeroStrategy.summon_full_params``."""
+        knobs, and ``with_grads`` (full gradients in ``.grad`` too), as in ``ZeroStrategy.summon_full_params``."""
         with ExitStack() as stack:
             for sharded in self._modules.selected(module):
                 if sharded.engine is not None:
-                    stack.enter_context(sharded.engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu))
+                    stack.enter_context(
+                        sharded.engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+                    )
             yield
 
     def finish_evaluation(self, module: Optional[nn.Module] = None) -> None:

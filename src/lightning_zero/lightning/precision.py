@@ -14,7 +14,7 @@ so users pass ``Trainer(precision=...)`` as usual.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
@@ -33,6 +33,15 @@ class _ShardedNormClipping:
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         clip_grads_by_global_norm_(list(self.main_params(optimizer)), clip_val, group=self.norm_group)  # type: ignore[attr-defined]
+
+    def _clip_gradients(self, model: Any, *args: Any, **kwargs: Any) -> None:
+        # Lightning runs this right after `on_before_optimizer_step`, inside the optimizer's closure:
+        # gradients assigned to `param.grad` there reach the shards before they are clipped and
+        # stepped (see engine/grad_window.py)
+        engine = getattr(getattr(getattr(model, "_trainer", None), "strategy", None), "engine", None)
+        if engine is not None:
+            engine.gradients.take_assignments()
+        super()._clip_gradients(model, *args, **kwargs)  # type: ignore[misc]
 
 
 def set_norm_group(plugin: Precision, group: ProcessGroup) -> None:

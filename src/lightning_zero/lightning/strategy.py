@@ -300,7 +300,7 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def summon_full_params(
-        self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False
+        self, writeback: bool = False, rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False
     ) -> Generator[None, None, None]:
         """Inside, every parameter is its full tensor on every rank (for inspection, generation or
         export), during ``fit`` and after it. Edits are written back to the shards only with
@@ -310,12 +310,16 @@ class ZeroStrategy(DDPStrategy):
         memory, gathered one unit at a time (the accelerator holds one unit more than at rest);
         ``rank0_only=True`` gives them to rank 0 alone, the other ranks taking part in the gathers
         and keeping only their chunks (not with ``writeback``). Together: rank 0 alone holds the
-        model, in host memory — what exporting a model that fits no device wants."""
+        model, in host memory — what exporting a model that fits no device wants.
+
+        ``with_grads=True`` (between backward and the optimizer step): each parameter's ``.grad``
+        is its full gradient too, beside the full parameter, for logging and inspection (a copy:
+        edits to it are not kept; edit ``param.grad`` outside this context instead)."""
         engine = self._state_engine
         if engine is None:
             yield
             return
-        with engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
+        with engine.gathered(writeback, rank0_only=rank0_only, offload_to_cpu=offload_to_cpu, with_grads=with_grads):
             yield
 
     @override
@@ -414,15 +418,27 @@ class ZeroStrategy(DDPStrategy):
             engine.sync_gradients = True
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """As Lightning's, but the gradients are reduced before ``on_after_backward`` runs (in the
+        precision plugin's ``post_backward``), so that hook sees them whole, as under DDP."""
+        engine, module = self._engine, self.lightning_module
+        if engine is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        engine.before_backward()
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        engine.finish_backward()
+        if module.automatic_optimization:
+            engine.end_step()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         pass  # no DDP reducer to prepare
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._engine is not None:
-            self._engine.finish_backward()
-            if self.lightning_module.automatic_optimization:
-                self._engine.end_step()
+        pass  # the engine finished the backward before `on_after_backward` (see `backward`)
 
     @override
     def optimizer_step(
@@ -441,8 +457,9 @@ class ZeroStrategy(DDPStrategy):
     def grad_norm(self, norm_type: Union[float, int, str] = 2.0) -> dict[str, torch.Tensor]:
         """What ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` returns under DDP — the
         norm of each parameter's full gradient and their total, keyed the same way — computed from
-        the gradient shards (Lightning's helper would see no gradients: ZeRO frees them). Call it on
-        every rank in ``on_before_optimizer_step``::
+        the gradient shards with one all-reduce (Lightning's helper gives the same numbers through
+        ``param.grad``, with one all-reduce per parameter). Call it on every rank in
+        ``on_before_optimizer_step``::
 
             self.log_dict(self.trainer.strategy.grad_norm(2))
         """

@@ -1,0 +1,183 @@
+"""When ``param.grad`` shows the reduced gradients, and how edits to it reach the optimizer.
+
+The window opens when a backward's gradients are reduced (``ZeroEngine.finish_backward``) and
+closes at the optimizer step, or before the next backward. While it is open every trainable
+parameter with a gradient has a :class:`ShardedGradient` in ``.grad`` (see [Note: gradients where
+users look] in ``sharded_grad.py``):
+
+- in-place edits through it edit ``shard.grad`` itself, so they need no further step;
+- an assignment (``p.grad = None``, ``p.grad = p.grad * mask``, ``p.grad = tensor``) is taken by
+  ``take_assignments`` right before the optimizer steps: None drops that gradient, as under DDP
+  (the optimizer skips the parameter), a tensor becomes it (this rank keeps its chunk);
+- on a micro-batch that only accumulates (stages 2-3), DDP would show this rank's own unreduced
+  gradient, which no rank holds here: reading it fails and says to read gradients after the last
+  micro-batch. (Stage 1 keeps full unreduced gradients until the last micro-batch, as DDP does.)
+
+Installing a view is one attribute assignment per parameter; nothing is computed until user code
+reads ``.grad``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.sharded_grad import ShardedGradient
+from lightning_zero.engine.sharded_param import ShardedParam
+
+
+class WindowState(enum.Enum):
+    CLOSED = "closed"
+    REDUCED = "reduced"
+    """After the backward of a micro-batch that steps: the gradients are whole."""
+    ACCUMULATING = "accumulating"
+    """After the backward of a micro-batch that only accumulates (stages 2-3)."""
+
+
+class GradientWindow:
+    """Shows ``params``' gradient shards as their full gradients in ``param.grad``."""
+
+    def __init__(self, params: Sequence[ShardedParam], group: collectives.ProcessGroup) -> None:
+        self._params = [p for p in params if p.shard.requires_grad]
+        self._group = group
+        self._views: dict[int, ShardedGradient] = {}
+        self._shown: list[ShardedParam] = []
+        self.state = WindowState.CLOSED
+
+    def open(self, reduced: bool) -> None:
+        """After a backward: ``reduced`` when its gradients were reduced into the shards."""
+        self.close()
+        self.state = WindowState.REDUCED if reduced else WindowState.ACCUMULATING
+        for p in self._params:
+            if p.shard.grad is not None:
+                p.show_grad(self._view_of(p))
+                self._shown.append(p)
+
+    def show_again(self) -> None:
+        """After something else held ``param.grad`` for a while (``summon_full_params(with_grads=True)``
+        inside the window): the views again."""
+        for p in self._shown:
+            p.show_grad(self._views[id(p)] if p.shard.grad is not None else None)
+
+    def close(self) -> None:
+        """Before the next backward, and after the optimizer step: ``.grad`` is None again."""
+        for p in self._shown:
+            p.show_grad(None)
+        self._shown.clear()
+        self.state = WindowState.CLOSED
+
+    def take_assignments(self) -> None:
+        """Right before the optimizer steps: gradients assigned while the window was open replace
+        (or, assigned None, drop) the shards' gradients."""
+        if self.state is not WindowState.REDUCED:
+            return
+        for p in self._shown:
+            view = self._views[id(p)]
+            shown = p.param.grad
+            if shown is view:
+                continue
+            if shown is None:
+                p.shard.grad = None
+            else:
+                p.shard.grad = _chunk_of_assigned(p, shown)
+                p.show_grad(view)
+
+    def _view_of(self, p: ShardedParam) -> ShardedGradient:
+        view = self._views.get(id(p))
+        if view is None:
+            view = ShardedGradient(p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name)
+            self._views[id(p)] = view
+        return view
+
+    def _chunk(self, p: ShardedParam) -> Tensor:
+        if self.state is WindowState.ACCUMULATING:
+            raise RuntimeError(
+                f"The gradient of parameter {p.name!r} was read after the backward of a micro-batch that only"
+                " accumulates (`accumulate_grad_batches`, `no_backward_sync`). There DDP shows this rank's own"
+                " unreduced gradient, which ZeRO stages 2-3 never hold: each micro-batch is reduced into the"
+                " shards. HINT: read gradients after the last micro-batch's backward (e.g. in"
+                " `on_before_optimizer_step`), where they are whole."
+            )
+        grad = p.shard.grad
+        if grad is None:
+            raise RuntimeError(
+                f"The gradient of parameter {p.name!r} was read after it was released (`optimizer.zero_grad()`"
+                " ran after the backward). Read gradients between the backward and the optimizer step."
+            )
+        return grad.detach().view(-1)
+
+
+def _chunk_of_assigned(p: ShardedParam, assigned: Tensor) -> Tensor:
+    """This rank's chunk of a gradient assigned to ``p.param.grad``, in the shard's dtype and device."""
+    if isinstance(assigned, ShardedGradient):
+        if assigned.shape != p.shape or assigned._range != p.layout.owned_range(p.rank):
+            raise RuntimeError(
+                f"Parameter {p.name!r} was assigned the gradient of {assigned._name!r} (shape"
+                f" {tuple(assigned.shape)}); a gradient must have the parameter's shape {tuple(p.shape)}."
+            )
+        chunk: Tensor = assigned._local()
+    else:
+        if assigned.shape != p.shape:
+            raise RuntimeError(
+                f"Parameter {p.name!r} of shape {tuple(p.shape)} was assigned a gradient of shape"
+                f" {tuple(assigned.shape)}; assign a tensor of the parameter's shape, or None."
+            )
+        start, end = p.layout.owned_range(p.rank)
+        chunk = assigned.detach().reshape(-1)[start:end]
+    return chunk.to(p.shard.device, p.shard.dtype, copy=True)
+
+
+def full_gradients(
+    params: Sequence[ShardedParam], group: collectives.ProcessGroup, max_bytes: int, device: Optional[torch.device] = None
+) -> Iterator[tuple[ShardedParam, Optional[Tensor]]]:
+    """Each parameter's full gradient (None where it has none), gathered from every rank's chunk,
+    one all-gather per run of parameters of at most ``max_bytes`` (so no more than that is
+    gathered at once beyond what the caller keeps). A collective: iterate it to the end on every
+    rank. ``device``: where the results go (default: each parameter's own)."""
+    for batch in _runs_of(params, max_bytes):
+        yield from zip(batch, _gather_full_gradients(batch, group, device))
+
+
+def _runs_of(params: Sequence[ShardedParam], max_bytes: int) -> Iterator[list[ShardedParam]]:
+    """``params`` in consecutive runs of at most ``max_bytes`` of full tensors each (at least one)."""
+    run: list[ShardedParam] = []
+    size = 0
+    for p in params:
+        nbytes = p.layout.numel * p.param.element_size()
+        if run and size + nbytes > max_bytes:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        yield run
+
+
+def _gather_full_gradients(params: Sequence[ShardedParam], group: collectives.ProcessGroup, device: Optional[torch.device]) -> list[Optional[Tensor]]:
+    with_grad = [p for p in params if p.shard.grad is not None]  # the same on every rank
+    out: list[Optional[Tensor]] = [None] * len(params)
+    if not with_grad:
+        return out
+    n = collectives.world_size(group)
+    widths = [p.padded_chunk_numel for p in with_grad]
+    dtype = with_grad[0].shard.grad.dtype
+    send = torch.zeros(sum(widths), dtype=dtype, device=with_grad[0].shard.grad.device)
+    offset = 0
+    for p, width in zip(with_grad, widths):
+        chunk = p.shard.grad.detach().reshape(-1)
+        send[offset : offset + chunk.numel()].copy_(chunk)
+        offset += width
+    gathered = torch.empty(n * send.numel(), dtype=dtype, device=send.device)
+    collectives.start_all_gather(gathered, send, group).wait()
+    rows = gathered.view(n, -1)
+    full: dict[int, Tensor] = {}
+    offset = 0
+    for p, width in zip(with_grad, widths):
+        flat = rows[:, offset : offset + width].reshape(-1)[: p.layout.numel]
+        full[id(p)] = flat.view(p.shape).to(device or p.device, p.param.dtype, copy=True)
+        offset += width
+    return [full.get(id(p)) for p in params]
