@@ -49,7 +49,11 @@ class _StepProbe(Callback):
         COLLECTIVE_STATS.reset()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.full_grads_before_step.append([n for n, p in pl_module.named_parameters() if p.grad is not None])
+        from lightning_zero.engine.sharded_grad import ShardedGradient  # a view of the shards: holds nothing
+
+        self.full_grads_before_step.append(
+            [n for n, p in pl_module.named_parameters() if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
+        )
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         from lightning_zero.engine.collectives import COLLECTIVE_STATS

@@ -66,7 +66,8 @@ class GradientWindow:
     def close(self) -> None:
         """Before the next backward, and after the optimizer step: ``.grad`` is None again."""
         for p in self._shown:
-            p.show_grad(None)
+            if p.param.grad is self._views[id(p)]:  # not what a backward accumulated since (sharded_grad.py)
+                p.show_grad(None)
         self._shown.clear()
         self.state = WindowState.CLOSED
 
@@ -89,7 +90,9 @@ class GradientWindow:
     def _view_of(self, p: ShardedParam) -> ShardedGradient:
         view = self._views.get(id(p))
         if view is None:
-            view = ShardedGradient(p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name)
+            view = ShardedGradient(
+                p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name, p.param
+            )
             self._views[id(p)] = view
         return view
 
@@ -165,7 +168,8 @@ def _gather_full_gradients(params: Sequence[ShardedParam], group: collectives.Pr
     n = collectives.world_size(group)
     widths = [p.padded_chunk_numel for p in with_grad]
     dtype = with_grad[0].shard.grad.dtype
-    send = torch.zeros(sum(widths), dtype=dtype, device=with_grad[0].shard.grad.device)
+    # on the compute device, where the group communicates (offloaded chunks live on the host)
+    send = torch.zeros(sum(widths), dtype=dtype, device=with_grad[0].device)
     offset = 0
     for p, width in zip(with_grad, widths):
         chunk = p.shard.grad.detach().reshape(-1)

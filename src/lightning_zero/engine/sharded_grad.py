@@ -26,6 +26,7 @@ Nothing here runs unless user code touches ``.grad``: the step's own path reads 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -63,6 +64,8 @@ class ShardedGradient(torch.Tensor):
     _range: tuple[int, int]
     _group: collectives.ProcessGroup
     _name: str
+    _param: Optional[weakref.ref]
+    """The parameter whose ``.grad`` this is (None: a result computed from one)."""
 
     @staticmethod
     def __new__(
@@ -74,9 +77,11 @@ class ShardedGradient(torch.Tensor):
         owned_range: tuple[int, int],
         group: collectives.ProcessGroup,
         name: str,
+        param: Optional[Tensor] = None,
     ) -> "ShardedGradient":
         grad = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         grad._local, grad._range, grad._group, grad._name = local, owned_range, group, name
+        grad._param = weakref.ref(param) if param is not None else None
         return grad
 
     def _like(self, local: LocalChunk, dtype: torch.dtype) -> "ShardedGradient":
@@ -92,6 +97,18 @@ class ShardedGradient(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise RuntimeError(unsupported_message(self._name, "pickle"))
 
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(unsupported_message(self._name, "numpy"))
+
+    def tolist(self) -> Any:
+        raise RuntimeError(unsupported_message(self._name, "tolist"))
+
+    def item(self) -> Any:
+        raise RuntimeError(unsupported_message(self._name, "item"))
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(unsupported_message(self._name, "numpy.asarray"))
+
     def __deepcopy__(self, memo: dict) -> Any:
         raise RuntimeError(unsupported_message(self._name, "copy.deepcopy"))
 
@@ -101,11 +118,7 @@ class ShardedGradient(torch.Tensor):
         sharded = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, ShardedGradient)]
         first = sharded[0]
         if torch._C._current_graph_task_id() != -1:
-            raise RuntimeError(
-                f"A backward pass reached parameter {first._name!r} while its `.grad` still held"
-                " lightning-zero's view of the reduced gradient. HINT: call `engine.begin_step()` before"
-                " each step's forward (the Trainer and Fabric strategies do)."
-            )
+            return _accumulate_in_backward(func, first, args)
         if func in _ALIASES:
             return first._like(first._local, first.dtype)
         name = func.overloadpacket.__name__
@@ -116,6 +129,28 @@ class ShardedGradient(torch.Tensor):
         if torch.Tag.pointwise in func.tags or func in _ELEMENTWISE_EXTRA:
             return _elementwise(func, first, sharded, args, kwargs)
         raise RuntimeError(unsupported_message(first._name, name))
+
+
+def _accumulate_in_backward(func: Any, view: ShardedGradient, args: tuple) -> Any:
+    """Autograd accumulating a new gradient into a parameter whose ``.grad`` shows the view: a
+    second backward in one step, with no ``engine.before_backward()`` between (a plain loop). The
+    view's values are in the shards already, so the new gradient alone becomes ``.grad`` and takes
+    the usual way into them (``+=`` replaces it on the parameter; ``+`` returns it)."""
+    param = view._param() if view._param is not None else None
+    new = args[1] if len(args) > 1 else None
+    if param is None or args[0] is not view or not isinstance(new, Tensor) or isinstance(new, ShardedGradient):
+        raise RuntimeError(
+            f"`{func.overloadpacket.__name__}` on the gradient of parameter {view._name!r} inside a backward pass:"
+            " lightning-zero's view of the reduced gradient cannot take part in autograd. HINT: read"
+            " `.grad` between the backward and the optimizer step."
+        )
+    fresh = new.detach().clone()
+    if func is aten.add_.Tensor:
+        param.grad = fresh
+        return view
+    if func is aten.add.Tensor:
+        return fresh
+    raise RuntimeError(unsupported_message(view._name, f"{func.overloadpacket.__name__} in a backward pass"))
 
 
 def unsupported_message(name: str, operation: str) -> str:
@@ -215,8 +250,10 @@ def _reduce_many(requests: Sequence[tuple[ShardedGradient, str, Optional[float]]
     for op in ("sum", "max", "min"):
         indices = [i for i, (_, combine, _) in enumerate(partials) if combine == op]
         if indices:
-            group = requests[indices[0]][0]._group
-            stacked = torch.stack([partials[i][0].to(torch.float64) for i in indices])
+            first = requests[indices[0]][0]
+            # on the parameters' device, where the group communicates (offloaded chunks live on the host)
+            stacked = torch.stack([partials[i][0].to(first.device, torch.float64) for i in indices])
+            group = first._group
             collectives.all_reduce(stacked, group, op=op)
             for i, value in zip(indices, stacked.unbind(0)):
                 combined[i] = value
