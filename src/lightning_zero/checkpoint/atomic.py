@@ -98,6 +98,26 @@ def recover_folder(folder: PathLike) -> None:
         recover(folder / name)
 
 
+def discard_leftovers(folder: PathLike, prefix: str) -> None:
+    """Delete the siblings that interrupted saves of the checkpoints of ``folder`` named ``prefix...``
+    left, once ``recover_folder(folder)`` has put back any complete one whose checkpoint was missing.
+
+    For checkpoints whose names are never saved twice, so that no later commit cleans up after them:
+    Lightning's SLURM checkpoints, ``hpc_ckpt_<N>.ckpt`` with a new N for each save. Lightning finds
+    the one to resume from by reading every digit of each name holding ``hpc_ckpt_`` — a leftover's
+    ``.tmp-<token>`` included — and would then look for a checkpoint that does not exist. Every rank
+    may call it at once: what another rank deleted first is skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for name in sorted(os.listdir(folder)):
+        if name.startswith(prefix) and _SIBLING.fullmatch(name):
+            try:
+                _remove(folder / name)
+            except OSError:
+                continue  # another rank's, or vanished
+
+
 def complete_siblings(path: PathLike) -> list[Path]:
     """Complete checkpoints saved for ``path`` under a sibling name, newest first."""
     return _complete_siblings(Path(path))

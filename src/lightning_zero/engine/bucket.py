@@ -8,7 +8,8 @@ A gradient reduce-scatter carries, after the S gradient columns, one extra colum
 branch). Summed by the same collective, every rank learns which parameters got a gradient on *some*
 rank: those get a gradient shard (zeros from the ranks that had none, as DDP does); those unused
 everywhere keep ``grad=None`` so the optimizer skips them, again as DDP does. This costs no extra
-collective and k elements per rank.
+collective and k elements per rank. After the k used flags come ``StopVote.WIDTH`` columns of stop
+votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lightning_zero.engine.host_chunks import HostChunks
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.stop_vote import StopVote
 
 if TYPE_CHECKING:
     from lightning_zero.engine.unit import UnitTags
@@ -77,11 +79,15 @@ class Bucket:
         self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
         self.shard_numel = sum(self._widths)  # S: elements per rank, padding included
         self._row_sizes = interleaved_sizes([p.owned_numel for p in self.params], self._widths)
+        self.flag_count = len(self.params) + StopVote.WIDTH
+        """F: the columns after the gradient chunks in a reduce-scatter: used flags, then stop votes."""
         self.state = ReductionState.COLLECTING
         self._ready: set[int] = set()
         self.host: Optional[HostChunks] = None
         if copies is not None and self.params[0].offloaded:
-            self.host = HostChunks(self.params, self._row_sizes, copies, trainable=self.params[0].param.requires_grad)
+            self.host = HostChunks(
+                self.params, self._row_sizes, self.flag_count, copies, trainable=self.params[0].param.requires_grad
+            )
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
@@ -93,9 +99,9 @@ class Bucket:
     @property
     def buffer_bytes(self) -> int:
         """Bytes of this bucket's largest communication buffer: the reduce-scatter's input
-        (N, S + k), which is also at least the all-gather's output (N, S + 1); offloaded half
-        weights also cast a row (S + k) to fp32 on the device."""
-        row = self.shard_numel + len(self.params)
+        (N, S + F), which is also at least the all-gather's output (N, S + 1); offloaded half
+        weights also cast a row (S + F) to fp32 on the device."""
+        row = self.shard_numel + self.flag_count
         staged = row * self.params[0].master_dtype.itemsize if self.host is not None else 0
         return max(self.world_size * row * self.params[0].param.element_size(), staged)
 
@@ -117,17 +123,18 @@ class Bucket:
         """Every parameter's gradient for this backward has been accumulated."""
         return len(self._ready) == len(self.params)
 
-    def start_gradient_reduction(self) -> "PendingGradientReduction":
+    def start_gradient_reduction(self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH) -> "PendingGradientReduction":
         """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
         free them, and start the reduce-scatter (with hybrid sharding, ``finish`` all-reduces the
-        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag."""
+        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
+        ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``)."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
         if self.world_size == 1 and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
-        n, s, k = self.world_size, self.shard_numel, len(self.params)
-        send = self.pool.take(n * (s + k), self.dtype, self.device).view(n, s + k)  # (N, S + k)
-        flats, flags = [], torch.ones(n, k, dtype=self.dtype, device=self.device)  # (N, k)
+        n, s, f = self.world_size, self.shard_numel, self.flag_count
+        send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
+        flats, flags = [], torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
         for i, p in enumerate(self.params):
             if _contributes(p):
                 flats.append(p.param.grad.view(-1))
@@ -135,16 +142,17 @@ class Bucket:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
             p.param.grad = None  # the full-size gradient is released once copied in
+        _mark_ballot(flags[:, len(self.params) :], ballot)
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
         self.state = ReductionState.REDUCING
         if n == 1:  # offloaded at world size 1: the packed row is the reduced one, bound for the host
             return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=[send])
         if self.host is not None:  # copied to the host once reduced, so lent for the collective only
-            received = self.pool.take(s + k, self.dtype, self.device)
+            received = self.pool.take(s + f, self.dtype, self.device)
             lent = [send, received]
         else:  # its chunks become the gradient shards as they are
-            received, lent = torch.empty(s + k, dtype=self.dtype, device=self.device), [send]
+            received, lent = torch.empty(s + f, dtype=self.dtype, device=self.device), [send]
         work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
         return PendingGradientReduction(self, work, received, lent=lent)
 
@@ -159,13 +167,13 @@ class Bucket:
         return PendingGradientReduction(self, collectives.PendingCollective(), received=None)
 
     def accept_gradients(self, received: Optional[Tensor], used_anywhere: Sequence[float]) -> None:
-        """Hand each parameter its chunk of the reduced gradients in ``received`` (S + k,), skipping
-        those no rank used (see [Note: used flags]); ``used_anywhere`` is the flags read on the host.
+        """Hand each parameter its chunk of the reduced gradients in ``received`` (S + F,), skipping
+        those no rank used (see [Note: used flags]); ``used_anywhere`` is the used flags read on the host.
         ``received`` None: the gradients were taken locally already (world size 1)."""
         if self.host is not None:
             self.host.accept(received, used_anywhere)
         elif received is not None:
-            pieces = torch.split_with_sizes(received, [*self._row_sizes, len(self.params)])
+            pieces = torch.split_with_sizes(received, [*self._row_sizes, self.flag_count])
             for i, p in enumerate(self.params):
                 if used_anywhere[i] > 0:
                     p.accumulate_grad(pieces[2 * i])
@@ -229,6 +237,15 @@ class Bucket:
             unpack_rows(rows, targets, self._widths, [p.gather_target_rows() for p in self.params])
 
 
+def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:
+    """Fill the stop-vote columns (N, StopVote.WIDTH) of a reduce-scatter's flags with ``ballot``
+    (one kernel when nothing is requested, the usual case)."""
+    columns.zero_()
+    for column, requested in enumerate(ballot):
+        if requested:
+            columns[:, column] = 1
+
+
 def _contributes(p: ShardedParam) -> bool:
     """Whether ``p`` has a gradient to reduce in this backward. A shard switched off by
     ``LightningModule.toggle_optimizer`` (which sees the shards) contributes none, as its parameter
@@ -241,7 +258,7 @@ class PendingGradientReduction:
     bucket: Bucket
     work: collectives.PendingCollective
     received: Optional[Tensor]
-    """(S + k,): this rank's reduced chunks and the used flags; None where nothing is left to hand
+    """(S + F,): this rank's reduced chunks, used flags and stop votes; None where nothing is left to hand
     out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads, given back once it is finished."""
@@ -261,20 +278,32 @@ class PendingGradientReduction:
         _give_back(self.bucket.pool, self.lent, copy)
 
     @property
-    def used_flags(self) -> Tensor:
-        """(k,): per parameter, how many ranks produced a gradient (see [Note: used flags]); on the
-        device, also for an offloaded bucket, so reading them waits for no copy."""
+    def flags(self) -> Tensor:
+        """(F,): per parameter, how many ranks produced a gradient (see [Note: used flags]), then the
+        summed stop votes; on the device, also for an offloaded bucket, so reading them waits for no copy."""
         return self._flags if self._flags is not None else self.received[self.bucket.shard_numel :]
 
+    def hand_out(self, votes: Optional[StopVote], flags: Sequence[float]) -> None:
+        """With the flags read on the host: give out the gradient chunks, count the stop votes."""
+        k = len(self.bucket.params)
+        self.bucket.accept_gradients(self.received, flags[:k])
+        if votes is not None:
+            votes.count(flags[k:])
 
-def hand_out_gradients(reductions: Sequence[PendingGradientReduction], reads: HostReads) -> None:
+
+def hand_out_gradients(
+    reductions: Sequence[PendingGradientReduction], reads: HostReads, votes: Optional[StopVote] = None
+) -> None:
     """At ``reads``' next read, give every parameter of the finished ``reductions`` its reduced
-    gradient chunk (the used flags decide which; see [Note: deferred verdicts] in ``host_reads.py``)."""
+    gradient chunk (the used flags decide which; see [Note: deferred verdicts] in ``host_reads.py``)
+    and count the stop votes they carried into ``votes`` (one rank: its own ballot)."""
     for reduction in reductions:
         if reduction.received is None:
             reduction.bucket.accept_gradients(None, ())
+            if votes is not None:
+                votes.count(votes.ballot())
         else:
-            reads.add(reduction.used_flags, functools.partial(reduction.bucket.accept_gradients, reduction.received))
+            reads.add(reduction.flags, functools.partial(reduction.hand_out, votes))
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Communication buffers, allocated once and reused step after step.
 
 Every bucket collective needs a flat buffer the size of the whole bucket: the reduce-scatter's
-input (N, S + k) and the all-gather's output (N * S). Allocating them per collective costs an
+input (N, S + F) and the all-gather's output (N * S). Allocating them per collective costs an
 allocation, and on the host fresh pages, every time; keeping one per bucket for good would cost a
 full copy of the gradients at stage 2. So buffers come from one pool per engine that keeps a few
 byte buffers the size of the largest regular bucket (stage 3: unit) and lends views of them: after

@@ -53,6 +53,7 @@ from lightning_zero.engine.sharded_optimizer import (
     rebind_param_groups,
 )
 from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.stop_vote import StopVote
 
 
 class ZeroEngine:
@@ -103,12 +104,18 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
 
+        self.stop_vote = StopVote()
+        """Requests to stop (a preemption signal), agreed on by the ranks at a gradient reduction
+        (see [Note: stop votes] in ``stop_vote.py``)."""
+        self._unstepped_gradients = False
         self.grad_sync: GradientSync
         if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
-            self.grad_sync = ReduceAfterBackward(self.buckets)
+            self.grad_sync = ReduceAfterBackward(self.buckets, votes=self.stop_vote)
         else:
             stage3 = isinstance(self.residency, ShardedParameters)
-            self.grad_sync = ReduceDuringBackward(self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None)
+            self.grad_sync = ReduceDuringBackward(
+                self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None, votes=self.stop_vote
+            )
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
         self.gradients = GradientWindow(self.params, group)
@@ -193,6 +200,7 @@ class ZeroEngine:
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._wait_for_host_copies()
+        self._unstepped_gradients = True
         self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
         if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
             # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
@@ -202,6 +210,14 @@ class ZeroEngine:
         """Make the module see the shards ``optimizer`` just updated (``param.grad`` is None again)."""
         self.gradients.close()
         self.residency.after_optimizer_step(optimizer, self.params_of(optimizer))
+        self._unstepped_gradients = False
+
+    @property
+    def holds_unstepped_gradients(self) -> bool:
+        """A backward ran since the last optimizer step (gradient accumulation): its gradients wait
+        for a step, and a checkpoint, which holds none, taken now would lose them. The same on every
+        rank, so a stop agreed on (``stop_vote``) waits for the step boundary where this is False."""
+        return self._unstepped_gradients
 
     def end_step(self) -> None:
         """After a step's last backward and before its optimizer step, or after an evaluation step
@@ -349,6 +365,8 @@ class ZeroEngine:
         ``fit``) replace the finished run's."""
         self.grad_sync.open()
         self.residency.resume()
+        self.stop_vote.reset()
+        self._unstepped_gradients = False
         if optimizers is not None:
             self.use_optimizers(optimizers)
 

@@ -16,13 +16,22 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.engine.bucket import Bucket, PendingGradientReduction, finish_pipelined, hand_out_gradients
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.stop_vote import StopVote
 
 
 class GradientSync(abc.ABC):
-    """Reduce-scatters the buckets' full gradients into each rank's gradient shards."""
+    """Reduce-scatters the buckets' full gradients into each rank's gradient shards; every
+    reduce-scatter also carries the ranks' stop ``votes`` (see [Note: stop votes] in ``stop_vote.py``)."""
 
-    def __init__(self, buckets: Sequence[Bucket]) -> None:
+    def __init__(self, buckets: Sequence[Bucket], votes: Optional[StopVote] = None) -> None:
         self.buckets = list(buckets)
+        self.votes = votes
+
+    def _start(self, bucket: Bucket) -> PendingGradientReduction:
+        """Start ``bucket``'s reduce-scatter, carrying this rank's stop votes as they are now."""
+        if self.votes is None:
+            return bucket.start_gradient_reduction()
+        return bucket.start_gradient_reduction(self.votes.ballot())
 
     @abc.abstractmethod
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
@@ -44,8 +53,8 @@ class ReduceAfterBackward(GradientSync):
     ``max_in_flight`` at once, bounding the temporary buffers) and the full gradients released.
     Micro-batches that only accumulate communicate nothing."""
 
-    def __init__(self, buckets: Sequence[Bucket], max_in_flight: int = 2) -> None:
-        super().__init__(buckets)
+    def __init__(self, buckets: Sequence[Bucket], max_in_flight: int = 2, votes: Optional[StopVote] = None) -> None:
+        super().__init__(buckets, votes)
         self.max_in_flight = max_in_flight
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
@@ -55,11 +64,11 @@ class ReduceAfterBackward(GradientSync):
 
         def start_each_bucket() -> Iterator[PendingGradientReduction]:
             for bucket in self.buckets:
-                started.append(bucket.start_gradient_reduction())
+                started.append(self._start(bucket))
                 yield started[-1]
 
         finish_pipelined(start_each_bucket(), self.max_in_flight)
-        hand_out_gradients(started, reads)
+        hand_out_gradients(started, reads, self.votes)
 
 
 class ReduceDuringBackward(GradientSync):
@@ -81,8 +90,9 @@ class ReduceDuringBackward(GradientSync):
         buckets: Sequence[Bucket],
         max_in_flight: int = 2,
         on_grad_accumulated: Optional[Callable[[ShardedParam], None]] = None,
+        votes: Optional[StopVote] = None,
     ) -> None:
-        super().__init__(buckets)
+        super().__init__(buckets, votes)
         self.max_in_flight = max_in_flight
         self._on_grad_accumulated = on_grad_accumulated
         self._bucket_of: dict[int, Bucket] = {id(p.param): bucket for bucket in self.buckets for p in bucket.params}
@@ -116,7 +126,7 @@ class ReduceDuringBackward(GradientSync):
                 return
             if len(self._unfinished) >= self.max_in_flight:
                 self._unfinished.popleft().finish()
-            self._in_flight.append(bucket.start_gradient_reduction())
+            self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
 
@@ -124,7 +134,7 @@ class ReduceDuringBackward(GradientSync):
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()
-        hand_out_gradients(self._in_flight, reads)
+        hand_out_gradients(self._in_flight, reads, self.votes)
         self._in_flight.clear()
         self._next_to_launch = 0
 

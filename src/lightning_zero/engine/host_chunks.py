@@ -8,10 +8,11 @@ its padding; see [Note: chunk layout] in ``partition.py``):
 - ``master`` (S,), in the master dtype (fp32 for half-precision weights): every parameter's chunk.
   Each ``ShardedParam.shard`` is a view of it, so the optimizer steps it in place, and one copy
   moves the whole bucket to the device for its all-gather (or stages 1-2's write-back).
-- ``grads`` (S + k,), in the master dtype: the bucket's reduce-scatter result, chunks and used
-  flags. Each shard's ``.grad`` is a view of it: a reduced gradient reaches the optimizer with one
-  copy, started as soon as the bucket's reduce-scatter finishes, during backward.
-- ``landing`` (S + k,), allocated the first time a bucket's gradients arrive while its shards
+- ``grads`` (S + F,), in the master dtype: the bucket's reduce-scatter result, chunks and its F
+  flags (used flags and stop votes, see [Note: used flags] in ``bucket.py``). Each shard's
+  ``.grad`` is a view of it: a reduced gradient reaches the optimizer with one copy, started as
+  soon as the bucket's reduce-scatter finishes, during backward.
+- ``landing`` (S + F,), allocated the first time a bucket's gradients arrive while its shards
   still hold gradients (accumulation over micro-batches, or ``zero_grad(set_to_none=False)``):
   the copy lands there and is added on the host.
 
@@ -36,9 +37,15 @@ class HostChunks:
     """The host side of one offloaded bucket (see [Note: offloaded bucket])."""
 
     def __init__(
-        self, params: Sequence[ShardedParam], row_sizes: Sequence[int], copies: CopyStream, trainable: bool
+        self,
+        params: Sequence[ShardedParam],
+        row_sizes: Sequence[int],
+        flag_count: int,
+        copies: CopyStream,
+        trainable: bool,
     ) -> None:
         self.params = list(params)
+        self.flag_count = flag_count
         self.copies = copies
         self.dtype = self.params[0].master_dtype
         self._row_sizes = list(row_sizes)  # [chunk 0, padding 0, chunk 1, padding 1, ...]
@@ -56,8 +63,8 @@ class HostChunks:
 
     @property
     def row_numel(self) -> int:
-        """S + k: a reduced row, chunks and used flags."""
-        return self.shard_numel + len(self.params)
+        """S + F: a reduced row, chunks and flags."""
+        return self.shard_numel + self.flag_count
 
     @property
     def gradient_rows(self) -> list[Tensor]:
@@ -80,7 +87,7 @@ class HostChunks:
 
     # ---- gradients: device → host ------------------------------------------------------------
     def receive(self, reduced: Tensor, pool: BufferPool) -> tuple[Tensor, Event]:
-        """Start copying a reduced row (S + k,) from the device; returns the host row it lands in and
+        """Start copying a reduced row (S + F,) from the device; returns the host row it lands in and
         the copy's event (hand ``reduced`` back to its pool with it). Read the row after the copy
         stream is synchronized."""
         staged = reduced

@@ -3,7 +3,9 @@ launchers, each with one addition.
 
 Before a run, checkpoints that a save interrupted while replacing them left under a sibling name
 are put back (``checkpoint/atomic.py``) in the folders where ``ckpt_path="last"`` looks: Lightning
-resolves "last" before the strategy sees a path, and would otherwise start again from step 0.
+resolves "last" before the strategy sees a path, and would otherwise start again from step 0. In
+``default_root_dir``, where SLURM's preemption checkpoints go (``preemption.py``), what interrupted
+saves of them left is then deleted, so that Lightning's auto-resume finds the newest complete one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
-from lightning_zero.checkpoint.atomic import recover_folder
+from lightning_zero.checkpoint.atomic import discard_leftovers, recover_folder
 from lightning_zero.engine.module_link import linked_engine
 
 __all__ = ["RecoveringLauncher", "RecoveringMultiProcessingLauncher", "StartMethod", "check_start_method", "checkpoint_folders"]
@@ -35,8 +37,9 @@ class _RecoversCheckpoints:
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         if trainer is not None:
-            for folder in checkpoint_folders(trainer):
+            for folder in checkpoint_folders(trainer) | {os.fspath(trainer.default_root_dir)}:
                 recover_folder(folder)
+            discard_leftovers(trainer.default_root_dir, HPC_CHECKPOINT_PREFIX)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
@@ -68,6 +71,10 @@ def _state_dict_is(module: "pl.LightningModule", state_dict: dict[str, Any]) -> 
         yield
     finally:
         del module.state_dict
+
+
+HPC_CHECKPOINT_PREFIX = "hpc_ckpt_"
+"""How Lightning names the checkpoints it saves and resumes from under SLURM (``hpc_ckpt_<N>.ckpt``)."""
 
 
 def checkpoint_folders(trainer: "pl.Trainer") -> set[str]:

@@ -8,7 +8,9 @@ this class only connects Lightning's hooks to the engine (``lightning_zero.engin
 - ``optimizer_step``: after the step, all-gather the updated shards into the parameters;
 - checkpoints: sharded directories by default (``lightning_zero.checkpoint``), or one file in
   DDP's format with ``state_dict_type="full"``; both load at any stage and world size. The hooks
-  delegate to ``ZeroCheckpointing`` (``checkpointing.py``).
+  delegate to ``ZeroCheckpointing`` (``checkpointing.py``);
+- preemption: a SIGTERM or SLURM's requeue signal ends ``fit`` at one step on every rank, however
+  apart the ranks receive it (``preemption.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from lightning_zero.lightning.checkpointing import (
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
+from lightning_zero.lightning.preemption import PreemptedExit, handle_preemption
 from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
 from lightning_zero.lightning.uneven_evaluation import run_first
@@ -205,6 +208,7 @@ class ZeroStrategy(DDPStrategy):
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
         gather_around_parameter_hooks(trainer, self)  # pruning reads and writes parameters between steps
+        handle_preemption(trainer)  # signals only record a request; the ranks stop together
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._end_engine()
@@ -334,8 +338,9 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # the ranks may now disagree on which collective comes next: tear down without any
-        self._failed = True
+        # the ranks may now disagree on which collective comes next: tear down without any (unless
+        # they all stopped at the same step after a preemption signal)
+        self._failed = not isinstance(exception, PreemptedExit)
         super().on_exception(exception)
 
     @override

@@ -1,0 +1,129 @@
+"""Preemption: a signal that reaches each rank at its own moment ends ``fit`` at one step on every
+rank, with one consistent checkpoint.
+
+Lightning's signal connector acts where a signal lands. With ``SLURMEnvironment(auto_requeue=True)``
+its handler for SLURM's requeue signal (SIGUSR1) saves a checkpoint right there — a collective that
+each rank enters at a different point of its step — and its SIGTERM handler broadcasts from the
+handler. Ranks signalled apart then pair different collectives and hang (under DDP as well).
+
+Under ``ZeroStrategy`` instead (see [Note: stop votes] in ``engine/stop_vote.py``):
+
+1. ``PreemptionSignals``, the Trainer's signal connector from the strategy's setup on, only records
+   the request in the engine's stop vote (SIGTERM: exit; the requeue signal: requeue);
+2. the next gradient reduce-scatter carries every rank's votes, so all ranks learn of it in the
+   same backward, with no collective or host sync of their own;
+3. ``StopAtAgreedStep``, the Trainer's last callback, acts at the end of the first training batch
+   after that which ends an optimizer step (not in the middle of gradient accumulation): under
+   SLURM with auto-requeue every rank saves ``hpc_ckpt_<N>.ckpt`` in ``default_root_dir`` — where
+   Lightning resumes from when the job starts again — and rank 0 runs ``scontrol requeue`` if the
+   requeue signal was among the requests; then every rank leaves ``fit`` the way Lightning's SIGTERM
+   handling does (``SIGTERMException``: exit code 0; ``OnExceptionCheckpoint`` saves there too).
+
+Outside ``fit`` (validate, test, predict) there is no training state to keep: SIGTERM stops each
+rank's loop at its next batch as Lightning's does, and the requeue signal only requeues.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+from types import FrameType
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_zero.engine.stop_vote import StopReason
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreemptedExit", "PreemptionSignals", "StopAtAgreedStep", "handle_preemption", "requeue_slurm_job"]
+
+
+class PreemptedExit(SIGTERMException):
+    """Every rank leaves ``fit`` at the same step after a preemption signal (exit code 0). The
+    strategy tears down as after a finished run: no rank is inside a collective."""
+
+
+class PreemptionSignals(_SignalConnector):
+    """Lightning's signal connector whose handlers only record a request in the engine's stop vote
+    while fitting (see the module docstring); the other handlers it composes are kept."""
+
+    @override
+    def _slurm_sigusr_handler_fn(self, signum: Any, _: Optional[FrameType]) -> None:
+        self._request(StopReason.REQUEUE, signum)
+
+    @override
+    def _sigterm_notifier_fn(self, signum: Any, _: Optional[FrameType]) -> None:
+        launcher = self.trainer.strategy.launcher
+        if launcher is not None:  # the ranks this process started get it too (Lightning's popen launch)
+            launcher.kill(signum)
+        self._request(StopReason.EXIT, signum)
+
+    def _request(self, reason: StopReason, signum: Any) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            log.info(f"Received signal {signum}: the ranks stop at the next step boundary ({reason.name.lower()}).")
+            engine.stop_vote.request(reason)
+        elif reason is StopReason.EXIT:
+            self.received_sigterm = True  # Lightning's evaluation loops stop after their current batch
+        elif self.trainer.is_global_zero:
+            requeue_slurm_job()
+
+
+class StopAtAgreedStep(Callback):
+    """Ends ``fit`` on every rank at the first step boundary after the ranks agreed to stop (see
+    the module docstring). The Trainer's last callback, so that the others' ``on_train_batch_end``
+    (weight averages, checkpoints) have run for this step when it saves."""
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or not engine.stop_vote.agreed or engine.holds_unstepped_gradients:
+            return
+        reasons = engine.stop_vote.agreed
+        environment = trainer.strategy.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)  # rank 0's is used
+            rank_zero_info(f"Preempted: saving {path} at step {trainer.global_step} on every rank.")
+            trainer.save_checkpoint(path)
+            if StopReason.REQUEUE in reasons and trainer.is_global_zero:
+                requeue_slurm_job()
+        trainer._signal_connector.received_sigterm = True
+        raise PreemptedExit()
+
+
+def handle_preemption(trainer: "pl.Trainer") -> None:
+    """Give ``trainer`` the signal connector and the last callback of this module (idempotent: the
+    strategy's setup runs again for each ``fit``/``validate``/...). Before Lightning registers its
+    signal handlers, which it does after the strategy's setup."""
+    if not isinstance(trainer._signal_connector, PreemptionSignals):
+        trainer._signal_connector = PreemptionSignals(trainer)
+    trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, StopAtAgreedStep)] + [StopAtAgreedStep()]
+
+
+def requeue_slurm_job() -> None:
+    """``scontrol requeue`` this SLURM job (an array job's task: ``<array id>_<task id>``), as
+    Lightning's own handler does; a failure is logged, not raised: the checkpoint is saved already."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{array_job}_{os.environ.get('SLURM_ARRAY_TASK_ID')}" if array_job else os.environ.get("SLURM_JOB_ID", "")
+    if not re.fullmatch(r"[0-9_]+", job_id):
+        rank_zero_warn(f"Not requeuing: {job_id!r} is not a SLURM job id (from SLURM_JOB_ID / SLURM_ARRAY_*).")
+        return
+    try:
+        result = subprocess.call(["scontrol", "requeue", job_id])
+    except OSError as err:
+        rank_zero_warn(f"Requeuing SLURM job {job_id} failed: {err}. HINT: `scontrol` must be on the PATH of the job's tasks.")
+        return
+    if result == 0:
+        rank_zero_info(f"Requeued SLURM job {job_id}.")
+    else:
+        rank_zero_warn(f"Requeuing SLURM job {job_id} failed: `scontrol requeue` exited with {result}.")
