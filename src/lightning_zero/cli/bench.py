@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_argument(
         "--memory-budget", type=parse_memory, metavar="SIZE",
         help="per rank, e.g. 1.5GB or 141GB (a bare number is GB); CUDA: the caching allocator's cap; CPU:"
-        " the process's resident memory, ~300 MB of Python and torch included (see the README)",
+        " the process's resident memory, ~300 MB of Python and torch included (see docs/benchmarks.md)",
     )  # fmt: skip
 
 

@@ -54,7 +54,7 @@ class GPTConfig:
     they are created, so the model can be built on the meta device and materialized by calling
     those (ZeRO-3's `configure_model`; with a seeded RNG the result equals this model built
     eagerly). False keeps the original order — torch's default init as each layer is created, then
-    GPT-2's drawn over the whole model — whose weights the benchmark, the tests and the README's
+    GPT-2's drawn over the whole model — whose weights the benchmark, the tests and the documentation's
     figures were measured with. Same distributions either way, different random numbers."""
 
     @property
