@@ -64,7 +64,7 @@ class ZeroEngine:
     process group stage 3 creates for its all-gathers waits for peers (give the one ``group`` was
     created with; None: torch's default).
 
-    Hybrid sharding (``topology.py``): ``group`` is this rank's shard group, ``replicate_group``
+    Hybrid sharding (``collectives.hybrid_groups``): ``group`` is this rank's shard group, ``replicate_group``
     the ranks holding the same chunks in the other shard groups; states are sharded and parameters
     gathered within ``group``, and the reduced gradient chunks are all-reduced across
     ``replicate_group``. None (default): every rank is in ``group``.
