@@ -507,6 +507,7 @@ class ZeroStrategy(DDPStrategy):
         checkpoint = self._checkpointing.load(
             checkpoint_path, module, self._engine, self.optimizers if fitting else [], module.strict_loading,
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
+            weights_only=weights_only,
             averaging_states=fitting and has_weight_averaging(trainer),
         )  # fmt: skip
         return as_trainer_checkpoint(checkpoint, has_schedulers=bool(self.lr_scheduler_configs))  # one saved by Fabric
