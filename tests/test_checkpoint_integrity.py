@@ -2,7 +2,8 @@
 by the checksums (load on every rank alike, `convert`, `verify`), a broken zip record named, old
 manifests without checksums, a full disk named in the first line, a crash between any two filesystem
 operations of the commit never losing the last complete checkpoint (nor `ckpt_path="last"`), a pickle
-that would run code refused by every reader without running it."""
+that would run code refused by every reader without running it; and every process group the
+strategies create (checkpoint groups included) failing a stalled peer's partner within `timeout`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
@@ -798,3 +800,81 @@ def test_weights_only_false_reads_a_trusted_checkpoint_holding_any_object(result
         ZeroCheckpointing("full").load(file, None, None, [], True, read_file=lambda p: torch.load(p, weights_only=True))
     assert _full_file_load(file)["mine"] == _Opaque()
 
+
+# ---- every process group the strategies create, under their `timeout` -----------------------------------
+TIMEOUT = timedelta(seconds=3)
+GIVE_UP_S = 30.0
+"""How long rank 0 waits for its all-reduces before calling a group unbounded (far above TIMEOUT)."""
+
+
+def _make_every_group(ctx: RankContext) -> None:
+    """Run what makes each kind of group, every strategy with ``timeout=TIMEOUT``: stage 3's
+    all-gather group, hybrid sharding's shard and replicate groups, a hybrid checkpoint's mesh groups,
+    the checkpoint group of training on NCCL (pretended: gloo here) — under the Trainer and Fabric."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+    from lightning_helpers import make_trainer, regression_data
+
+    from lightning_zero import ZeroFabricStrategy
+
+    def on_nccl() -> Any:
+        return mock.patch.object(dist, "get_backend", return_value="nccl")
+
+    stage3 = ZeroStrategy(stage=3, timeout=TIMEOUT)
+    make_trainer(stage3, 1).fit(RegressionModule(), regression_data(8))
+    with on_nccl():
+        stage3._checkpointing.group.group
+    trainer = make_trainer(ZeroStrategy(stage=3, shard_group_size=1, timeout=TIMEOUT), 1)
+    trainer.fit(RegressionModule(), regression_data(8))
+    trainer.save_checkpoint(os.path.join(ctx.tmpdir, "hybrid"))
+
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=ZeroFabricStrategy(stage=3, timeout=TIMEOUT))
+    fabric.launch()
+    module = RegressionModule()
+    fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    with on_nccl():
+        fabric.strategy._checkpointing.group.group
+
+
+@GROUP.case
+def stalled_peer_on_every_group(ctx: RankContext) -> dict[str, Any]:
+    """The groups torch registered while `_make_every_group` ran (so a group a later change adds is
+    tested too): rank 0 starts an all-reduce on each at once, rank 1 never joins (it waits for a file
+    rank 0 writes when done). Last in the group: it leaves those groups broken. Rank 0: for each
+    group, its ranks, the seconds until its all-reduce ended and the error."""
+    import time
+
+    import torch.distributed as dist
+
+    registered = lambda: {g for g in dist.distributed_c10d._world.pg_map if dist.get_world_size(g) > 1}  # noqa: E731
+    before = registered()
+    _make_every_group(ctx)
+    groups = list(registered() - before)
+    done = Path(ctx.tmpdir) / "rank0_done"
+    if ctx.rank == 1:
+        deadline = time.monotonic() + GIVE_UP_S + 10
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"groups": len(groups)}
+    start = time.monotonic()
+    works = [dist.all_reduce(torch.zeros(1), group=g, async_op=True) for g in groups]
+    ended: dict[int, float] = {}
+    while len(ended) < len(works) and time.monotonic() - start < GIVE_UP_S:
+        ended.update({i: time.monotonic() - start for i, w in enumerate(works) if i not in ended and w.is_completed()})
+        time.sleep(0.05)
+    outcomes = []
+    for i, (group, work) in enumerate(zip(groups, works)):
+        error = "still waiting" if i not in ended else _first_line_of_error(work.wait) or "finished"
+        outcomes.append({"ranks": dist.get_process_group_ranks(group), "seconds": ended.get(i), "error": error})
+    done.touch()
+    return {"groups": len(groups), "outcomes": outcomes}
+
+
+def test_a_stalled_peer_fails_its_partner_within_the_timeout_on_every_group_the_strategies_create(results):
+    rank0, rank1 = results["stalled_peer_on_every_group"]
+    # stage 3's gathers (Trainer, Fabric); the replicate group; the hybrid mesh's replicate
+    # dimension; the checkpoint groups of training on NCCL (Trainer, Fabric)
+    assert rank0["groups"] == rank1["groups"] >= 6
+    for outcome in rank0["outcomes"]:
+        assert "imed out" in outcome["error"], outcome  # gloo: "Timed out waiting 3000ms for recv ..."
+        assert outcome["seconds"] < 3 * TIMEOUT.total_seconds(), outcome

@@ -11,6 +11,7 @@ Every save ends with one outcome shared by all ranks: each raises the same error
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
@@ -54,9 +55,10 @@ class RankCoordination(Protocol):
 class ZeroCheckpointing:
     """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
 
-    def __init__(self, state_dict_type: StateDictType) -> None:
+    def __init__(self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None) -> None:
         self.state_dict_type = check_state_dict_type(state_dict_type)
-        self.group = CheckpointGroup()
+        self.group = CheckpointGroup(timeout)
+        """DCP's gloo group, under the strategy's ``timeout`` like every group the strategy makes."""
         self.restored_from_directory = False
         """Whether the last ``load`` read a directory (weights and optimizer state are then already
         in the shards, and Lightning's later ``load_*_state_dict`` calls must do nothing)."""

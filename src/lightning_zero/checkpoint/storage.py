@@ -18,6 +18,7 @@ import pickle
 import re
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional, TypeVar
 
@@ -49,9 +50,13 @@ class CheckpointGroup:
     """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
     chunks are staged on the CPU, whatever backend training uses. Created on first use (a
     collective call, made by every rank at the same save or load). In a process with no process
-    group (the calling process after spawned ranks finished) it is this process ``alone``."""
+    group (the calling process after spawned ranks finished) it is this process ``alone``.
 
-    def __init__(self) -> None:
+    ``timeout``: how long a collective on the groups made here waits for its peers before failing
+    (the strategy's; None: torch's default). Under gloo training DCP uses the default group itself."""
+
+    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+        self.timeout = timeout
         self._group: Optional[dist.ProcessGroup] = None
         self._mesh: Optional[DeviceMesh] = None
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
@@ -60,7 +65,7 @@ class CheckpointGroup:
     def group(self) -> dist.ProcessGroup:
         if self._group is None:
             self._group = (
-                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
             )
         return self._group
 
@@ -87,7 +92,7 @@ class CheckpointGroup:
         """One gloo group per row of global ranks (each rank creates all, in order); this rank's."""
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row, backend="gloo")
+            group = dist.new_group(row, backend="gloo", timeout=self.timeout)
             if dist.get_rank() in row:
                 mine = group
         assert mine is not None
@@ -95,7 +100,7 @@ class CheckpointGroup:
 
     def __getstate__(self) -> dict[str, Any]:
         # a process group belongs to its process: made anew on use
-        return {"_group": None, "_mesh": None, "_hybrid_meshes": {}}
+        return {"timeout": self.timeout, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
 
     @property
     def alone(self) -> bool:

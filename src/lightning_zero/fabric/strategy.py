@@ -91,7 +91,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
         self._modules = ShardedModules()
         super().__init__(
             accelerator=accelerator,

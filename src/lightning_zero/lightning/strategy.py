@@ -140,7 +140,7 @@ class ZeroStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
         # `trainer.save_checkpoint` still finds the optimizer's shards
@@ -240,8 +240,9 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
                 self._engine = ZeroEngine(
-                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group, replicate_group=replicate_group
-                )
+                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group,
+                    timeout=self._timeout, replicate_group=replicate_group,
+                )  # fmt: skip
         self.setup_precision_plugin()
 
     def _engine_to_resume(self, shard_group: collectives.ProcessGroup) -> Optional[ZeroEngine]:
