@@ -1,7 +1,9 @@
-"""Checkpoints that are damaged, interrupted or cannot be written: same-size damage caught by the
-checksums (load on every rank alike, `convert`, `verify`), a broken zip record named, old manifests
-without checksums, a full disk named in the first line, and a crash between any two filesystem
-operations of the commit never losing the last complete checkpoint (nor `ckpt_path="last"`)."""
+"""Checkpoints that are damaged, interrupted, untrusted or cannot be written: same-size damage caught
+by the checksums (load on every rank alike, `convert`, `verify`), a broken zip record named, old
+manifests without checksums, a full disk named in the first line, a crash between any two filesystem
+operations of the commit never losing the last complete checkpoint (nor `ckpt_path="last"`), a pickle
+that would run code refused by every reader without running it; and every process group the
+strategies create (checkpoint groups included) failing a stalled peer's partner within `timeout`."""
 
 from __future__ import annotations
 
@@ -10,20 +12,26 @@ import errno
 import io
 import json
 import os
+import pickle
+import re
+import shlex
 import shutil
 import struct
 import subprocess
 import sys
 import zipfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 from unittest import mock
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning_helpers import RegressionModule
 
 import lightning_zero  # noqa: F401
 from lightning_zero.checkpoint import atomic
@@ -255,7 +263,7 @@ def test_nan_in_tensor_data_is_named_by_convert_and_verify(saved, root, tmp_path
     assert verified.returncode == 1 and "in __1_0.distcp, the item at byte" in verified.stderr.splitlines()[0]
 
     good = _cli("verify", str(saved / STEP4))
-    assert good.returncode == 0 and good.stdout.strip().endswith("DCP metadata and meta.pt readable)"), good.stderr
+    assert good.returncode == 0 and good.stdout.strip().endswith("meta.pt unpickled with weights_only=True)"), good.stderr
     assert "sizes and checksums" in good.stdout
     missing = _cli("verify", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
@@ -524,3 +532,349 @@ def test_a_missing_checkpoint_with_a_complete_sibling_is_hinted_at(saved, full_w
     _Checkpoints("directory", saved, full_weights).write(atomic.temporary_sibling(path, "feed0002"), 4)
     with pytest.raises(FileNotFoundError, match="left the complete checkpoint 'last.ckpt.tmp-feed0002'"):
         verify_checkpoint(path)
+
+
+# ---- untrusted checkpoints: a pickle that runs a command as it loads ------------------------------------
+class _RunsCommand:
+    """What an attacker pickles: unpickling it runs a shell command, here one that creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+class _Opaque:
+    """A harmless object of the user's own class: not on torch's weights-only allow list."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque)
+
+
+POISONED = {"meta.pt": "poisoned_meta", ".metadata": "poisoned_metadata"}
+"""Each pickle of a sharded directory -> the copy of `trusted/` whose pickle runs a command."""
+
+
+def replace_and_fix_manifest(directory: Path, name: str, data: bytes) -> None:
+    """Replace `name`, then write its size and CRC-32 into the manifest, as an attacker would."""
+    from lightning_zero.checkpoint.integrity import file_checksum
+
+    (directory / name).write_bytes(data)
+    manifest = json.loads((directory / "lightning_zero.json").read_text())
+    manifest["files"][name], manifest["checksums"][name] = len(data), file_checksum(directory / name)
+    (directory / "lightning_zero.json").write_text(json.dumps(manifest))
+
+
+def marker_of(directory: Path) -> Path:
+    return directory.parent / f"{directory.name}.ran"
+
+
+def poison(trusted: Path, file: str) -> Path:
+    """A copy of `trusted` whose `file` runs a command that creates `marker_of(copy)` when unpickled."""
+    copy = trusted.parent / POISONED[file]
+    shutil.copytree(trusted, copy)
+    command = _RunsCommand(marker_of(copy))
+    if file == "meta.pt":
+        buffer = io.BytesIO()
+        torch.save({"epoch": 0, "global_step": 2, "loops": command}, buffer)
+        data = buffer.getvalue()
+    else:
+        data = pickle.dumps(command)  # DCP's .metadata is a plain pickle
+    replace_and_fix_manifest(copy, file, data)
+    return copy
+
+
+class WithHyperparameters(RegressionModule):
+    """Hyperparameters as Lightning holds them (`AttributeDict`), an argparse `Namespace`, a `Path`;
+    a StepLR scheduler; a validation step."""
+
+    def __init__(self, settings: Optional[dict] = None) -> None:
+        super().__init__(optimizer="two_groups_steplr")
+        self.save_hyperparameters()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]), sync_dist=True)
+
+
+def _settings() -> dict:
+    from argparse import Namespace
+
+    from lightning.pytorch.utilities import AttributeDict
+
+    return {"run": AttributeDict(depth=2), "cli": Namespace(width=3), "data": Path("data")}
+
+
+class CountsBatches(Callback):
+    """A callback with state of its own: the batches it saw; `loaded`: the state it was given back."""
+
+    def __init__(self) -> None:
+        self.batches, self.loaded = 0, None
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded = dict(state_dict)
+
+
+def _trusted_trainer(max_steps: int, *callbacks: Callback) -> Any:
+    """Validation at step 2; ModelCheckpoint (its state, no files) and EarlyStopping hold state."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning_helpers import make_trainer
+
+    callbacks = (ModelCheckpoint(monitor="val_loss", save_top_k=0), EarlyStopping("val_loss", patience=100), *callbacks)
+    return make_trainer("zero2", max_steps, callbacks=list(callbacks), enable_checkpointing=True, limit_val_batches=1, val_check_interval=2)
+
+
+@GROUP.case
+def save_trusted(ctx: RankContext) -> None:
+    """A zero2 fit of 2 steps saved to `trusted/` (hyperparameters, LR scheduler, callbacks' and
+    loops' state); rank 0 then makes the poisoned copies of `POISONED`."""
+    from lightning_helpers import regression_data
+
+    L.seed_everything(0, verbose=False)
+    trainer = _trusted_trainer(2, CountsBatches())
+    trainer.fit(WithHyperparameters(_settings()), regression_data(), regression_data(8))
+    trainer.save_checkpoint(os.path.join(ctx.tmpdir, "trusted"))
+    if ctx.rank == 0:
+        for file in POISONED:
+            poison(Path(ctx.tmpdir) / "trusted", file)
+
+
+@GROUP.case
+def load_poisoned(ctx: RankContext) -> dict[str, dict[str, Optional[str]]]:
+    """Each poisoned copy loaded by `Trainer.fit` and `Trainer.validate` (`weights_only=True`; fit also
+    with torch's default) and by `fabric.load`: the first line of each error, by poisoned file."""
+    from lightning.fabric import Fabric
+    from lightning_helpers import regression_data
+
+    from lightning_zero import ZeroFabricStrategy
+
+    def fabric_load(path: str) -> None:
+        fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=ZeroFabricStrategy(stage=2))
+        fabric.launch()
+        module = WithHyperparameters()
+        model, optimizer = fabric.setup(module, module.configure_optimizers()["optimizer"])
+        fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=True)
+
+    out = {}
+    for file, name in POISONED.items():
+        path = os.path.join(ctx.tmpdir, name)
+        out[file] = {
+            "fit": _first_line_of_error(lambda: _trusted_trainer(3).fit(WithHyperparameters(), regression_data(), ckpt_path=path, weights_only=True)),
+            "fit, torch's default": _first_line_of_error(lambda: _trusted_trainer(3).fit(WithHyperparameters(), regression_data(), ckpt_path=path)),
+            "validate": _first_line_of_error(
+                lambda: _trusted_trainer(3).validate(WithHyperparameters(), regression_data(8), ckpt_path=path, weights_only=True)
+            ),
+            "fabric.load": _first_line_of_error(lambda: fabric_load(path)),
+        }
+    return out
+
+
+@GROUP.case
+def resume_trusted_with_weights_only(ctx: RankContext) -> dict[str, Any]:
+    """`trusted/` resumed by `Trainer.fit(weights_only=True)` and loaded by `fabric.load(weights_only=True)`:
+    the step, learning rates and callback state restored, and what Fabric handed back."""
+    from lightning.fabric import Fabric
+    from lightning_helpers import regression_data
+
+    from lightning_zero import ZeroFabricStrategy
+
+    path = os.path.join(ctx.tmpdir, "trusted")
+    counts = CountsBatches()
+    trainer = _trusted_trainer(3, counts)
+    trainer.fit(WithHyperparameters(), regression_data(), regression_data(8), ckpt_path=path, weights_only=True)
+
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=ZeroFabricStrategy(stage=2))
+    fabric.launch()
+    module = WithHyperparameters()
+    model, optimizer = fabric.setup(module, module.configure_optimizers()["optimizer"])
+    rest = fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=True)
+    return {
+        "global_step": trainer.global_step,
+        "callback_state": counts.loaded,
+        "early_stopping_best": trainer.early_stopping_callback.best_score.item(),
+        "lrs": [group["lr"] for group in trainer.optimizers[0].param_groups],
+        "fabric_hyperparameters": rest["hyper_parameters"],
+        "fabric_schedulers": rest["lr_schedulers"],
+    }
+
+
+def test_a_poisoned_pickle_is_refused_by_the_trainer_and_fabric_and_runs_nothing(results, root):
+    for file, name in POISONED.items():
+        for rank_messages in results["load_poisoned"]:
+            for path, message in rank_messages[file].items():
+                assert message is not None and f"{str(root / name)!r} is not safe to load" in message, (path, message)
+                assert f"{file}" in message and "refers to posix.system" in message, (path, message)
+        assert not marker_of(root / name).exists()
+
+
+def _cli_in_process(capsys: Any, *args: str) -> tuple[int, str]:
+    """`lightning-zero ARGS` in this process (a subprocess costs seconds of imports): (status, stderr)."""
+    from lightning_zero.cli import main
+
+    try:
+        status = main(list(args))
+    except SystemExit as exit_:
+        status = exit_.code
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("file", POISONED)
+def test_a_poisoned_pickle_is_refused_by_every_reader_of_a_directory_and_runs_nothing(results, root, file, tmp_path, capsys):
+    from lightning_zero.checkpoint import (
+        UntrustedCheckpointError,
+        checkpoint_file,
+        convert_checkpoint,
+        full_checkpoint,
+        verify_checkpoint,
+    )
+
+    results["save_trusted"]
+    poisoned = root / POISONED[file]
+    refusal = rf"{re.escape(repr(str(poisoned)))} is not safe to load: .*{re.escape(file)}.* refers to posix.system"
+    hint = "weights_only=False" if file == "meta.pt" else "restore the checkpoint from a copy you trust"
+    readers = {
+        "convert_checkpoint": lambda: convert_checkpoint(poisoned, tmp_path / "out.ckpt"),
+        "full_checkpoint": lambda: full_checkpoint(poisoned, weights_only=True),
+        "checkpoint_file": lambda: checkpoint_file(poisoned, weights_only=True),
+        "load_from_checkpoint": lambda: WithHyperparameters.load_from_checkpoint(poisoned, weights_only=True),
+        "verify_checkpoint": lambda: verify_checkpoint(poisoned),
+    }
+    for reader, read in readers.items():
+        with pytest.raises(UntrustedCheckpointError, match=refusal) as caught:
+            read()
+        assert f"HINT: {hint}" in str(caught.value) or hint in str(caught.value).split("HINT:")[1], reader
+    for command, status in (("convert", 2), ("verify", 1)):
+        args = (str(poisoned), str(tmp_path / "out.ckpt")) if command == "convert" else (str(poisoned),)
+        code, err = _cli_in_process(capsys, command, *args)
+        assert code == status and re.search(refusal, err.splitlines()[0]), (command, err)
+    # with weights_only=False, verify lists meta.pt's globals beyond the allow list: it never unpickles it
+    if file == "meta.pt":
+        assert "names beyond the weights-only allow list: posix.system" in verify_checkpoint(poisoned, weights_only=False)
+    assert not (tmp_path / "out.ckpt").exists()
+    assert not marker_of(poisoned).exists()
+
+
+def test_a_checkpoint_with_hyperparameters_callbacks_and_schedulers_loads_under_weights_only(results, root, tmp_path):
+    from lightning_zero.checkpoint import convert_checkpoint, verify_checkpoint
+
+    for r in results["resume_trusted_with_weights_only"]:
+        assert r["global_step"] == 3
+        assert r["callback_state"] == {"batches": 2}
+        assert r["early_stopping_best"] < float("inf")  # its state came back (validation ran at step 2 only)
+        assert r["lrs"] == pytest.approx([1e-2 * 0.5**3, 3e-2 * 0.5**3])  # StepLR: halved at steps 1, 2 and 3
+        assert r["fabric_hyperparameters"] == {"settings": _settings()}  # as saved, AttributeDict and all
+        assert r["fabric_schedulers"][0]["last_epoch"] == 2  # the checkpoint's own, saved at step 2
+    trusted = root / "trusted"
+    assert "meta.pt unpickled with weights_only=True" in verify_checkpoint(trusted)
+    loaded = WithHyperparameters.load_from_checkpoint(trusted, weights_only=True)
+    assert loaded.hparams.settings == _settings() and loaded.hparams.settings["run"].depth == 2  # an AttributeDict still
+    converted = torch.load(convert_checkpoint(trusted, tmp_path / "out.ckpt", weights_only=True), weights_only=False)
+    assert converted["hyper_parameters"]["settings"] == _settings() and converted["lr_schedulers"][0]["last_epoch"] == 2
+
+
+def test_weights_only_false_reads_a_trusted_checkpoint_holding_any_object(results, root, tmp_path):
+    from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint, verify_checkpoint
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
+    from lightning_zero.checkpoint.pickles import save_torch_file
+
+    results["save_trusted"]
+    own = tmp_path / "own_objects"
+    shutil.copytree(root / "trusted", own)
+    meta = torch.load(own / "meta.pt", weights_only=False)
+    buffer = io.BytesIO()
+    save_torch_file({**meta, "mine": _Opaque()}, buffer)
+    replace_and_fix_manifest(own, "meta.pt", buffer.getvalue())
+    with pytest.raises(UntrustedCheckpointError, match=r"meta.pt refers to test_checkpoint_integrity._Opaque.*HINT: only for a checkpoint you trust"):
+        convert_checkpoint(own, tmp_path / "out.ckpt", weights_only=True)
+    assert torch.load(convert_checkpoint(own, tmp_path / "out.ckpt", weights_only=False), weights_only=False)["mine"] == _Opaque()
+    assert "allow list: test_checkpoint_integrity._Opaque" in verify_checkpoint(own, weights_only=False)
+    # a single file too, read by the strategies through `ZeroCheckpointing.load`
+    file = tmp_path / "out.ckpt"
+    with pytest.raises(UntrustedCheckpointError, match=rf"{re.escape(repr(str(file)))} is not safe to load: it refers to test_checkpoint_integrity._Opaque"):
+        ZeroCheckpointing("full").load(file, None, None, [], True, read_file=lambda p: torch.load(p, weights_only=True))
+    assert _full_file_load(file)["mine"] == _Opaque()
+
+
+# ---- every process group the strategies create, under their `timeout` -----------------------------------
+TIMEOUT = timedelta(seconds=3)
+GIVE_UP_S = 30.0
+"""How long rank 0 waits for its all-reduces before calling a group unbounded (far above TIMEOUT)."""
+
+
+def _make_every_group(ctx: RankContext) -> None:
+    """Run what makes each kind of group, every strategy with ``timeout=TIMEOUT``: stage 3's
+    all-gather group, hybrid sharding's shard and replicate groups, a hybrid checkpoint's mesh groups,
+    the checkpoint group of training on NCCL (pretended: gloo here) — under the Trainer and Fabric."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+    from lightning_helpers import make_trainer, regression_data
+
+    from lightning_zero import ZeroFabricStrategy
+
+    def on_nccl() -> Any:
+        return mock.patch.object(dist, "get_backend", return_value="nccl")
+
+    stage3 = ZeroStrategy(stage=3, timeout=TIMEOUT)
+    make_trainer(stage3, 1).fit(RegressionModule(), regression_data(8))
+    with on_nccl():
+        stage3._checkpointing.group.group
+    trainer = make_trainer(ZeroStrategy(stage=3, shard_group_size=1, timeout=TIMEOUT), 1)
+    trainer.fit(RegressionModule(), regression_data(8))
+    trainer.save_checkpoint(os.path.join(ctx.tmpdir, "hybrid"))
+
+    fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=ZeroFabricStrategy(stage=3, timeout=TIMEOUT))
+    fabric.launch()
+    module = RegressionModule()
+    fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    with on_nccl():
+        fabric.strategy._checkpointing.group.group
+
+
+@GROUP.case
+def stalled_peer_on_every_group(ctx: RankContext) -> dict[str, Any]:
+    """The groups torch registered while `_make_every_group` ran (so a group a later change adds is
+    tested too): rank 0 starts an all-reduce on each at once, rank 1 never joins (it waits for a file
+    rank 0 writes when done). Last in the group: it leaves those groups broken. Rank 0: for each
+    group, its ranks, the seconds until its all-reduce ended and the error."""
+    import time
+
+    import torch.distributed as dist
+
+    registered = lambda: {g for g in dist.distributed_c10d._world.pg_map if dist.get_world_size(g) > 1}  # noqa: E731
+    before = registered()
+    _make_every_group(ctx)
+    groups = list(registered() - before)
+    done = Path(ctx.tmpdir) / "rank0_done"
+    if ctx.rank == 1:
+        deadline = time.monotonic() + GIVE_UP_S + 10
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"groups": len(groups)}
+    start = time.monotonic()
+    works = [dist.all_reduce(torch.zeros(1), group=g, async_op=True) for g in groups]
+    ended: dict[int, float] = {}
+    while len(ended) < len(works) and time.monotonic() - start < GIVE_UP_S:
+        ended.update({i: time.monotonic() - start for i, w in enumerate(works) if i not in ended and w.is_completed()})
+        time.sleep(0.05)
+    outcomes = []
+    for i, (group, work) in enumerate(zip(groups, works)):
+        error = "still waiting" if i not in ended else _first_line_of_error(work.wait) or "finished"
+        outcomes.append({"ranks": dist.get_process_group_ranks(group), "seconds": ended.get(i), "error": error})
+    done.touch()
+    return {"groups": len(groups), "outcomes": outcomes}
+
+
+def test_a_stalled_peer_fails_its_partner_within_the_timeout_on_every_group_the_strategies_create(results):
+    rank0, rank1 = results["stalled_peer_on_every_group"]
+    # stage 3's gathers (Trainer, Fabric); the replicate group; the hybrid mesh's replicate
+    # dimension; the checkpoint groups of training on NCCL (Trainer, Fabric)
+    assert rank0["groups"] == rank1["groups"] >= 6
+    for outcome in rank0["outcomes"]:
+        assert "imed out" in outcome["error"], outcome  # gloo: "Timed out waiting 3000ms for recv ..."
+        assert outcome["seconds"] < 3 * TIMEOUT.total_seconds(), outcome

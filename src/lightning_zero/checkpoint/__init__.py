@@ -6,7 +6,7 @@ Like ``engine/collectives.py`` for communication, this package is the one place 
 """
 
 from lightning_zero.checkpoint.convert import checkpoint_file, convert_checkpoint, full_checkpoint
-from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError
+from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, is_sharded_checkpoint
 from lightning_zero.checkpoint.verify import verify_checkpoint
 
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "Manifest",
+    "UntrustedCheckpointError",
     "checkpoint_file",
     "convert_checkpoint",
     "full_checkpoint",

@@ -11,10 +11,10 @@ Every save ends with one outcome shared by all ranks: each raises the same error
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -23,6 +23,7 @@ from lightning_zero.checkpoint.directory import load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.manifest import PathLike
+from lightning_zero.checkpoint.pickles import checkpoint_globals, save_torch_file, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
 from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine import ZeroEngine
@@ -54,9 +55,10 @@ class RankCoordination(Protocol):
 class ZeroCheckpointing:
     """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
 
-    def __init__(self, state_dict_type: StateDictType) -> None:
+    def __init__(self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None) -> None:
         self.state_dict_type = check_state_dict_type(state_dict_type)
-        self.group = CheckpointGroup()
+        self.group = CheckpointGroup(timeout)
+        """DCP's gloo group, under the strategy's ``timeout`` like every group the strategy makes."""
         self.restored_from_directory = False
         """Whether the last ``load`` read a directory (weights and optimizer state are then already
         in the shards, and Lightning's later ``load_*_state_dict`` calls must do nothing)."""
@@ -110,24 +112,31 @@ class ZeroCheckpointing:
         optimizers: Sequence[Optimizer],
         strict: bool,
         read_file: Callable[[Path], dict[str, Any]],
+        weights_only: Optional[bool] = None,
         averaging_states: bool = False,
     ) -> dict[str, Any]:
         """A sharded directory is read straight into the shards (any world size, any stage) and what
         Lightning restores itself (loops, schedulers, callbacks, ...) is returned; a file (ours with
         ``state_dict_type="full"``, or one written by DDP) is read with ``read_file``. Both are checked
         against their checksums first; a checkpoint that a crash left under a sibling name while it
-        was being replaced is moved back first. ``averaging_states``: see ``load_directory``."""
+        was being replaced is moved back first. ``weights_only``: how the pickles are read, as
+        ``torch.load`` reads a file (``read_file`` is given it already; see [Note: untrusted
+        checkpoints] in ``pickles.py``). ``averaging_states``: see ``load_directory``."""
         path = Path(checkpoint_path)
         recover(path)  # every rank: they agree on which sibling, whoever moves it
         self.restored_from_directory = path.is_dir()
         if path.is_dir():
-            return load_directory(path, module, engine, optimizers, strict, self.group, averaging_states)
+            return load_directory(path, module, engine, optimizers, strict, self.group, weights_only, averaging_states)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
         check_zip(path)  # the same bytes on every rank, so the same verdict
         try:
-            return read_file(path)
+            with checkpoint_globals():
+                return read_file(path)
         except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
+            refused = weights_only_refusal(err)
+            if refused is not None:
+                raise untrusted(path, "it", refused) from None
             raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupted ({describe(err)}).") from err
 
     @staticmethod
@@ -161,7 +170,7 @@ def file_writer(checkpoint_io: Any) -> Callable[[dict[str, Any], Path], None]:
 
 def _stream_to_file(checkpoint: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
+    save_torch_file(checkpoint, path)
 
 
 def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import uuid
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -27,12 +27,15 @@ from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STAT
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
 from lightning_zero.checkpoint.integrity import check_directory
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
+from lightning_zero.checkpoint.pickles import save_torch_file
 from lightning_zero.checkpoint.sharded import CURRENT_PREFIX, SHARDED, TENSOR, read_full_state
 from lightning_zero.checkpoint.storage import read_meta, read_tensors, tensor_metadata
 
 
-def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False) -> Path:
+def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None) -> Path:
     """Write the single-file form of the sharded checkpoint ``src`` to ``dst``; returns ``dst``.
+    ``weights_only``: how ``src``'s meta.pt is unpickled, as ``torch.load`` reads a file (None:
+    torch's default; see [Note: untrusted checkpoints] in ``pickles.py``).
 
     Refuses to overwrite ``src`` itself, or to convert a damaged one (every file is checked against
     the checksum in its manifest first); an existing ``dst`` file is replaced only once the new one
@@ -43,12 +46,12 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
         raise ValueError(f"convert_checkpoint would overwrite its source {str(src)!r}; choose another destination.")
     if dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
-    checkpoint = full_checkpoint(src, include_optimizer)
+    checkpoint = full_checkpoint(src, include_optimizer, weights_only)
     dst.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
     try:
         with open(temporary, "wb") as f:  # an open file, so that a full disk is reported in the OS's words
-            torch.save(checkpoint, f)
+            save_torch_file(checkpoint, f)
     except Exception as err:  # noqa: BLE001 - re-raised with the file named
         temporary.unlink(missing_ok=True)
         raise CheckpointWriteError(f"{str(dst)!r} could not be written: {describe(err, with_filename=False)}.") from err
@@ -56,10 +59,11 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
     return dst
 
 
-def checkpoint_file(path: PathLike) -> Union[Path, io.BytesIO]:
+def checkpoint_file(path: PathLike, weights_only: Optional[bool] = None) -> Union[Path, io.BytesIO]:
     """What code that reads one checkpoint *file* can take: ``path`` itself when it is a file, the
     single-file form of a sharded directory (weights and the rest, no optimizer state) in memory
-    when it is one. For Lightning's file-only readers::
+    when it is one, its meta.pt unpickled under ``weights_only`` (as the reader will unpickle the
+    form handed to it). For Lightning's file-only readers::
 
         model = MyModel.load_from_checkpoint(checkpoint_file(trainer.checkpoint_callback.best_model_path))
     """
@@ -67,17 +71,18 @@ def checkpoint_file(path: PathLike) -> Union[Path, io.BytesIO]:
     if not path.is_dir():
         return path
     buffer = io.BytesIO()
-    torch.save(full_checkpoint(path), buffer)
+    save_torch_file(full_checkpoint(path, weights_only=weights_only), buffer)
     buffer.seek(0)
     return buffer
 
 
-def full_checkpoint(src: PathLike, include_optimizer: bool = False) -> dict[str, Any]:
+def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The sharded checkpoint ``src`` as the one dict a plain Lightning checkpoint file holds
-    (checked against its checksums first); see the module's docstring."""
+    (checked against its checksums first); see the module's docstring. ``weights_only``: see
+    ``convert_checkpoint``."""
     src = Path(src)
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
-    meta = read_meta(src)
+    meta = read_meta(src, weights_only)
     checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}
     checkpoint["state_dict"] = read_full_state(src, manifest)
     if meta.get(AVERAGED_KEY):  # a weight-averaging callback's average above; the training weights here

@@ -121,12 +121,14 @@ def load_directory(
     optimizers: Sequence[Optimizer],
     strict: bool,
     group: CheckpointGroup,
+    weights_only: Optional[bool] = None,
     averaging_states: bool = False,
 ) -> dict[str, Any]:
     """Load the weights (and the ``optimizers``' state, when given) straight into this rank's
     chunks, at any world size and stage; returns the rest of the checkpoint for Lightning, with
     empty ``state_dict`` / ``optimizer_states`` entries (already restored). Every file is checked
-    against its checksum first, each rank checking a share.
+    against its checksum first, each rank checking a share. ``weights_only``: how meta.pt is unpickled,
+    as for a checkpoint file (see [Note: untrusted checkpoints] in ``pickles.py``).
 
     ``averaging_states``: for a fit resumed with a weight-averaging callback, the checkpoint's
     weights (its average, if saved with one) are also returned under ``state_dict``, and its
@@ -134,7 +136,7 @@ def load_directory(
     as shard entries (``read_chunks``), each rank reading its chunks only. A callback state entry
     saved as shards comes back the same way."""
     manifest = verify_on_ranks(directory, group)
-    meta = read_meta(directory)
+    meta = read_meta(directory, weights_only)
     averaged = meta.pop(AVERAGED_KEY, False)
     load_model(directory, manifest, module, engine, group, strict=strict)
     if engine is not None:

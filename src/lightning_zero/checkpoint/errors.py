@@ -8,11 +8,18 @@ its whole message as its only argument, which pickles as is.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Optional
 
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint whose files are missing, truncated, fail their checksums or cannot be parsed."""
+
+
+class UntrustedCheckpointError(pickle.UnpicklingError):
+    """A checkpoint whose pickle names a global that a weights-only load does not allow: unpickling it
+    could run code, so it was refused before that global was called (see ``pickles.py``). A
+    ``pickle.UnpicklingError``, as torch's own weights-only refusal is."""
 
 
 class CheckpointWriteError(OSError):

@@ -18,6 +18,7 @@ import pickle
 import re
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional, TypeVar
 
@@ -29,20 +30,33 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, ShardFileError, describe
+from lightning_zero.checkpoint.errors import (
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    ShardFileError,
+    UntrustedCheckpointError,
+    describe,
+)
 from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
 from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, PathLike
+from lightning_zero.checkpoint.pickles import load_dcp_metadata, load_torch_file, save_torch_file
 
 T = TypeVar("T")
+DCP_METADATA_NAME = ".metadata"
+"""The file DCP's ``FileSystemWriter`` keeps its metadata in (one for all ranks)."""
 
 
 class CheckpointGroup:
     """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
     chunks are staged on the CPU, whatever backend training uses. Created on first use (a
     collective call, made by every rank at the same save or load). In a process with no process
-    group (the calling process after spawned ranks finished) it is this process ``alone``."""
+    group (the calling process after spawned ranks finished) it is this process ``alone``.
 
-    def __init__(self) -> None:
+    ``timeout``: how long a collective on the groups made here waits for its peers before failing
+    (the strategy's; None: torch's default). Under gloo training DCP uses the default group itself."""
+
+    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+        self.timeout = timeout
         self._group: Optional[dist.ProcessGroup] = None
         self._mesh: Optional[DeviceMesh] = None
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
@@ -51,7 +65,7 @@ class CheckpointGroup:
     def group(self) -> dist.ProcessGroup:
         if self._group is None:
             self._group = (
-                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
             )
         return self._group
 
@@ -78,7 +92,7 @@ class CheckpointGroup:
         """One gloo group per row of global ranks (each rank creates all, in order); this rank's."""
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row, backend="gloo")
+            group = dist.new_group(row, backend="gloo", timeout=self.timeout)
             if dist.get_rank() in row:
                 mine = group
         assert mine is not None
@@ -86,7 +100,7 @@ class CheckpointGroup:
 
     def __getstate__(self) -> dict[str, Any]:
         # a process group belongs to its process: made anew on use
-        return {"_group": None, "_mesh": None, "_hybrid_meshes": {}}
+        return {"timeout": self.timeout, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
 
     @property
     def alone(self) -> bool:
@@ -150,10 +164,27 @@ def _writer(directory: PathLike) -> dcp.FileSystemWriter:
     return writer
 
 
+class _Reader(dcp.FileSystemReader):
+    """DCP's reader of ``directory``, every file opened through ``_NamingFileSystem``, and its metadata
+    read first by ``_read_metadata`` (restricted, see [Note: untrusted checkpoints] in ``pickles.py``)
+    and handed to DCP, in place of DCP's own ``pickle.load`` of .metadata."""
+
+    def __init__(self, directory: PathLike) -> None:
+        super().__init__(str(directory))
+        self.fs = _NamingFileSystem()
+        self._metadata = _read_metadata(directory)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs.get("rank") is not None:  # a rank's own metadata, asked for where .metadata is missing
+            raise FileNotFoundError("a lightning-zero checkpoint holds one .metadata for all ranks, and no other")
+        storage_meta = getattr(self._metadata, "storage_meta", None)
+        if storage_meta is not None and hasattr(self, "load_id"):
+            storage_meta.load_id = self.load_id  # as DCP's reader tags the metadata of each load
+        return self._metadata
+
+
 def _reader(directory: PathLike) -> dcp.FileSystemReader:
-    reader = dcp.FileSystemReader(str(directory))
-    reader.fs = _NamingFileSystem()
-    return reader
+    return _Reader(directory)
 
 
 def _dcp_failure(err: BaseException) -> tuple[Optional[str], str, str]:
@@ -198,7 +229,7 @@ def _checksum_own_files(directory: Path, rank: int, world_size: int) -> dict[str
 def _write_meta_and_manifest(directory: Path, meta: dict[str, Any], manifest: Manifest, checksums: dict[str, int]) -> None:
     buffer = io.BytesIO()  # serialized first, so that a full disk is reported as the OS words it
     with _writing(directory, f"while writing {directory.name}/{META_NAME}", 0):
-        torch.save(meta, buffer)
+        save_torch_file(meta, buffer)
         with open(directory / META_NAME, "wb") as f:
             f.write(buffer.getbuffer())
             f.flush()
@@ -246,10 +277,14 @@ def verify_on_ranks(directory: PathLike, group: CheckpointGroup) -> Manifest:
     return manifest[0]
 
 
-def read_meta(directory: PathLike) -> dict[str, Any]:
+def read_meta(directory: PathLike, weights_only: Optional[bool]) -> dict[str, Any]:
+    """meta.pt, unpickled as ``torch.load`` unpickles a checkpoint file under ``weights_only`` (see
+    [Note: untrusted checkpoints] in ``pickles.py``); a refused global raises ``UntrustedCheckpointError``."""
     path = Path(directory) / META_NAME
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_torch_file(path, weights_only, directory, META_NAME)
+    except UntrustedCheckpointError:
+        raise
     except FileNotFoundError:
         raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {META_NAME} is missing.") from None
     except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
@@ -267,10 +302,14 @@ def storage_items(directory: PathLike) -> list[tuple[str, int, int]]:
 
 
 def _read_metadata(directory: PathLike) -> Any:
+    """DCP's metadata, read with ``DcpMetadataUnpickler`` (never DCP's own ``pickle.load``)."""
     try:
-        return _reader(directory).read_metadata()
+        with open(Path(directory) / DCP_METADATA_NAME, "rb") as f:
+            return load_dcp_metadata(f, directory, DCP_METADATA_NAME)
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - a missing file or a failed unpickling
-        cause = str(err) if isinstance(err, ShardFileError) else f".metadata: {describe(err)}"
+        cause = f"{DCP_METADATA_NAME}: {describe(err, with_filename=False)}"
         raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: its DCP metadata cannot be read ({cause}).") from err
 
 

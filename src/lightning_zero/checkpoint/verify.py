@@ -3,8 +3,13 @@
 A sharded directory: the manifest, every file's size and checksum, DCP's metadata (readable, and
 naming only files the manifest lists) and meta.pt's zip records; a directory saved before checksums
 (format 1) has each of its DCP items, a ``torch.save`` zip, checked against the zip's own CRC-32s
-instead. A file (the full format, or any ``torch.save`` file): every zip record against its CRC-32. Of the pickles, only DCP's metadata is
-read (as every DCP reader does); meta.pt and full files, which may hold any Python object, are not.
+instead. A file (the full format, or any ``torch.save`` file): every zip record against its CRC-32.
+
+The pickles are unpickled as every load unpickles them (see [Note: untrusted checkpoints] in
+``pickles.py``), so nothing they name that a load would refuse is run: DCP's metadata by
+``DcpMetadataUnpickler``; meta.pt and a file by torch's weights-only unpickler, or with
+``weights_only=False`` (a checkpoint the user trusts) not at all, the globals beyond the weights-only
+allow list that they name listed instead.
 """
 
 from __future__ import annotations
@@ -12,33 +17,63 @@ from __future__ import annotations
 import io
 import zipfile
 from pathlib import Path
+from typing import Any, Callable
 
-from lightning_zero.checkpoint.errors import CorruptCheckpointError
+import torch
+
+from lightning_zero.checkpoint.errors import CorruptCheckpointError, UntrustedCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_directory, check_zip
 from lightning_zero.checkpoint.manifest import META_NAME, PathLike
-from lightning_zero.checkpoint.storage import storage_items
+from lightning_zero.checkpoint.pickles import checkpoint_globals, load_torch_file
+from lightning_zero.checkpoint.storage import read_meta, storage_items
 
 
-def verify_checkpoint(path: PathLike) -> str:
-    """A one-line summary of what was checked; raises naming the first damaged file."""
+def verify_checkpoint(path: PathLike, weights_only: bool = True) -> str:
+    """A one-line summary of what was checked; raises naming the first damaged file
+    (``CorruptCheckpointError``) or the first global that a pickle names and a load under
+    ``weights_only`` would refuse (``UntrustedCheckpointError``)."""
     path = Path(path)
     if path.is_file():
         check_zip(path)
-        return f"{path}: OK (a single-file checkpoint, {path.stat().st_size / 1e6:.1f} MB, every zip record matches its CRC-32)"
+        pickled = _check_pickle(path, weights_only, lambda: load_torch_file(path, True, path, "it", mmap=True))
+        return f"{path}: OK (a single-file checkpoint, {path.stat().st_size / 1e6:.1f} MB, every zip record matches its CRC-32; its pickle {pickled})"
     manifest = check_directory(path)
     items = storage_items(path)
     unlisted = sorted({file for file, _, _ in items} - set(manifest.files))
     if unlisted:
         raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is damaged: its DCP metadata names {unlisted[0]}, which the manifest does not list.")
+    pickled = f"no {META_NAME}"
     if META_NAME in manifest.files:
         check_zip(path / META_NAME)
+        pickled = f"{META_NAME} " + _check_pickle(path / META_NAME, weights_only, lambda: read_meta(path, True))
     if manifest.checksums:
         checked = "sizes and checksums"
     else:
         _check_items(path, items)
         checked = "sizes, and each DCP item's zip checksums (format 1: no file checksums recorded)"
     total = sum(manifest.files.values()) / 1e6
-    return f"{path}: OK ({len(manifest.files)} files, {total:.1f} MB; {checked}; DCP metadata and {META_NAME} readable)"
+    return f"{path}: OK ({len(manifest.files)} files, {total:.1f} MB; {checked}; DCP metadata read by its restricted unpickler; {pickled})"
+
+
+def _check_pickle(file: Path, weights_only: bool, load: Callable[[], Any]) -> str:
+    """Unpickle ``file`` with ``load`` (weights-only) or, when ``weights_only`` is False, list the
+    globals it names beyond the weights-only allow list without unpickling it; what was done, in words."""
+    if not zipfile.is_zipfile(file):
+        return "in torch's legacy format, not unpickled"
+    if weights_only:
+        try:
+            load()
+        except (UntrustedCheckpointError, CorruptCheckpointError):
+            raise
+        except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged pickle
+            raise CorruptCheckpointError(f"{str(file)!r} is corrupted: its pickle cannot be read ({describe(err)}).") from err
+        return "unpickled with weights_only=True"
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)  # torch 2.5+
+    if scan is None:
+        return "not unpickled (weights_only=False)"
+    with checkpoint_globals():
+        beyond = ", ".join(sorted(scan(file))) or "none"
+    return f"not unpickled (weights_only=False; the globals it names beyond the weights-only allow list: {beyond})"
 
 
 def _check_items(directory: Path, items: list[tuple[str, int, int]]) -> None:

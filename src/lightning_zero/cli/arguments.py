@@ -22,6 +22,19 @@ class Subcommand:
     cannot express (e.g. one option needing another) fail the same way, via `parser.error` (status 2)."""
 
 
+def add_weights_only_argument(parser: argparse.ArgumentParser, effect: str) -> None:
+    """`--no-weights-only` (`args.weights_only`: False, else None): the checkpoint is trusted, its
+    meta.pt may hold any Python object; ``effect``: what the subcommand then does, for the help."""
+    parser.add_argument(
+        "--no-weights-only",
+        dest="weights_only",
+        action="store_false",
+        default=None,
+        help=f"only for a checkpoint you trust: {effect}. Default: meta.pt is read by torch's weights-only"
+        " unpickler, and a checkpoint naming anything else is refused",
+    )
+
+
 _COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _MEMORY_UNITS = {
     "": 10**9,  # a bare number is decimal GB, the unit of GPU spec sheets ("80 GB")

@@ -1,15 +1,16 @@
 """`lightning-zero convert`: a sharded checkpoint directory to one plain Lightning checkpoint file
 (`lightning_zero.checkpoint.convert_checkpoint`), in one CPU process. The source is checked against
 its checksums first; a missing, damaged or unwritable checkpoint exits with status 2 and one line
-naming the file and the cause, no traceback."""
+naming the file and the cause, no traceback; so does one whose pickles name a global that a
+weights-only load refuses, unless `--no-weights-only` says it is trusted."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from lightning_zero.checkpoint import convert_checkpoint
-from lightning_zero.cli.arguments import Subcommand
+from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint
+from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write the full optimizer state (in DDP's format), so training can resume from the file",
     )
+    add_weights_only_argument(parser, "unpickle meta.pt as torch.load(weights_only=False) does, which can run code")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer)
-    except (OSError, ValueError) as err:  # missing, damaged (CorruptCheckpointError), or a full disk
+        out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only)
+    except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0

@@ -33,6 +33,7 @@ from lightning_zero.checkpoint.atomic import recover
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, file_writer
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
+from lightning_zero.checkpoint.pickles import checkpoint_globals
 from lightning_zero.engine import MemoryReport, ZeroStage, collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
@@ -90,7 +91,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
         self._modules = ShardedModules()
         super().__init__(
             accelerator=accelerator,
@@ -361,11 +362,15 @@ class ZeroFabricStrategy(DDPStrategy):
         self._modules.close_steps()
         path = Path(path)
         recover(path)
-        read_file = lambda file: self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)  # noqa: E731
+
+        def read_file(file: Path) -> Any:
+            with checkpoint_globals():  # a file loads as a directory's meta.pt does
+                return self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)
+
         if not state:
-            return full_checkpoint(path, include_optimizer=True) if path.is_dir() else read_file(path)
+            return full_checkpoint(path, include_optimizer=True, weights_only=weights_only) if path.is_dir() else read_file(path)
         if isinstance(state, nn.Module):  # `fabric.load_raw(path, module)`
-            self._load_module(path, state, strict, read_file)
+            self._load_module(path, state, strict, read_file, weights_only)
             return {}
         if isinstance(state, Optimizer):  # `fabric.load_raw(path, optimizer)`
             self._load_full_optimizer_state(state, read_file(path))
@@ -379,18 +384,20 @@ class ZeroFabricStrategy(DDPStrategy):
         assert sharded is not None
         engine = sharded.ensure_engine()
         checkpoint = self._checkpointing.load(
-            path, split.module, engine, split.optimizers if engine is not None else [], strict, read_file
+            path, split.module, engine, split.optimizers if engine is not None else [], strict, read_file, weights_only
         )
         if not self._checkpointing.restored_from_directory:
             self._load_from_file(checkpoint, split, strict)
         restore_plain_values(state, split.others, checkpoint, strict)
         return remainder(checkpoint)
 
-    def _load_module(self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any]) -> None:
+    def _load_module(
+        self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any], weights_only: Optional[bool]
+    ) -> None:
         """Full weights (a raw ``state_dict`` file, or a checkpoint of either layout) into ``module``."""
         sharded = self._modules.of(module)
         engine = sharded.ensure_engine() if sharded is not None else None
-        loaded = self._checkpointing.load(path, module, engine, [], strict, read_file)
+        loaded = self._checkpointing.load(path, module, engine, [], strict, read_file, weights_only)
         if self._checkpointing.restored_from_directory:
             return
         module_key, _ = fabric_names(loaded)

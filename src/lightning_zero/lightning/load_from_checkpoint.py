@@ -7,8 +7,12 @@ as ``pl_load``, which opens it as one file: on a directory, a bare ``IsADirector
 (run by ``import lightning_zero``) wraps that one name: a local directory is read as its single-file
 form (``checkpoint_file``: full weights and the rest of the checkpoint, no optimizer state, in this
 process alone, no process group) and handed to Lightning's reader, so ``map_location`` and
-``weights_only`` mean what they mean for a file; every other path goes to Lightning's reader
-untouched. The cost is the single-file form in memory once, as for a file.
+``weights_only`` mean what they mean for a file (meta.pt is unpickled under the same
+``weights_only``; see [Note: untrusted checkpoints] in ``checkpoint/pickles.py``); every other path
+goes to Lightning's reader untouched. The cost is the single-file form in memory once, as for a file.
+
+``install`` also allows Lightning's ``AttributeDict`` (hyperparameters) in checkpoints loaded with
+``weights_only=True`` (``allow_in_checkpoints``).
 
 ``torch.load(directory)`` is torch's own and stays a bare error: give it ``checkpoint_file(path)``.
 """
@@ -19,9 +23,12 @@ import os
 from pathlib import Path
 from typing import IO, Any, Callable, Union
 
+from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
 from lightning.pytorch.core import saving
+from lightning.pytorch.utilities.parsing import AttributeDict
 
 from lightning_zero.checkpoint.convert import checkpoint_file
+from lightning_zero.checkpoint.pickles import allow_in_checkpoints, checkpoint_globals
 
 
 class ReadsShardedDirectories:
@@ -31,13 +38,18 @@ class ReadsShardedDirectories:
         self.read = read
 
     def __call__(self, path_or_url: Union[IO, str, Path], *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, Path)) and os.path.isdir(path_or_url):
-            path_or_url = checkpoint_file(path_or_url)
-        return self.read(path_or_url, *args, **kwargs)
+        if not (isinstance(path_or_url, (str, Path)) and os.path.isdir(path_or_url)):
+            return self.read(path_or_url, *args, **kwargs)
+        # Lightning's `_load(path_or_url, map_location=None, weights_only=None)`
+        weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
+        with checkpoint_globals():  # the single-file form holds what meta.pt held
+            return self.read(checkpoint_file(path_or_url, weights_only), *args, **kwargs)
 
 
 def install() -> None:
-    """Wrap ``lightning.pytorch.core.saving.pl_load`` once (a no-op where Lightning has no such name)."""
+    """Wrap ``lightning.pytorch.core.saving.pl_load`` once (a no-op where Lightning has no such name),
+    and allow Lightning's hyperparameter container in weights-only loads."""
+    allow_in_checkpoints(FabricAttributeDict, AttributeDict)
     read = getattr(saving, "pl_load", None)
     if read is not None and not isinstance(read, ReadsShardedDirectories):
         saving.pl_load = ReadsShardedDirectories(read)

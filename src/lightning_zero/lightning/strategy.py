@@ -143,7 +143,7 @@ class ZeroStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
         # `trainer.save_checkpoint` still finds the optimizer's shards
@@ -244,8 +244,9 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
                 self._engine = ZeroEngine(
-                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group, replicate_group=replicate_group
-                )
+                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group,
+                    timeout=self._timeout, replicate_group=replicate_group,
+                )  # fmt: skip
         self.setup_precision_plugin()
 
     def _engine_to_resume(self, shard_group: collectives.ProcessGroup) -> Optional[ZeroEngine]:
@@ -529,6 +530,7 @@ class ZeroStrategy(DDPStrategy):
         checkpoint = self._checkpointing.load(
             checkpoint_path, module, self._engine, self.optimizers if fitting else [], module.strict_loading,
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
+            weights_only=weights_only,
             averaging_states=fitting and has_weight_averaging(trainer),
         )  # fmt: skip
         return as_trainer_checkpoint(checkpoint, has_schedulers=bool(self.lr_scheduler_configs))  # one saved by Fabric
