@@ -137,16 +137,21 @@ def _random_skips(rank: int) -> Schedule:
     return [(torch.randint(0, 32, (2, 9), generator=g), per_rank[rank]) for per_rank in skips]
 
 
-def skipping_run(ctx: RankContext, strategy: str, schedule: Any, blocks: int, gpt: bool, **options: Any) -> dict:
+def engine_or_ddp_run(
+    ctx: RankContext, strategy: str, schedule: Any, blocks: int, gpt: bool, pretrained_before: int = -1, **options: Any
+) -> dict:
     """Every step's loss and the final weights of torch DDP (``find_unused_parameters``) or the
     engine at a stage (buckets of ~one block at stage 2, so more are ready than may be in flight),
-    trained over ``schedule(rank)``."""
+    trained over ``schedule(rank)``. Before step ``pretrained_before``, every parameter's ``.data``
+    is assigned another model's weights (at stage 3, parameters at rest)."""
     import torch.distributed as dist
 
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     if not dist.is_initialized():  # else made by a Trainer in an earlier case
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    torch.manual_seed(1)
+    pretrained = _SkippingStack(blocks, gpt).state_dict()
     torch.manual_seed(0)
     model = _SkippingStack(blocks, gpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -155,7 +160,10 @@ def skipping_run(ctx: RankContext, strategy: str, schedule: Any, blocks: int, gp
         config = ZeroConfig(stage=int(strategy[-1]), bucket_size_mb=2e-3 if gpt else 1.3e-3, **options)
         engine, forward = ZeroEngine(model, [optimizer], config, timeout=COLLECTIVE_TIMEOUT), model
     losses = []
-    for tokens, skip in schedule(ctx.rank):
+    for step, (tokens, skip) in enumerate(schedule(ctx.rank)):
+        if step == pretrained_before:
+            for name, p in model.named_parameters():
+                p.data = pretrained[name].clone()
         if engine is not None:
             engine.begin_step()
         loss = forward(tokens, skip)
@@ -193,8 +201,20 @@ SKIPPING_RUNS = {
 for _run, (_schedule, _blocks, _gpt, _runs) in SKIPPING_RUNS.items():
     for _label, (_strategy_name, _options) in _runs.items():
         GROUP.case(
-            skipping_run, name=f"{_run}_{_label}", strategy=_strategy_name, schedule=_schedule, blocks=_blocks, gpt=_gpt, **_options
+            engine_or_ddp_run, name=f"{_run}_{_label}", strategy=_strategy_name, schedule=_schedule, blocks=_blocks, gpt=_gpt, **_options
         )
+
+
+# ---- `param.data = value` between steps (pretrained weights loaded into a built model) -------------
+def _no_skips(rank: int) -> Schedule:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randint(0, 32, (2, 9), generator=g), frozenset()) for _ in range(STEPS + 1)]
+
+
+for _strategy_name in ("ddp", "zero2", "zero3"):
+    GROUP.case(
+        engine_or_ddp_run, name=f"pretrained_{_strategy_name}", strategy=_strategy_name, schedule=_no_skips, blocks=2, gpt=True, pretrained_before=2
+    )
 
 
 # ---- (2) ranks that run different numbers of evaluation batches ------------------------------------
@@ -375,6 +395,17 @@ def test_a_middle_block_skipped_on_one_rank_trains_like_ddp(results, label):
 @pytest.mark.parametrize("label", [k for k in SKIPPING_RUNS["random_skips"][3] if k != "ddp"])
 def test_units_skipped_at_random_on_each_rank_train_like_ddp(results, label):
     _assert_skipping_run_like_ddp(results, "random_skips", label)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_assigned_between_steps_is_adopted_as_under_ddp(results, stage):
+    """Every parameter's ``.data`` assigned pretrained weights before step 2 (at stage 3 while at
+    rest): the same losses and weights as DDP with the same assignment, in the steps after."""
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["pretrained_ddp"], results[f"pretrained_zero{stage}"]):
+        assert torch.equal(zero["losses"], ddp["losses"])
+        assert max_abs_diff(zero["weights"], ddp["weights"]) == 0.0
 
 
 def test_ranks_running_different_numbers_of_evaluation_batches_finish_as_under_ddp(results):
