@@ -1,6 +1,7 @@
 """What goes wrong on some ranks only, or behind the engine's back, fails loudly or works — never a
-hang or silently wrong weights: a backward that skips units on one rank at stage 3, ranks running
-different numbers of evaluation batches, a parameter object replaced during training, and a weight
+hang or silently wrong weights: a backward that skips units on one rank (at stages 2-3, also with
+skips drawn at random per rank and step), ranks running different numbers of evaluation batches, a
+parameter object replaced during training, ``.data`` assigned to parameters at rest, and a weight
 exported with ``.numpy()`` inside ``summon_full_params``. Every group runs under a timeout (and
 every process group with a short collective timeout), so a regression fails instead of hanging CI."""
 
@@ -155,8 +156,9 @@ def engine_or_ddp_run(
     torch.manual_seed(0)
     model = _SkippingStack(blocks, gpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine, forward = None, torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    if strategy != "ddp":
+    if strategy == "ddp":
+        engine, forward = None, torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    else:
         config = ZeroConfig(stage=int(strategy[-1]), bucket_size_mb=2e-3 if gpt else 1.3e-3, **options)
         engine, forward = ZeroEngine(model, [optimizer], config, timeout=COLLECTIVE_TIMEOUT), model
     losses = []
@@ -184,18 +186,18 @@ def engine_or_ddp_run(
 
 
 SKIPPING_RUNS = {
-    # label: (schedule, blocks, GPT or not, {label: (strategy, engine options)})
+    # run: (schedule, blocks, GPT or not, {label: (strategy, engine options)})
     "middle_skip": (_block_6_from_step_2, 8, True, {
         "ddp": ("ddp", {}),
         "zero2": ("zero2", {}),
         "zero3": ("zero3", {}),
         "zero3_no_prefetch": ("zero3", {"prefetch_units": 0}),
+        "zero3_prefetch_2": ("zero3", {"prefetch_units": 2}),
     }),
     "random_skips": (_random_skips, RANDOM_BLOCKS, False, {  # each block one unit
         "ddp": ("ddp", {}),
         "zero2": ("zero2", {}),
         "zero3": ("zero3", {"unit_classes": ["Sequential"]}),
-        "zero3_prefetch_2": ("zero3", {"unit_classes": ["Sequential"], "prefetch_units": 2}),
     }),
 }  # fmt: skip
 for _run, (_schedule, _blocks, _gpt, _runs) in SKIPPING_RUNS.items():
