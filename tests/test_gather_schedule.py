@@ -108,3 +108,25 @@ def test_a_parameter_at_rest_refuses_to_be_read_and_names_itself():
     assert model(torch.randn(2, 8)).isfinite()  # a unit's forward sees its full parameters
     engine.close()
     assert type(weight) is nn.Parameter  # the engine gone, a plain parameter again
+
+
+def test_data_assigned_at_rest_is_adopted_and_a_new_shape_or_dtype_fails_naming_both():
+    """``param.data = value`` between steps (pretrained weights loaded into a built model): each
+    rank keeps its chunk of ``value`` and the parameter stays at rest, as at stages 1-2."""
+    import pytest
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    model = CalledTwiceInARow()
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+    weight, value = model.blocks[1].weight, torch.randn(8, 8)
+    weight.data = value
+    assert weight.numel() == 0  # still at rest
+    with engine.gathered():
+        assert torch.equal(weight, value)
+    for wrong, named in ((torch.zeros(3, 3), r"\(3, 3\) \(torch.float32\)"), (value.double(), r"\(8, 8\) \(torch.float64\)")):
+        with pytest.raises(RuntimeError, match=rf"'blocks\.1\.weight' was replaced or resized.* {named}, the parameter has shape \(8, 8\) \(torch.float32\)"):
+            weight.data = wrong
+    with engine.gathered():
+        assert torch.equal(weight, value)  # a refused tensor changed nothing
+    engine.close()

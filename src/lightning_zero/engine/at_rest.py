@@ -9,12 +9,17 @@ error and go on with wrong values. So while at rest the parameter's class is
 (shape, dtype, device, ``requires_grad``, ``grad``, ``numel``, hooks) and refuses everything that
 would read or write its values, naming the parameter and ``summon_full_params``. Gathering puts
 the parameter's own class back, so a unit's forward and backward pay nothing for this.
+
+One write is adopted where it happens: ``param.data = full_tensor`` (loading pretrained weights
+into a built model between steps) goes to the engine's adopter for the parameter, which keeps this
+rank's chunk of the value, as stages 1-2 keep the tensor, and leaves the parameter at rest (a new
+shape or dtype fails there, naming both).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,12 +40,17 @@ class ParameterAtRest(nn.Parameter):
 
     names: dict[int, str] = {}
     """``id(param)`` → its name in the module, for the message (filled and emptied by the engine)."""
+    adopters: dict[int, Callable[[torch.Tensor], bool]] = {}
+    """``id(param)`` → what takes a tensor assigned to its ``.data``, True once it did (filled and
+    emptied by the engine)."""
     grad_setters: dict[int, weakref.WeakMethod] = {}
     """``id(param)`` → what assigns it a full-shaped gradient at rest (``ShardedParam.show_grad``:
     torch would refuse one, comparing it with the empty placeholder)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if _adopted(func, args):
+            return None
         if _sets_grad(func) and isinstance(args[1], torch.Tensor) and args[1].shape != args[0].shape:
             setter = ParameterAtRest.grad_setters.get(id(args[0]))
             if setter is not None and setter() is not None:
@@ -71,6 +81,14 @@ def _describes(func: Any) -> bool:
     if name in ("__get__", "__set__"):  # a property: only `.data`'s getter hands out values
         return not (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
     return name in DESCRIBING or name.startswith(("is_", "_is_"))  # predicates (`is_contiguous`, `_is_view`)
+
+
+def _adopted(func: Any, args: tuple) -> bool:
+    """Whether ``func(*args)`` is ``param.data = value`` and the engine adopted ``value``."""
+    if getattr(func, "__name__", "") != "__set__" or getattr(getattr(func, "__self__", None), "__name__", "") != "data":
+        return False
+    adopt = ParameterAtRest.adopters.get(id(args[0]))
+    return adopt is not None and adopt(args[1])
 
 
 def _message(param: Any, operation: str) -> str:

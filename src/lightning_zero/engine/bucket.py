@@ -263,19 +263,40 @@ class PendingGradientReduction:
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads, given back once it is finished."""
     _flags: Optional[Tensor] = None
+    _across_replicas: Optional[collectives.PendingCollective] = None
+
+    def done(self) -> bool:
+        """Whether ``finish`` would return without the host waiting for a peer; never blocks. With
+        hybrid sharding, a finished reduce-scatter starts the all-reduce across the replicas here,
+        so call it on the reductions in the order they were started (as ``finish``)."""
+        if not self.work.done():
+            return False
+        across = self._reduce_across_replicas()
+        return across is None or across.done()
 
     def finish(self) -> None:
         """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks. An
         offloaded bucket's row starts its copy to the host here, during backward."""
         self.work.wait()
-        if self.bucket.replicate_group is not None and self.received is not None:
-            collectives.all_reduce(self.received, self.bucket.replicate_group)  # the other shard groups' sums
+        across = self._reduce_across_replicas()
+        if across is not None:
+            across.wait()
         copy = None
         host = self.bucket.host
         if host is not None and self.received is not None:
             self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
             self.received, copy = host.receive(self.received, self.bucket.pool)
         _give_back(self.bucket.pool, self.lent, copy)
+
+    def _reduce_across_replicas(self) -> Optional[collectives.PendingCollective]:
+        """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
+        started once the reduce-scatter is done (None without replicas)."""
+        if self.bucket.replicate_group is None or self.received is None:
+            return None
+        if self._across_replicas is None:
+            self.work.wait()
+            self._across_replicas = collectives.start_all_reduce(self.received, self.bucket.replicate_group)
+        return self._across_replicas
 
     @property
     def flags(self) -> Tensor:

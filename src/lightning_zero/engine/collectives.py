@@ -71,15 +71,29 @@ class PendingCollective:
     """An issued asynchronous collective; ``wait()`` blocks until its output is ready.
 
     Synchronous backends (or a world of one) hand back an already-finished instance.
+    ``host_waits``: whether ``wait()`` blocks the host until the peers took part (gloo); on NCCL
+    it only makes the current stream wait, and the host goes on.
     """
 
-    def __init__(self, work: Optional[dist.Work] = None) -> None:
+    def __init__(self, work: Optional[dist.Work] = None, host_waits: bool = True) -> None:
         self._work = work
+        self._host_waits = host_waits
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return without the host waiting for a peer: the collective has
+        completed, or the backend's wait only orders the device. Never blocks."""
+        return self._work is None or not self._host_waits or self._work.is_completed()
+
+
+def _pending(work: Optional[dist.Work], group: ProcessGroup, tensor: Tensor) -> PendingCollective:
+    """``work`` on ``tensor``: NCCL (CUDA tensors) orders its wait on the stream, others on the host."""
+    on_stream = tensor.is_cuda and "nccl" in str(dist.get_backend(group))
+    return PendingCollective(work, host_waits=not on_stream)
 
 
 def is_initialized() -> bool:
@@ -100,7 +114,7 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
     if world_size(group) == 1:
         output.copy_(shard)
         return PendingCollective()
-    return PendingCollective(_all_gather_flat(output, shard, group=group, async_op=True))
+    return _pending(_all_gather_flat(output, shard, group=group, async_op=True), group, output)
 
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
@@ -115,9 +129,7 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
         # (torch 2.13); the same sums, so the same bits
         chunks = list(inputs.view(n, -1).unbind(0))
         return PendingCollective(dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True))
-    return PendingCollective(
-        _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    )
+    return _pending(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True), group, output)
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
@@ -127,6 +139,14 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op, group=group)
     return tensor
+
+
+def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
+    """Start summing ``tensor`` in place over ``group``; it holds the sum once the result is waited on."""
+    COLLECTIVE_STATS.record("all_reduce", tensor, group)
+    if world_size(group) == 1:
+        return PendingCollective()
+    return _pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:

@@ -3,6 +3,26 @@
 Both policies issue the buckets' reduce-scatters in one fixed order — the bucket list's — on every
 rank, whatever order their gradients arrive in. Collectives are matched by issue order, so this is
 what keeps ranks from deadlocking when a parameter is unused on some ranks only.
+
+[Note: no waiting in backward]
+A fixed order has a price when the ranks' backwards differ: a bucket holding a parameter that one
+rank's backward never reaches (a unit it skips) is launched there only by the flush after its
+backward, and every later bucket waits behind it. A peer that reached the bucket has launched it
+and goes on launching the next ones. If it then *waited* for the oldest reduce-scatter in flight to
+make room (the in-flight bound), it would wait inside its backward for the rank that skipped, and at
+stage 3 that rank's backward needs the all-gathers of the units still ahead, which the waiting peer
+issues only as its own backward reaches them: each waits on the other, on two process groups, until
+the timeout. So during backward a rank never waits for a reduce-scatter (nor, with hybrid sharding,
+for its all-reduce across replicas): launching one more only finishes the oldest once finishing it
+cannot wait for a peer (``PendingGradientReduction.done``, which polls); until then the ready bucket
+keeps its full gradients and is launched from a later gradient hook, or by the flush. Waiting starts
+in ``finish_backward``, after this rank's backward has issued every all-gather its peers may need
+(``finish_backward_gathers``). The bound on communication buffers holds; what a rank skipping units
+costs its peers is the full gradients of the buckets queued behind the skipped one, until it
+flushes. On NCCL ``wait`` never blocks the host, so ``done`` is true at once and the oldest is
+finished as before: the compute stream then waits for it, and the next all-gather's copy-in, queued
+on that stream, can form the same cycle on the device. Closing that needs the reduce-scatters'
+copy-ins and waits on a stream of their own (not done: no multi-GPU machine to test it on).
 """
 
 from __future__ import annotations
@@ -75,8 +95,9 @@ class ReduceDuringBackward(GradientSync):
     """Stage 2: a bucket's reduce-scatter starts (asynchronously, overlapping the rest of backward)
     as soon as it and every bucket before it have all their gradients, and its full gradients are
     released right then. Buckets still waiting when backward ends (unused parameters) are flushed.
-    At most ``max_in_flight`` reduce-scatters run at once (launching one more first finishes the
-    oldest), which bounds the communication buffers to that many buckets.
+    At most ``max_in_flight`` reduce-scatters run at once, which bounds the communication buffers to
+    that many buckets: a ready bucket is launched once the oldest in flight is done, never by
+    waiting for it during backward (see [Note: no waiting in backward]).
 
     Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
     sharded (the choice ZeRO-2 and FSDP make), at the cost of one reduce-scatter per micro-batch.
@@ -114,21 +135,29 @@ class ReduceDuringBackward(GradientSync):
         def on_grad_accumulated(_: object) -> None:
             if self._on_grad_accumulated is not None:
                 self._on_grad_accumulated(param)
-            if self._bucket_of[id(param.param)].mark_ready(param):
-                self._launch_ready_buckets()
+            self._bucket_of[id(param.param)].mark_ready(param)
+            self._launch_ready_buckets()  # this one's bucket, or one that found no room before
 
         return on_grad_accumulated
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
+        """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
+        (after backward): every bucket left, waiting for room."""
         while self._next_to_launch < len(self.buckets):
             bucket = self.buckets[self._next_to_launch]
-            if not (flush or bucket.is_ready):
+            if not (flush or bucket.is_ready) or not self._make_room(wait=flush):
                 return
-            if len(self._unfinished) >= self.max_in_flight:
-                self._unfinished.popleft().finish()
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
+
+    def _make_room(self, wait: bool) -> bool:
+        """Finish the oldest reduce-scatters that are done (in launch order); True once fewer than
+        ``max_in_flight`` are unfinished. Only with ``wait`` does it wait for one."""
+        unfinished = self._unfinished
+        while unfinished and (unfinished[0].done() or (wait and len(unfinished) >= self.max_in_flight)):
+            unfinished.popleft().finish()
+        return len(unfinished) < self.max_in_flight
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
         self._launch_ready_buckets(flush=True)

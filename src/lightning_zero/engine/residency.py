@@ -14,7 +14,7 @@ import weakref
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -259,6 +259,7 @@ class ShardedParameters(ParameterResidency):
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
+        ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
         ParameterAtRest.grad_setters.update({id(p.param): weakref.WeakMethod(p.show_grad) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
@@ -389,7 +390,25 @@ class ShardedParameters(ParameterResidency):
         for p in self.params:  # plain parameters again (with their placeholders, unless released)
             wake(p.param)
             ParameterAtRest.names.pop(id(p.param), None)
+            ParameterAtRest.adopters.pop(id(p.param), None)
             ParameterAtRest.grad_setters.pop(id(p.param), None)
+
+
+def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[Tensor], bool]:
+    """What adopts ``param.param.data = value`` at rest (see [Note: parameters at rest]); False
+    once the engine is gone. It holds both weakly: the registry outlives a module dropped after fit."""
+    residency_ref, param_ref = weakref.ref(residency), weakref.ref(param)
+
+    def adopt(value: Tensor) -> bool:
+        residency, param = residency_ref(), param_ref()
+        if residency is None or param is None:
+            return False
+        if residency.copies is not None:
+            residency.copies.synchronize()  # no copy to the device still reads the host chunks
+        param.adopt_at_rest(value)
+        return True
+
+    return adopt
 
 
 def _device_of_params(module: nn.Module) -> torch.device:

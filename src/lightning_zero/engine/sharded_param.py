@@ -109,11 +109,12 @@ class ShardedParam:
             return
         if self._shape_stand_in is None:
             self._shape_stand_in = torch.empty((), dtype=self.param.dtype, device=self.device).expand(self.shape)
-        self.param.data = self._shape_stand_in
-        try:
-            self.param.grad = grad
-        finally:
-            self.param.data = self._placeholder
+        with torch._C.DisableTorchFunctionSubclass():  # not a `.data` assignment to adopt (at_rest.py)
+            self.param.data = self._shape_stand_in
+            try:
+                self.param.grad = grad
+            finally:
+                self.param.data = self._placeholder
 
     def chunk_to_send(self) -> Tensor:
         """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
@@ -222,6 +223,21 @@ class ShardedParam:
             self.shard.copy_(self._unsharded_flat[start:end].reshape(self.shard.shape))
         self.refresh_device_chunk()
 
+    def adopt_at_rest(self, value: Tensor) -> None:
+        """Stage 3, ``param.data = value`` while the parameter is at rest (outside its unit's use,
+        e.g. pretrained weights loaded between steps): ``value`` becomes the parameter's value, this
+        rank keeping its chunk of it, as at stages 1-2; the parameter stays at rest."""
+        dtype = self._placeholder.dtype
+        if (value.shape, value.dtype) != (self.shape, dtype):
+            raise RuntimeError(
+                f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded:"
+                f" its `.data` was assigned a tensor of shape {tuple(value.shape)} ({value.dtype}), the"
+                f" parameter has shape {tuple(self.shape)} ({dtype}). HINT: a tensor of the parameter's"
+                " shape and dtype is adopted (each rank keeps its chunk of it, as under DDP); change"
+                " shapes or dtypes before `trainer.fit` (or in `configure_model`)."
+            )
+        self.load_full_value(value)
+
     def check_data_not_assigned(self) -> None:
         """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned
         between the backward (where it is adopted) and the step could not be stepped."""
@@ -277,8 +293,9 @@ class ShardedParam:
         if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
             raise RuntimeError(
                 f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded"
-                f" (it has shape {tuple(self.param.shape)}). Parameters of a ZeRO-3 model may not be"
-                " reassigned after setup; edit them inside `strategy.summon_full_params(writeback=True)`."
+                f" (it has shape {tuple(self.param.shape)}). HINT: assign `.data` a tensor of its shape"
+                f" {tuple(self.shape)} and dtype (adopted, each rank keeping its chunk), or edit it inside"
+                " `strategy.summon_full_params(writeback=True)`."
             )
         self.param.data = self._unsharded
 
