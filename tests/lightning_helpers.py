@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -14,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401 - registers the strategy names ("zero1", ...) the tests pass as strings
 from models import OddShapes
+from multiprocess import ranks_started
 
 
 class RegressionModule(L.LightningModule):
@@ -82,7 +82,7 @@ def full_weights(module: L.LightningModule, strategy: Any = None) -> dict[str, t
 def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None, **kwargs: Any) -> L.Trainer:
     options = dict(
         accelerator="cpu",
-        devices=int(os.environ.get("WORLD_SIZE", 2)),  # the ranks run_on_ranks started
+        devices=ranks_started(),
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,

@@ -24,6 +24,17 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def ranks_started() -> int:
+    """How many ranks ``run_on_ranks`` started, as seen from one of them: the process group's size
+    once there is one (Lightning's ``LightningEnvironment.teardown`` deletes ``WORLD_SIZE`` from the
+    environment after each fit, so a second Trainer would read the default), else ``WORLD_SIZE``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 2))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

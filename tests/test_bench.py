@@ -216,6 +216,15 @@ def test_params_target_picks_the_closest_width() -> None:
         assert abs(num_parameters(config) - target) / target < 0.05
 
 
+def test_parameter_count_is_affine_in_the_blocks() -> None:
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    for n_layer in (1, 2, 7):
+        config = GPTConfig(block_size=32, n_layer=n_layer, n_head=4, n_embd=64)
+        with torch.device("meta"):
+            assert num_parameters(config) == GPT(config).num_parameters()
+
+
 def test_floors_are_the_zero_papers() -> None:
     psi, n = 1_000_000, 4
     fp32 = {s: theory.model_state_floor(psi, n, s).total for s in range(4)}

@@ -14,7 +14,7 @@ STEPS = 4
 STAGES = (1, 2, 3)
 
 
-def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager") -> dict:
+def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager", **trainer_kwargs) -> dict:
     import lightning as L
     import torch
     from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
@@ -36,7 +36,7 @@ def compiled_fit(ctx: RankContext, strategy: str, backend: str = "aot_eager") ->
     module.model = torch.compile(module.model, backend=backend)
     recorder, graphs = WeightRecorder(), GraphCount()
     with RecompileCounter() as recompiles:
-        make_trainer(strategy, STEPS, callbacks=[recorder, graphs]).fit(module, token_data())
+        make_trainer(strategy, STEPS, callbacks=[recorder, graphs], **trainer_kwargs).fit(module, token_data())
     return {"history": recorder.history, "graphs": graphs.graphs, "recompiles": recompiles.count, "reasons": recompiles.reasons}
 
 

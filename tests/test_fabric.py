@@ -20,21 +20,21 @@ STAGES = (1, 2, 3)
 GROUP = CaseGroup(world_size=2)
 
 
-def _fabric(strategy: str, precision: str = "32-true", **options: Any):
+def _fabric(strategy: str, precision: str = "32-true", accelerator: str = "cpu", **options: Any):
     from datetime import timedelta
 
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
 
     from lightning_zero import ZeroFabricStrategy
+    from multiprocess import ranks_started
 
     timeout = timedelta(seconds=60)  # a hang becomes an error
     if strategy == "ddp":
         chosen = DDPStrategy(timeout=timeout)
     else:
         chosen = ZeroFabricStrategy(stage=int(strategy[-1]), timeout=timeout, **options)
-    devices = int(os.environ.get("WORLD_SIZE", 2))  # the ranks run_on_ranks started
-    fabric = Fabric(accelerator="cpu", devices=devices, strategy=chosen, precision=precision)
+    fabric = Fabric(accelerator=accelerator, devices=ranks_started(), strategy=chosen, precision=precision)
     fabric.launch()
     return fabric
 
@@ -66,6 +66,7 @@ def train(
     precision: str = "32-true",
     compile_model: bool = False,
     backend: str = "aot_eager",
+    accelerator: str = "cpu",
     **options: Any,
 ) -> dict[str, Any]:
     """Train a test model with a plain Fabric loop; the losses, the clipped norms, the full weights
@@ -73,7 +74,7 @@ def train(
     from recompiles import RecompileCounter
     from torch._dynamo.utils import counters
 
-    fabric = _fabric(strategy, precision, **options)
+    fabric = _fabric(strategy, precision, accelerator, **options)
     fabric.seed_everything(0)
     make = _tied_mlp if model == "mlp" else _gpt
     if meta_init:
@@ -97,7 +98,7 @@ def train(
         recompiles = stack.enter_context(RecompileCounter()) if compile_model else None
         for step in range(steps):
             for micro in range(accumulate):
-                batch = batches[step * accumulate + micro]
+                batch = fabric.to_device(batches[step * accumulate + micro])
                 with fabric.no_backward_sync(wrapped, enabled=micro < accumulate - 1):
                     loss = wrapped(batch[:, :-1], batch[:, 1:])[1] / accumulate
                     fabric.backward(loss)

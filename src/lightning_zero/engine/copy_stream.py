@@ -4,7 +4,8 @@ On CUDA every copy runs on one side stream, ``non_blocking`` between pinned host
 device, so it overlaps backward and forward:
 
 - device → host: the copy stream first waits for the compute stream (the data is produced there);
-  the host reads the copy only after :meth:`CopyStream.synchronize`, once per backward.
+  the host reads the copy only after it waited for the copy stream, once per backward (with
+  :meth:`CopyStream.synchronize`, or within the backward's one read: :meth:`CopyStream.join_compute_stream`).
 - host → device: the copy lands in a buffer allocated on the copy stream, so it starts at once
   instead of after the compute queued before it; the compute stream waits for the copy's event
   only where the data is used (never the host), and the buffer is not reused before that use ends.
@@ -36,6 +37,7 @@ class CopyStream:
         self.pinned = self._stream is not None
         """Whether host buffers for these copies are pinned (page-locked): what makes CUDA copies
         asynchronous and as fast as the bus."""
+        self._unwaited = False  # copies issued since the host last waited for them
 
     def to_host(self, host: Tensor, device_data: Tensor) -> Event:
         """Copy ``device_data`` (ready on the compute stream) into ``host`` (pinned, same shape and
@@ -44,6 +46,7 @@ class CopyStream:
             host.copy_(device_data)
             return None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._unwaited = True
         with torch.cuda.stream(self._stream):
             host.copy_(device_data, non_blocking=True)
             device_data.record_stream(self._stream)  # for a buffer freed (not pooled) before the copy ran
@@ -55,6 +58,7 @@ class CopyStream:
         if self._stream is None:
             return host if host.device == self.device else host.to(self.device)
         compute = torch.cuda.current_stream(self.device)
+        self._unwaited = True
         with torch.cuda.stream(self._stream):
             device_data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             device_data.copy_(host, non_blocking=True)
@@ -65,9 +69,20 @@ class CopyStream:
 
     def synchronize(self) -> None:
         """The host waits for every copy issued so far: before it reads what came to the host, and
-        before it writes host memory a copy to the device may still read (the optimizer step)."""
-        if self._stream is not None:
+        before it writes host memory a copy to the device may still read (the optimizer step). No
+        wait (no host sync) when nothing was issued since the last one."""
+        if self._stream is not None and self._unwaited:
             self._stream.synchronize()
+            self._unwaited = False
+
+    def join_compute_stream(self) -> None:
+        """Instead of :meth:`synchronize`, where the host reads a device value right after this
+        call (``HostReads.read``): the compute stream waits for every copy issued so far, on the
+        device, so that the read's one host sync waits for the copies too. The caller must make
+        that read before it touches host memory the copies fill or read."""
+        if self._stream is not None and self._unwaited:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._unwaited = False
 
     def _record(self) -> "torch.cuda.Event":
         event = torch.cuda.Event()

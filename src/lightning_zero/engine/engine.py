@@ -199,9 +199,8 @@ class ZeroEngine:
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
-        self._wait_for_host_copies()
         self._unstepped_gradients = True
-        self._host_reads.read()  # the backward's one host sync: see [Note: deferred verdicts]
+        self._read_from_device()  # the backward's one host sync: see [Note: deferred verdicts]
         if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
             # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
             self.gradients.open(reduced=self.sync_gradients)
@@ -223,14 +222,20 @@ class ZeroEngine:
         """After a step's last backward and before its optimizer step, or after an evaluation step
         (stage 3 frees the root unit; see the module docstring)."""
         self.residency.end_step()
-        self._wait_for_host_copies()
-        self._host_reads.read()  # an evaluation step's unit tags (nothing is left after a backward)
+        self._read_from_device()  # an evaluation step's unit tags (nothing is left after a backward)
 
-    def _wait_for_host_copies(self) -> None:
-        """Offload: the gradients copied to the host have landed, and no copy to the device still
-        reads host chunks the optimizer (or a load) is about to write."""
-        if self.residency.copies is not None:
-            self.residency.copies.synchronize()
+    def _read_from_device(self) -> None:
+        """At most one host sync: the values queued in ``HostReads`` are read and, with offload, the
+        host waits for the copies: the gradients copied to the host have landed, and no copy to the
+        device still reads host chunks the optimizer (or a load) is about to write. Where both are
+        due, the compute stream waits for the copies on the device and the read waits for both."""
+        copies = self.residency.copies
+        if copies is not None:
+            if self._host_reads.pending:
+                copies.join_compute_stream()
+            else:
+                copies.synchronize()
+        self._host_reads.read()
 
     # ---- state -----------------------------------------------------------------------------
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:

@@ -30,6 +30,11 @@ class HostReads:
         They are copied (one small kernel), so the buffer they came from may be reused at once."""
         self._queued.append((values.detach().reshape(-1).to(torch.float32, copy=True), consume))
 
+    @property
+    def pending(self) -> bool:
+        """Whether a ``read`` now would read anything (and so make a host sync)."""
+        return bool(self._queued)
+
     def read(self) -> None:
         """One host sync for everything queued, then every consumer in the order they were added."""
         if not self._queued:

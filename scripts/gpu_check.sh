@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Issue 26's one command for a GPU machine: the CUDA test tier, overhead_gpu.sh, offload_gpu.py and
+# the capacity benchmark on the GPU, then summary.md: every target, its measured value, its verdict.
+# Runs from a plain checkout against the installed torch and Lightning (PYTHONPATH=src), in at most
+# 8 minutes on one H200: each step has a time limit (the table below), and a step that fails or runs
+# out of time is recorded in the summary while the next one runs.
+#   bash scripts/gpu_check.sh [--dry-run] [--pack]
+# Writes under $OUT (default ./gpu-check): summary.md, summary.json, gpu-check.log (this output)
+# and detail/ (each step's log and figures), or with --pack detail.tar.gz instead of detail/, so
+# the folder holds four files. --dry-run: the same steps with tiny sizes on the CPU (the CUDA tier
+# is collected and skipped), under a minute on 2 cores; tests/test_gpu_check_script.py runs it.
+# PYTHON picks the interpreter (default python3). Exit status 0 when every step ran to its end;
+# targets missed show in the summary, not in the status.
+set -uo pipefail
+dry_run=0 pack=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry_run=1 ;;
+    --pack) pack=1 ;;
+    -h | --help) sed -n '2,13p' "$0" | cut -c3-; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "${OUT:-gpu-check}" && out=$(cd "${OUT:-gpu-check}" && pwd)
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+detail="$out/detail"
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+# Steps, sizes and time limits (seconds). On the GPU the limits add up to 460 s: first guesses, sized
+# from the H200's published speed; the summary says how long each step took, to tune them by.
+if [ "$dry_run" = 1 ]; then
+  # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
+  tier_steps=("cuda-tier:engine lightning checkpoint compile:60") overhead_precisions=(fp32)
+  overhead_limit=60 offload_limit=60 capacity_limit=60
+  overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
+  offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 1)
+  # the CPU budget is the whole process (~300 MB of Python and torch): one try, over it, ends the search
+  capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
+else
+  # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
+  tier_steps=("cuda-tier-engine:engine:45" "cuda-tier-lightning:lightning:90" "cuda-tier-checkpoint:checkpoint:40"
+              "cuda-tier-compile:compile:60")
+  overhead_precisions=(fp32 bf16-mixed) overhead_limit=50 offload_limit=70 capacity_limit=55
+  overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 4 variants in fresh processes
+  offload_args=(--warmup 1 --steps 3 --time-budget-s 60)  # the default 1.2B GPT, bf16-mixed
+  # GPT blocks of 0.79M parameters (12.6 MB of DDP's fp32 states) and 17 MB of activations at
+  # 4 x 256 tokens: about 3 blocks for DDP and 5 for zero3_offload under the budget, so each
+  # search ends after 4 to 6 tries, each in fresh processes (bench/capacity.py)
+  capacity_args=(--device cuda --memory-budget 96MB --n-embd 256 --n-head 4 --block-size 256 --batch-size 4 --variants ddp,zero3_offload --timeout 25)
+fi
+
+run_step() {  # NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S seconds, its output in logs/NAME.log
+  local name=$1 limit=$2 start=$SECONDS status
+  shift 2
+  echo "== $name (at most $limit s): $*"
+  if command -v timeout >/dev/null; then
+    timeout --kill-after=5 "$limit" "$@" >"$detail/logs/$name.log" 2>&1
+  else
+    "$@" >"$detail/logs/$name.log" 2>&1
+  fi
+  status=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" $((SECONDS - start)) "$limit" >>"$detail/steps.tsv"
+  if [ "$status" = 0 ]; then
+    echo "   ok in $((SECONDS - start)) s"
+  else
+    echo "   FAILED (exit $status) in $((SECONDS - start)) s; the end of detail/logs/$name.log:"
+    tail -n 12 "$detail/logs/$name.log" | sed 's/^/   | /'
+  fi
+}
+
+check() {
+  local flags=() entry name modules limit files module precision failed
+  [ "$dry_run" = 1 ] && flags=(--dry-run)
+  "$python" scripts/gpu_summary.py versions "$detail" ${flags[@]+"${flags[@]}"} || echo "(the versions could not be read)"
+  for entry in "${tier_steps[@]}"; do
+    IFS=: read -r name modules limit <<<"$entry"
+    files=()
+    for module in $modules; do files+=("tests/test_cuda_$module.py"); done
+    run_step "$name" "$limit" "$python" -m pytest -q -p no:cacheprovider -m cuda "${files[@]}" --junitxml "$detail/$name.xml"
+  done
+  for precision in "${overhead_precisions[@]}"; do
+    run_step "overhead-$precision" "$overhead_limit" env OVERHEAD_PRECISIONS="$precision" PYTHON="$python" \
+      bash scripts/overhead_gpu.sh "$detail/overhead" "${overhead_args[@]}"
+  done
+  run_step offload "$offload_limit" "$python" scripts/offload_gpu.py "${offload_args[@]}" --search-sizes "" \
+    --out "$detail/offload_gpu.json"
+  run_step capacity "$capacity_limit" "$python" -m lightning_zero bench --capacity model --devices 1 \
+    "${capacity_args[@]}" --out "$detail/capacity"
+  "$python" scripts/gpu_summary.py summary "$out" ${flags[@]+"${flags[@]}"}
+  failed=$(awk -F'\t' '$2 != 0' "$detail/steps.tsv" | wc -l)
+  if [ "$pack" = 1 ]; then
+    tar -czf "$out/detail.tar.gz" -C "$out" detail && rm -rf "$detail"
+  fi
+  echo "$failed step(s) failed; summary: $out/summary.md"
+  [ "$failed" -eq 0 ]
+}
+
+rm -rf "$detail" "$out/detail.tar.gz"
+mkdir -p "$detail/logs"
+check 2>&1 | tee "$out/gpu-check.log"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,316 @@
+"""`scripts/gpu_check.sh`'s two Python steps: the versions it runs against, and its summary.
+
+    python scripts/gpu_summary.py versions DETAIL_DIR [--dry-run]   # print them, write versions.json
+    python scripts/gpu_summary.py summary OUT_DIR [--dry-run]       # write summary.md and summary.json
+
+The summary reads what the check's steps left in ``OUT_DIR/detail`` (see ``gpu_check.sh``): each
+step's exit status and time (``steps.tsv``), the CUDA tier's JUnit XML files, ``bench.json`` of
+``overhead_gpu.sh`` per precision and of the capacity run, and ``offload_gpu.json``; and gives each
+target its measured value and a verdict: PASS, FAIL, or NOT MEASURED with the reason (the step
+failed, ran out of time, or left no figure). It imports nothing beyond the standard library (the
+versions step imports torch to report it and its GPU), so it runs whatever broke before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import sys
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+STEP_TIME_TARGETS = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.15}
+"""Step time of ours at world size 1 as a multiple of DDP's (issues 8 and 11, restated in issue 26)."""
+OVERHEAD_PRECISIONS = ("fp32", "bf16-mixed")
+"""The runs of ``overhead_gpu.sh``, each in ``detail/overhead/<precision>/bench.json``."""
+TIMED_OUT = (124, 137)
+"""Exit statuses of a command ``timeout`` stopped (TERM, then KILL)."""
+PASS, FAIL, NOT_MEASURED = "PASS", "FAIL", "NOT MEASURED"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One target: what is checked, the target, what was measured and the verdict."""
+
+    check: str
+    target: str
+    measured: str
+    verdict: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the check, from ``steps.tsv``."""
+
+    name: str
+    status: int
+    seconds: int
+    limit_s: int
+
+    @property
+    def outcome(self) -> str:
+        if self.status == 0:
+            return "ok"
+        if self.status in TIMED_OUT:
+            return f"timed out after {self.limit_s} s"
+        return f"failed (exit {self.status})"
+
+
+# ---- versions --------------------------------------------------------------------------------------
+
+
+def versions(dry_run: bool) -> dict[str, Any]:
+    """What this check runs against; a package that does not import is reported, not raised."""
+    found: dict[str, Any] = {"python": platform.python_version(), "executable": sys.executable, "dry_run": dry_run}
+    try:
+        import torch
+
+        found.update(torch=torch.__version__, cuda=torch.version.cuda, gpus=torch.cuda.device_count())
+        found["gpu"] = torch.cuda.get_device_name(0) if found["gpus"] else None
+    except Exception as error:  # noqa: BLE001 - any failure is what there is to report
+        found.update(torch=f"not importable ({type(error).__name__}: {error})", cuda=None, gpus=0, gpu=None)
+    try:  # its metadata: importing Lightning costs seconds, and the tier imports it anyway
+        found["lightning"] = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:
+        found["lightning"] = "not installed"
+    found["jsonargparse"] = importlib.util.find_spec("jsonargparse") is not None
+    return found
+
+
+def version_lines(found: dict[str, Any]) -> list[str]:
+    gpu = f"{found['gpu']} ({found['gpus']} device(s))" if found.get("gpu") else "none: torch sees no CUDA device"
+    jsonargparse = "importable" if found["jsonargparse"] else (
+        "MISSING (LightningCLI and the YAML configs need it; nothing in this check does)"
+    )
+    return [
+        f"python {found['python']} ({found['executable']})",
+        f"torch {found['torch']}, CUDA {found.get('cuda') or 'none'}",
+        f"GPU: {gpu}",
+        f"lightning {found['lightning']}",
+        f"jsonargparse: {jsonargparse}",
+    ]
+
+
+# ---- reading what the steps left -------------------------------------------------------------------
+
+
+def read_steps(detail: Path) -> dict[str, Step]:
+    steps = {}
+    path = detail / "steps.tsv"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, status, seconds, limit_s = line.split("\t")
+        steps[name] = Step(name, int(status), int(seconds), int(limit_s))
+    return steps
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_junit(paths: list[Path]) -> dict[str, Any]:
+    """Counts over the JUnit files, and each failed test's name with the first line of its message."""
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed, skip_reasons = [], set()
+    for path in paths:
+        try:
+            root = ElementTree.parse(path).getroot()
+        except (OSError, ElementTree.ParseError):
+            continue
+        for suite in [root] if root.tag == "testsuite" else root.iter("testsuite"):
+            for key in totals:
+                totals[key] += int(suite.get(key, 0))
+            for case in suite.iter("testcase"):
+                for kind in ("failure", "error"):
+                    problem = case.find(kind)
+                    if problem is not None:
+                        message = (problem.get("message") or problem.text or "").strip().splitlines()
+                        failed.append(f"{case.get('name')}: {message[0] if message else kind}")
+                skipped = case.find("skipped")
+                if skipped is not None:
+                    skip_reasons.add((skipped.get("message") or "").strip())
+    return {**totals, "failed": failed, "skip_reasons": sorted(skip_reasons), "files": len(paths)}
+
+
+def variants_by_name(report: Optional[dict]) -> dict[str, dict]:
+    return {v["name"]: v for v in (report or {}).get("variants", [])}
+
+
+# ---- the targets -----------------------------------------------------------------------------------
+
+
+def not_measured(steps: dict[str, Step], step: str, what: str = "no figure") -> str:
+    ran = steps.get(step)
+    if ran is None:
+        return f"{NOT_MEASURED}: step {step} did not run"
+    return f"{NOT_MEASURED}: step {step} {ran.outcome}" if ran.status else f"{NOT_MEASURED}: {what}"
+
+
+def tier_rows(tier: dict[str, Any], steps: dict[str, Step], tier_steps: list[str]) -> list[Row]:
+    ran = tier["tests"] - tier["skipped"]
+    bad = tier["failures"] + tier["errors"]
+    measured = f"{ran - bad} passed, {bad} failed, {tier['skipped']} skipped"
+    broken = [name for name in tier_steps if name in steps and steps[name].status not in (0, 1)]  # 1: tests failed
+    if bad:  # a failure is a verdict, also when another part of the tier did not finish
+        verdict = FAIL
+    elif broken or not tier["files"]:
+        verdict = not_measured(steps, broken[0] if broken else tier_steps[0], "no JUnit file")
+    elif ran == 0:
+        verdict = f"{NOT_MEASURED}: every test skipped ({'; '.join(tier['skip_reasons']) or 'no reason given'})"
+    else:
+        verdict = PASS
+    return [Row("CUDA tier (tests/test_cuda_*.py)", "every test passes", measured, verdict)]
+
+
+def overhead_rows(reports: dict[str, Optional[dict]], steps: dict[str, Step]) -> list[Row]:
+    rows = []
+    for precision in OVERHEAD_PRECISIONS:
+        step = f"overhead-{precision}"
+        variants = variants_by_name(reports.get(precision))
+        ddp = variants.get("ddp", {})
+        for name, limit in STEP_TIME_TARGETS.items():
+            check, target = f"{name} step time, {precision}", f"≤ {limit:.2f}× DDP"
+            ratio = variants.get(name, {}).get("step_time_ratio_to_ddp")
+            if ratio is None:
+                reason = variants.get(name, {}).get("reason") or "no ratio in bench.json"
+                rows.append(Row(check, target, "—", not_measured(steps, step, reason)))
+                continue
+            ms = f"{variants[name]['step_time_s'] * 1e3:.1f} ms vs DDP {ddp['step_time_s'] * 1e3:.1f} ms"
+            rows.append(Row(check, target, f"{ratio:.2f}× ({ms})", PASS if ratio <= limit else FAIL))
+        ours = [variants[name] for name in STEP_TIME_TARGETS if variants.get(name, {}).get("status") == "ok"]
+        check, target = f"our host syncs, {precision}", "none in forward/backward, ≤ 1 per step"
+        if not ours:
+            rows.append(Row(check, target, "—", not_measured(steps, step)))
+            continue
+        in_passes = max(v["host_syncs_ours_forward_backward"] for v in ours)
+        per_step = max(v["host_syncs_ours_per_step"] for v in ours)
+        met = in_passes == 0 and per_step <= 1
+        rows.append(Row(check, target, f"{in_passes} in forward/backward, {per_step} per step", PASS if met else FAIL))
+    return rows
+
+
+def offload_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
+    ratio_check = "zero3_offload step / (zero3 step + CPU AdamW step alone)"
+    state_check = "device model state, zero3_offload"
+    if report is None:
+        return [
+            Row(ratio_check, "≤ 1.25", "—", not_measured(steps, "offload")),
+            Row(state_check, "0 B", "—", not_measured(steps, "offload")),
+        ]
+    rows = []
+    ratio, limit = report.get("ratio"), report.get("ratio_target", 1.25)
+    if ratio is None:
+        errors = "; ".join(report[k]["error"] for k in ("zero3", "zero3_offload") if "error" in report.get(k, {}))
+        rows.append(Row(ratio_check, f"≤ {limit}", "—", not_measured(steps, "offload", errors or "no ratio")))
+    else:
+        seconds = [report[k]["median_step_s"] for k in ("zero3_offload", "zero3", "cpu_adamw")]
+        measured = f"{ratio:.2f} ({seconds[0]:.3f} s / ({seconds[1]:.3f} s + {seconds[2]:.3f} s))"
+        rows.append(Row(ratio_check, f"≤ {limit}", measured, PASS if ratio <= limit else FAIL))
+    state = report.get("offload_device_model_state_bytes")
+    verdict = not_measured(steps, "offload") if state is None else PASS if state == 0 else FAIL
+    rows.append(Row(state_check, "0 B", "—" if state is None else f"{state:,} B", verdict))
+    return rows
+
+
+def capacity_lines(report: Optional[dict], steps: dict[str, Step]) -> list[str]:
+    if report is None:
+        return [not_measured(steps, "capacity", "no bench.json")]
+    options = report.get("options", {})
+    lines = [
+        f"`{options.get('command', 'lightning-zero bench --capacity')}`",
+        "",
+        "| variant | largest n_layer | parameters | estimate n_layer | stopped by |",
+        "|:--|--:|--:|--:|:--|",
+    ]
+    for v in report.get("variants", []):
+        lines.append(
+            f"| `{v['name']}` | {v.get('largest_size', '—')} | {v.get('capacity', {}).get('largest', 0):,} |"
+            f" {v.get('estimate_size', '—')} | {v.get('reason') or '—'} |"
+        )
+    return lines
+
+
+# ---- the summary -----------------------------------------------------------------------------------
+
+
+def summarize(out: Path, dry_run: bool) -> dict[str, Any]:
+    detail = out / "detail"
+    steps = read_steps(detail)
+    found = read_json(detail / "versions.json") or {}
+    junit = sorted(detail.glob("cuda-tier*.xml"))
+    tier_steps = [name for name in steps if name.startswith("cuda-tier")] or ["cuda-tier"]
+    tier = read_junit(junit)
+    overhead = {p: read_json(detail / "overhead" / p / "bench.json") for p in OVERHEAD_PRECISIONS}
+    rows = (
+        tier_rows(tier, steps, tier_steps)
+        + overhead_rows(overhead, steps)
+        + offload_rows(read_json(detail / "offload_gpu.json"), steps)
+    )
+    return {
+        "dry_run": dry_run,
+        "environment": found,
+        "targets": [asdict(row) for row in rows],
+        "steps": [{**asdict(s), "outcome": s.outcome} for s in steps.values()],
+        "tier": tier,
+        "capacity": capacity_lines(read_json(detail / "capacity" / "bench.json"), steps),
+    }
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = ["# GPU check", ""]
+    if summary["dry_run"]:
+        lines += [
+            "**Dry run**: tiny sizes on the CPU, to check the pipeline; the CUDA tier is skipped and no",
+            "figure below is a GPU's.",
+            "",
+        ]
+    if summary["environment"]:
+        lines += [f"- {line}" for line in version_lines(summary["environment"])] + [""]
+    rows = summary["targets"]
+    verdicts = [r["verdict"].split(":")[0] for r in rows]
+    lines += [
+        f"## Targets: {verdicts.count(PASS)} passed, {verdicts.count(FAIL)} failed, {verdicts.count(NOT_MEASURED)} not measured",
+        "",
+        "| check | target | measured | verdict |",
+        "|:--|:--|:--|:--|",
+    ]
+    lines += [f"| {r['check']} | {r['target']} | {r['measured']} | {r['verdict']} |" for r in rows]
+    if summary["tier"]["failed"]:
+        lines += ["", "Failed tests (tracebacks in `detail/logs/cuda-tier*.log`):", ""]
+        lines += [f"- {failure}" for failure in summary["tier"]["failed"]]
+    lines += ["", "## Capacity on the GPU (no target: the figures for the README)", "", *summary["capacity"]]
+    lines += ["", "## Steps", "", "| step | outcome | seconds (limit) |", "|:--|:--|--:|"]
+    lines += [f"| {s['name']} | {s['outcome']} | {s['seconds']} ({s['limit_s']}) |" for s in summary["steps"]]
+    lines += ["", "Each step's output is in `detail/logs/<step>.log`, its figures under `detail/`."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("versions", "summary"))
+    parser.add_argument("directory", type=Path, help="versions: the detail directory; summary: the check's output directory")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    args.directory.mkdir(parents=True, exist_ok=True)
+    if args.what == "versions":
+        found = versions(args.dry_run)
+        (args.directory / "versions.json").write_text(json.dumps(found, indent=1) + "\n")
+        print("\n".join(version_lines(found)))
+        return 0
+    summary = summarize(args.directory, args.dry_run)
+    (args.directory / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    text = markdown(summary)
+    (args.directory / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""GPU tier, Lightning on ``cuda:0`` (world size 1): the Trainer and Fabric at every stage and both
+offloads against DDP, at 32-true, bf16-mixed, 16-mixed and bf16-true, with gradient accumulation and
+clipping by norm (checkpoints across devices are ``test_cuda_checkpoint.py``, ``torch.compile``
+``test_cuda_compile.py``). Skipped without a CUDA device (see ``cuda_tier.py``).
+
+Tolerances are the CPU matrix's (``test_precision_matrix.py``): fp32, bf16-mixed and 16-mixed
+keep fp32 weights and run the same kernels as DDP (deterministic ones, see
+``cuda_tier.setup_rank``), so they differ from DDP only where the arithmetic differs (the norm
+summed over shards, the offloaded optimizer's CPU kernel): 1e-6. bf16-true steps an fp32 master
+copy where DDP steps bf16 weights: one bf16 rounding per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from case_groups import CaseGroup, GroupResults, RankContext
+from cuda_tier import MARKS, setup_rank
+from test_precision_matrix import BF16_TRUE_TOLERANCE, FP32_TOLERANCE, STEPS
+
+pytestmark = MARKS
+
+STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+TRAINER_FLOW = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+FABRIC_FLOW = dict(steps=STEPS, accumulate=2, clip="norm")
+
+
+def _tolerance(precision: str) -> float:
+    return BF16_TRUE_TOLERANCE if precision == "bf16-true" else FP32_TOLERANCE
+
+
+def _fabric_options(strategy: str) -> tuple[str, dict]:
+    """`test_fabric.train`'s strategy name and options for a registered name such as "zero3_offload"."""
+    from lightning_zero.engine.config import STRATEGY_NAMES
+
+    options = dict(STRATEGY_NAMES[strategy])
+    return f"zero{options.pop('stage')}", options
+
+
+# ---- parity with DDP: the Trainer and Fabric --------------------------------------------------------
+
+PARITY = CaseGroup(world_size=1, timeout=600)
+
+
+def _trainer_history(strategy: str, precision: str) -> list[dict[str, torch.Tensor]]:
+    from lightning_helpers import fit_and_record
+
+    return fit_and_record(strategy, STEPS, precision=precision, accelerator="cuda", **TRAINER_FLOW)[1]
+
+
+def trainer_parity(ctx: RankContext, strategy: str, precision: str) -> dict:
+    """max |ours - DDP| over the weights after every micro-batch of the Trainer's fit."""
+    from lightning_helpers import max_abs_diff
+
+    setup_rank(deterministic=True)
+    ddp = ctx.once(("trainer ddp", precision), lambda: _trainer_history("ddp", precision))
+    ours = _trainer_history(strategy, precision)
+    return {"records": (len(ddp), len(ours)), "diff": max(max_abs_diff(a, b) for a, b in zip(ddp, ours))}
+
+
+def fabric_parity(ctx: RankContext, strategy: str, precision: str) -> dict:
+    """Fabric's loop of ``test_fabric.train`` on CUDA: max |ours - DDP| of the final weights, the
+    losses and the clipped norms."""
+    from test_fabric import train
+
+    setup_rank(deterministic=True)
+    flow = dict(FABRIC_FLOW, precision=precision, accelerator="cuda")
+    ddp = ctx.once(("fabric ddp", precision), lambda: train(ctx, "ddp", **flow))
+    name, options = _fabric_options(strategy)
+    ours = train(ctx, name, **flow, **options)
+
+    def diff(a: list[float], b: list[float]) -> float:
+        assert len(a) == len(b), (a, b)
+        return max(abs(x - y) for x, y in zip(a, b))
+
+    weights = max((ours["weights"][k] - w).abs().max().item() for k, w in ddp["weights"].items())
+    return {"weights": weights, "losses": diff(ddp["losses"], ours["losses"]), "norms": diff(ddp["norms"], ours["norms"])}
+
+
+for _precision in PRECISIONS:
+    for _strategy in STRATEGIES:
+        PARITY.case(trainer_parity, name=f"trainer_{_strategy}_{_precision}", strategy=_strategy, precision=_precision)
+        PARITY.case(fabric_parity, name=f"fabric_{_strategy}_{_precision}", strategy=_strategy, precision=_precision)
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory) -> GroupResults:
+    return PARITY.run(tmp_path_factory.mktemp("cuda_parity"))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_trainer_matches_ddp(parity, strategy, precision):
+    (r,) = parity[f"trainer_{strategy}_{precision}"]
+    assert r["records"] == (2 * STEPS, 2 * STEPS), r  # a record per micro-batch
+    assert r["diff"] <= _tolerance(precision), r
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fabric_matches_ddp(parity, strategy, precision):
+    (r,) = parity[f"fabric_{strategy}_{precision}"]
+    assert max(r.values()) <= _tolerance(precision), r

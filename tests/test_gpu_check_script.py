@@ -1,0 +1,139 @@
+"""scripts/gpu_check.sh (issue 26's one command for a GPU machine): its dry run end to end on the
+CPU, and the verdicts scripts/gpu_summary.py gives from the figures the steps leave."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DRY_STEPS = ["cuda-tier", "overhead-fp32", "offload", "capacity"]
+"""The dry run's steps: on the GPU the tier is three steps and the overhead two (see gpu_check.sh)."""
+
+
+def load_summary_module():
+    spec = importlib.util.spec_from_file_location("gpu_summary", REPO / "scripts" / "gpu_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_runs_every_step_and_packs_its_output(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--pack"], capture_output=True, text=True, env=env, timeout=170
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    # what the device machine brings back: a few files, no deep folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["detail.tar.gz", "gpu-check.log", "summary.json", "summary.md"]
+    first = done.stdout.splitlines()[:5]
+    assert first[0].startswith("python ") and first[1].startswith("torch ") and first[2].startswith("GPU: ")
+    assert first[3].startswith("lightning ") and first[4].startswith("jsonargparse: "), first
+    assert (tmp_path / "gpu-check.log").read_text() == done.stdout
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dry_run"] is True
+    assert [(s["name"], s["outcome"]) for s in summary["steps"]] == [(name, "ok") for name in DRY_STEPS]
+    targets = {row["check"]: row["verdict"] for row in summary["targets"]}
+    # the tier is collected and skipped, with its reason; every target of the steps run got a figure
+    assert summary["tier"]["tests"] == summary["tier"]["skipped"] > 0 and summary["tier"]["files"] == 1
+    assert "no CUDA device" in targets.pop("CUDA tier (tests/test_cuda_*.py)")
+    not_run = {check for check in targets if check.endswith("bf16-mixed")}
+    assert {targets.pop(check) for check in not_run} == {"NOT MEASURED: step overhead-bf16-mixed did not run"}
+    assert len(targets) == 6 and all(verdict in ("PASS", "FAIL") for verdict in targets.values()), targets
+    assert "| `zero3` |" in "\n".join(summary["capacity"])
+    assert "**Dry run**" in (tmp_path / "summary.md").read_text()
+
+    with tarfile.open(tmp_path / "detail.tar.gz") as packed:
+        names = set(packed.getnames())
+    for name in ("steps.tsv", "versions.json", "offload_gpu.json", "overhead/fp32/bench.json", "capacity/bench.json"):
+        assert f"detail/{name}" in names, name
+    assert {f"detail/logs/{step}.log" for step in DRY_STEPS} <= names
+
+
+# ---- the summary from fixture figures ----------------------------------------------------------------
+
+
+def _bench(ratios: dict[str, float], ddp_ms: float = 100.0, syncs: int = 0) -> dict:
+    variants = [{"name": "ddp", "status": "ok", "step_time_s": ddp_ms / 1e3, "step_time_ratio_to_ddp": 1.0}]
+    for name, ratio in ratios.items():
+        variants.append({
+            "name": name, "status": "ok", "step_time_s": ratio * ddp_ms / 1e3, "step_time_ratio_to_ddp": ratio,
+            "host_syncs_ours_forward_backward": syncs, "host_syncs_ours_per_step": 1, "reason": None,
+        })  # fmt: skip
+    return {"options": {"command": "lightning-zero bench ..."}, "variants": variants}
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="1" skipped="0" tests="3">
+<testcase classname="test_cuda_engine" name="test_ok"/>
+<testcase classname="test_cuda_engine" name="test_also_ok"/>
+<testcase classname="test_cuda_engine" name="test_pinned[zero3_offload]"><failure message="AssertionError: not pinned&#10;more">trace</failure></testcase>
+</testsuite></testsuites>
+"""
+
+
+@pytest.fixture
+def figures(tmp_path) -> Path:
+    """A check's output where some targets pass, some fail and one step ran out of time."""
+    detail = tmp_path / "detail"
+    (detail / "overhead" / "fp32").mkdir(parents=True)
+    (detail / "capacity").mkdir()
+    steps = [
+        ("cuda-tier-engine", 1, 40, 45), ("cuda-tier-lightning", 0, 80, 100), ("overhead-fp32", 0, 30, 45),
+        ("overhead-bf16-mixed", 124, 45, 45), ("offload", 0, 50, 70),
+    ]  # fmt: skip
+    (detail / "steps.tsv").write_text("".join(f"{n}\t{s}\t{t}\t{limit}\n" for n, s, t, limit in steps))
+    (detail / "cuda-tier-engine.xml").write_text(JUNIT)
+    passing = '<testsuite name="pytest" errors="0" failures="0" skipped="0" tests="2"><testcase name="a"/><testcase name="b"/></testsuite>'
+    (detail / "cuda-tier-lightning.xml").write_text(passing)
+    (detail / "overhead" / "fp32" / "bench.json").write_text(json.dumps(_bench({"zero1": 1.04, "zero2": 1.07, "zero3": 1.1})))
+    offload = {
+        "ratio": 1.3, "ratio_target": 1.25, "offload_device_model_state_bytes": 0,
+        "zero3": {"median_step_s": 1.0}, "zero3_offload": {"median_step_s": 1.69}, "cpu_adamw": {"median_step_s": 0.3},
+    }  # fmt: skip
+    (detail / "offload_gpu.json").write_text(json.dumps(offload))
+    (detail / "versions.json").write_text(json.dumps({
+        "python": "3.12.3", "executable": "python3", "torch": "2.11.0+cu130", "cuda": "13.0", "gpus": 1,
+        "gpu": "NVIDIA H200", "lightning": "2.6.6", "jsonargparse": False, "dry_run": False,
+    }))  # fmt: skip
+    return tmp_path
+
+
+def test_summary_gives_each_target_its_figure_and_verdict(figures):
+    gpu_summary = load_summary_module()
+    summary = gpu_summary.summarize(figures, dry_run=False)
+    rows = {row["check"]: row for row in summary["targets"]}
+    assert rows["CUDA tier (tests/test_cuda_*.py)"]["verdict"] == "FAIL"
+    assert rows["CUDA tier (tests/test_cuda_*.py)"]["measured"] == "4 passed, 1 failed, 0 skipped"  # both files
+    assert summary["tier"]["failed"] == ["test_pinned[zero3_offload]: AssertionError: not pinned"]
+    assert rows["zero1 step time, fp32"]["verdict"] == "PASS"
+    assert rows["zero1 step time, fp32"]["measured"] == "1.04× (104.0 ms vs DDP 100.0 ms)"
+    assert rows["zero2 step time, fp32"]["verdict"] == "FAIL"  # 1.07 > 1.05
+    assert rows["zero3 step time, fp32"]["verdict"] == "PASS"  # 1.10 <= 1.15
+    assert rows["our host syncs, fp32"]["verdict"] == "PASS"
+    assert rows["zero3 step time, bf16-mixed"]["verdict"] == "NOT MEASURED: step overhead-bf16-mixed timed out after 45 s"
+    ratio = rows["zero3_offload step / (zero3 step + CPU AdamW step alone)"]
+    assert ratio["verdict"] == "FAIL" and ratio["measured"] == "1.30 (1.690 s / (1.000 s + 0.300 s))"
+    assert rows["device model state, zero3_offload"]["verdict"] == "PASS"
+    assert summary["capacity"] == ["NOT MEASURED: step capacity did not run"]
+
+    text = gpu_summary.markdown(summary)
+    assert "## Targets: 4 passed, 3 failed, 4 not measured" in text
+    assert "jsonargparse: MISSING" in text and "Dry run" not in text
+    assert "| overhead-bf16-mixed | timed out after 45 s | 45 (45) |" in text
+
+
+def test_summary_of_a_check_that_left_nothing(tmp_path):
+    gpu_summary = load_summary_module()
+    summary = gpu_summary.summarize(tmp_path, dry_run=False)
+    assert all(row["verdict"].startswith("NOT MEASURED") for row in summary["targets"])
+    assert "## Targets: 0 passed, 0 failed, 11 not measured" in gpu_summary.markdown(summary)
