@@ -230,7 +230,25 @@ def _assert_same(actual: dict, expected: dict) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_zero", *args], capture_output=True, text=True, timeout=120)
+    """`lightning-zero ARGS` as the console script runs it (``main``, its exit status, its output), in
+    this process: a subprocess costs seconds of imports per call (tests/test_checkpoint.py and
+    tests/test_bench.py run the installed console script itself)."""
+    import contextlib
+    import io
+    import traceback
+
+    from lightning_zero.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:  # noqa: BLE001 - what the console script would print before exiting 1
+            traceback.print_exc()
+            status = 1
+    return subprocess.CompletedProcess(["lightning-zero", *args], status, out.getvalue(), err.getvalue())
 
 
 # ---- same-size damage --------------------------------------------------------------------------------
