@@ -37,7 +37,8 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from lightning_zero.engine import collectives
 from lightning_zero.engine.copy_stream import CopyStream
 from lightning_zero.engine.memory import place_of
-from lightning_zero.engine.partition import ChunkLayout, interleaved_sizes, unpack_rows
+from lightning_zero.engine.chunk_gather import all_gather_chunks
+from lightning_zero.engine.partition import ChunkLayout
 from lightning_zero.engine.sharded_param import ShardedParam
 
 AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -232,7 +233,7 @@ class AveragedShards:
         self._gather([(c.chunk_to_send(), c.layout, c.full_flat()) for c in self.chunks.values() if c.whole])
 
     def _gather(self, items: Sequence[tuple[Tensor, ChunkLayout, Optional[Tensor]]]) -> None:
-        _all_gather_chunks(items, self._group, self._comm_device, self._piece_bytes)
+        all_gather_chunks(items, self._group, self._comm_device, self._piece_bytes)
 
     # ---- state ---------------------------------------------------------------------------------
     def chunk(self, name: str) -> Tensor:
@@ -314,45 +315,3 @@ def _check_names(chunks: Mapping[str, AveragedChunk], given: Mapping[str, Tensor
     missing = sorted(set(chunks) - set(given)) if strict else []
     if unexpected or missing:
         raise KeyError(f"The averaged weights do not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}.")
-
-
-def _all_gather_chunks(
-    items: Sequence[tuple[Tensor, ChunkLayout, Optional[Tensor]]],
-    group: collectives.ProcessGroup,
-    device: torch.device,
-    piece_bytes: int,
-) -> None:
-    """All-gather each item's chunk (1D: this rank's part of a flat tensor laid out by its
-    ``ChunkLayout``) into its target (the whole flat tensor; None: take part only), staged on
-    ``device``, one collective per piece of items of one dtype and at most ``piece_bytes``."""
-    n = collectives.world_size(group)
-    for piece in _pieces(items, piece_bytes):
-        widths = [layout.padded_chunk_numel for _, layout, _ in piece]
-        send = torch.empty(sum(widths), dtype=piece[0][0].dtype, device=device)  # (S,); padding is never read
-        slots = torch.split_with_sizes(send, interleaved_sizes([chunk.numel() for chunk, _, _ in piece], widths))
-        with torch.no_grad():
-            torch._foreach_copy_(list(slots[0::2]), [chunk.to(device) for chunk, _, _ in piece])
-        gathered = torch.empty(n * send.numel(), dtype=send.dtype, device=device)  # (N * S,)
-        collectives.start_all_gather(gathered, send, group).wait()
-        targets = [target for _, _, target in piece]
-        if all(t is not None for t in targets):
-            with torch.no_grad():
-                unpack_rows(gathered.view(n, -1), targets, widths)
-
-
-def _pieces(items: Sequence[tuple[Tensor, ChunkLayout, Optional[Tensor]]], piece_bytes: int) -> Iterator[list]:
-    """``items`` by dtype, in order, cut where a piece would exceed ``piece_bytes`` of whole tensors."""
-    by_dtype: dict[torch.dtype, list] = defaultdict(list)
-    for item in items:
-        by_dtype[item[0].dtype].append(item)
-    for members in by_dtype.values():
-        piece, size = [], 0
-        for item in members:
-            nbytes = item[1].numel * item[0].element_size()
-            if piece and size + nbytes > piece_bytes:
-                yield piece
-                piece, size = [], 0
-            piece.append(item)
-            size += nbytes
-        if piece:
-            yield piece

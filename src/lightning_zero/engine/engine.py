@@ -289,7 +289,7 @@ class ZeroEngine:
         shown: list[ShardedParam] = []
         self.gradients.take_assignments()  # the full gradients show what was assigned to `.grad`
         with parameters:
-            for p, grad in full_gradients(self.params, self.group, self.config.bucket_bytes, device):
+            for p, grad in zip(self.params, full_gradients(self.params, self.group, self.config.bucket_bytes, device, keep)):
                 if keep:
                     p.param.grad = grad
                     shown.append(p)

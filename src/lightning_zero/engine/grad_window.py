@@ -20,12 +20,13 @@ reads ``.grad``.
 from __future__ import annotations
 
 import enum
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.chunk_gather import all_gather_chunks
 from lightning_zero.engine.sharded_grad import ShardedGradient
 from lightning_zero.engine.sharded_param import ShardedParam
 
@@ -135,53 +136,19 @@ def _chunk_of_assigned(p: ShardedParam, assigned: Tensor) -> Tensor:
 
 
 def full_gradients(
-    params: Sequence[ShardedParam], group: collectives.ProcessGroup, max_bytes: int, device: Optional[torch.device] = None
-) -> Iterator[tuple[ShardedParam, Optional[Tensor]]]:
-    """Each parameter's full gradient (None where it has none), gathered from every rank's chunk,
-    one all-gather per run of parameters of at most ``max_bytes`` (so no more than that is
-    gathered at once beyond what the caller keeps). A collective: iterate it to the end on every
-    rank. ``device``: where the results go (default: each parameter's own)."""
-    for batch in _runs_of(params, max_bytes):
-        yield from zip(batch, _gather_full_gradients(batch, group, device))
-
-
-def _runs_of(params: Sequence[ShardedParam], max_bytes: int) -> Iterator[list[ShardedParam]]:
-    """``params`` in consecutive runs of at most ``max_bytes`` of full tensors each (at least one)."""
-    run: list[ShardedParam] = []
-    size = 0
-    for p in params:
-        nbytes = p.layout.numel * p.param.element_size()
-        if run and size + nbytes > max_bytes:
-            yield run
-            run, size = [], 0
-        run.append(p)
-        size += nbytes
-    if run:
-        yield run
-
-
-def _gather_full_gradients(params: Sequence[ShardedParam], group: collectives.ProcessGroup, device: Optional[torch.device]) -> list[Optional[Tensor]]:
+    params: Sequence[ShardedParam], group: collectives.ProcessGroup, max_bytes: int, device: Optional[torch.device] = None, keep: bool = True
+) -> list[Optional[Tensor]]:
+    """Each parameter's full gradient (None where it has none), in its dtype and on ``device``
+    (default: its own), gathered from every rank's chunk one piece of at most ``max_bytes`` at a time.
+    A collective: call it on every rank with the same ``params``; ``keep=False``: take part only."""
     with_grad = [p for p in params if p.shard.grad is not None]  # the same on every rank
-    out: list[Optional[Tensor]] = [None] * len(params)
     if not with_grad:
-        return out
-    n = collectives.world_size(group)
-    widths = [p.padded_chunk_numel for p in with_grad]
-    dtype = with_grad[0].shard.grad.dtype
-    # on the compute device, where the group communicates (offloaded chunks live on the host)
-    send = torch.zeros(sum(widths), dtype=dtype, device=with_grad[0].device)
-    offset = 0
-    for p, width in zip(with_grad, widths):
-        chunk = p.shard.grad.detach().reshape(-1)
-        send[offset : offset + chunk.numel()].copy_(chunk)
-        offset += width
-    gathered = torch.empty(n * send.numel(), dtype=dtype, device=send.device)
-    collectives.start_all_gather(gathered, send, group).wait()
-    rows = gathered.view(n, -1)
-    full: dict[int, Tensor] = {}
-    offset = 0
-    for p, width in zip(with_grad, widths):
-        flat = rows[:, offset : offset + width].reshape(-1)[: p.layout.numel]
-        full[id(p)] = flat.view(p.shape).to(device or p.device, p.param.dtype, copy=True)
-        offset += width
-    return [full.get(id(p)) for p in params]
+        return [None] * len(params)
+    targets = {
+        id(p): torch.empty(p.layout.numel, dtype=p.shard.grad.dtype, device=device or p.device) if keep else None
+        for p in with_grad
+    }
+    # staged on the compute device, where the group communicates (offloaded chunks live on the host)
+    all_gather_chunks([(p.shard.grad.detach().view(-1), p.layout, targets[id(p)]) for p in with_grad], group, with_grad[0].device, max_bytes)
+    full = {key: flat for key, flat in targets.items() if flat is not None}
+    return [full[id(p)].view(p.shape).to(p.param.dtype) if id(p) in full else None for p in params]
