@@ -47,9 +47,9 @@ from lightning_zero.engine.norms import global_norms
 from lightning_zero.engine.param_guard import ParameterReplacementGuard
 from lightning_zero.engine.residency import HOST, FullCopies, ParameterResidency, ReplicatedParameters, ShardedParameters
 from lightning_zero.engine.sharded_optimizer import (
-    check_optimizer,
     gather_full_state_dict,
     load_full_state_dict,
+    optimizer_index_of_params,
     rebind_param_groups,
 )
 from lightning_zero.engine.sharded_param import ShardedParam
@@ -85,7 +85,7 @@ class ZeroEngine:
         self.replicate_group = replicate_group
         self.module = module
         self.optimizers = list(optimizers)
-        optimizer_of = _optimizer_index_of_params(module, self.optimizers)
+        optimizer_of = optimizer_index_of_params(module, self.optimizers)
         self._host_reads = HostReads()
 
         self.residency: ParameterResidency
@@ -139,7 +139,7 @@ class ZeroEngine:
             )
         if any(opt is optimizer for opt in self.optimizers):
             return
-        _optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
+        optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
         self.optimizers.append(optimizer)
         self._shard_optimizer(optimizer)
 
@@ -450,35 +450,3 @@ def _device_of(module: nn.Module) -> torch.device:
         if not t.is_meta:
             return t.device
     raise ValueError("The module lives on the meta device; pass `device=` to say where to materialize it.")
-
-
-def _optimizer_index_of_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[int, int]:
-    """Map ``id(param)`` to the index of the first optimizer that holds it (its buckets go with
-    that optimizer's), checking that optimizers hold only the module's parameters, each at most once
-    per optimizer, and that something is trainable. A parameter several optimizers step (a shared
-    layer in a GAN) has one shard that each of them steps, as under DDP."""
-    optimizers = [opt for opt in optimizers if opt.param_groups]  # Lightning's stand-in when there is none
-    if optimizers and not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            f"{type(module).__name__} has no parameter with `requires_grad=True`: there is nothing to"
-            " train or shard. Unfreeze at least one parameter, or run `trainer.validate/test/predict`."
-        )
-    names = {id(p): name for name, p in module.named_parameters()}
-    owner: dict[int, int] = {}
-    for index, optimizer in enumerate(optimizers):
-        check_optimizer(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError(
-                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that is"
-                        " not a parameter of the module; lightning-zero can only shard the module's"
-                        " own parameters. Build the optimizer from `self.parameters()` (or a subset)."
-                    )
-                if owner.get(id(p)) == index:
-                    raise ValueError(
-                        f"Parameter {names[id(p)]!r} appears twice in {type(optimizer).__name__} (#{index});"
-                        " list each parameter in one param group of an optimizer."
-                    )
-                owner.setdefault(id(p), index)
-    return owner

@@ -17,7 +17,7 @@ import warnings
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
@@ -159,3 +159,33 @@ def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], 
     optimizer.load_state_dict({"state": state, "param_groups": full_state_dict["param_groups"]})
 
 
+def optimizer_index_of_params(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[int, int]:
+    """Map ``id(param)`` to the index of the first optimizer that holds it (its buckets go with
+    that optimizer's), checking that optimizers hold only the module's parameters, each at most once
+    per optimizer, and that something is trainable. A parameter several optimizers step (a shared
+    layer in a GAN) has one shard that each of them steps, as under DDP."""
+    optimizers = [opt for opt in optimizers if opt.param_groups]  # Lightning's stand-in when there is none
+    if optimizers and not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameter with `requires_grad=True`: there is nothing to"
+            " train or shard. Unfreeze at least one parameter, or run `trainer.validate/test/predict`."
+        )
+    names = {id(p): name for name, p in module.named_parameters()}
+    owner: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        check_optimizer(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that is"
+                        " not a parameter of the module; lightning-zero can only shard the module's"
+                        " own parameters. Build the optimizer from `self.parameters()` (or a subset)."
+                    )
+                if owner.get(id(p)) == index:
+                    raise ValueError(
+                        f"Parameter {names[id(p)]!r} appears twice in {type(optimizer).__name__} (#{index});"
+                        " list each parameter in one param group of an optimizer."
+                    )
+                owner.setdefault(id(p), index)
+    return owner
