@@ -171,13 +171,16 @@ def _elementwise(func: Any, first: ShardedGradient, sharded: Sequence[ShardedGra
             raise RuntimeError(unsupported_message(first._name, f"{func.overloadpacket.__name__} with the gradient of {other._name!r}"))
     if "out" in kwargs:
         raise RuntimeError(unsupported_message(first._name, f"{func.overloadpacket.__name__}(out=...)"))
-    result = func(*tree_map(_as_meta, args), **tree_map(_as_meta, kwargs))  # torch's checks, and the result's kind
+    try:
+        result = func(*tree_map(_as_meta, args), **tree_map(_as_meta, kwargs))  # torch's checks, and the result's kind
+    except NotImplementedError:  # no meta kernel (`equal`): not an element-wise result we can give
+        raise RuntimeError(unsupported_message(first._name, func.overloadpacket.__name__)) from None
     in_place = _mutates_first_argument(func)
     if in_place and not isinstance(args[0], ShardedGradient):
         raise RuntimeError(unsupported_message(first._name, f"{func.overloadpacket.__name__} into a plain tensor"))
     if not in_place and result.shape != first.shape:
         raise RuntimeError(unsupported_message(first._name, f"{func.overloadpacket.__name__} broadcasting to {tuple(result.shape)}"))
-    if result.device.type == "meta" and kwargs.get("device") not in (None, first.device):
+    if kwargs.get("device") not in (None, first.device):  # `.to(other_device)`: the chunk cannot say what lives there
         raise RuntimeError(unsupported_message(first._name, f"a copy to {kwargs['device']}"))
 
     def apply() -> Tensor:
@@ -198,9 +201,8 @@ def _mutates_first_argument(func: Any) -> bool:
 
 
 def _as_meta(a: Any) -> Any:
-    if isinstance(a, ShardedGradient):
-        return torch.empty(a.shape, dtype=a.dtype, device="meta")
-    if isinstance(a, Tensor):
+    """``a`` for running an operation on the meta device: its checks and its result's shape and dtype."""
+    if isinstance(a, Tensor):  # a ShardedGradient too: its full shape and dtype
         return torch.empty(a.shape, dtype=a.dtype, device="meta")
     if isinstance(a, torch.device):
         return torch.device("meta")
