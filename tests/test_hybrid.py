@@ -72,6 +72,8 @@ GROUP.case(fit, name="ddp", strategy="ddp")
 GROUP.case(fit, name="ddp_clip", strategy="ddp", clip=True)
 for _stage in STAGES:
     GROUP.case(fit, name=f"hybrid_zero{_stage}", strategy=f"zero{_stage}", shard_group_size=GROUP_SIZE)
+for _stage in (1, 3):  # one-rank shard groups (`shard_group_size="node"` with one device per node), many buckets
+    GROUP.case(fit, name=f"groups_of_1_zero{_stage}", strategy=f"zero{_stage}", shard_group_size=1, bucket_size_mb=0.01)
 GROUP.case(fit, name="hybrid_zero3_clip", strategy="zero3", clip=True, shard_group_size=GROUP_SIZE)
 GROUP.case(fit, name="hybrid_zero2_offload", strategy="zero2", shard_group_size=GROUP_SIZE, offload_optimizer=True)
 GROUP.case(
@@ -175,6 +177,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_hybrid_sharding_trains_as_ddp(results: GroupResults, stage: int) -> None:
     for ddp, hybrid in zip(results["ddp"], results[f"hybrid_zero{stage}"]):
         assert len(hybrid["history"]) == STEPS
+        assert max(_max_diff(a, b) for a, b in zip(ddp["history"], hybrid["history"])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_one_rank_shard_groups_train_as_ddp(results: GroupResults, stage: int) -> None:
+    """Each rank shards alone and the 4 replicas all-reduce every bucket: the reduced row is then
+    the packed gradients themselves, which must not go back to the buffer pool while a later
+    bucket could take and overwrite them before they are handed out."""
+    for ddp, hybrid in zip(results["ddp"], results[f"groups_of_1_zero{stage}"]):
         assert max(_max_diff(a, b) for a, b in zip(ddp["history"], hybrid["history"])) <= TOLERANCE
 
 

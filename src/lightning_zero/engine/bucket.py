@@ -133,7 +133,12 @@ class Bucket:
         if self.world_size == 1 and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         n, s, f = self.world_size, self.shard_numel, self.flag_count
-        send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
+        if n == 1 and self.host is None:
+            # one-rank shard groups (hybrid): the packed row is the reduced row, whose chunks become
+            # the gradient shards as they are, so it is the bucket's own and never lent
+            send = torch.empty(s + f, dtype=self.dtype, device=self.device).view(1, s + f)
+        else:
+            send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
         flats, flags = [], torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
         for i, p in enumerate(self.params):
             if _contributes(p):
@@ -146,8 +151,9 @@ class Bucket:
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
         self.state = ReductionState.REDUCING
-        if n == 1:  # offloaded at world size 1: the packed row is the reduced one, bound for the host
-            return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=[send])
+        if n == 1:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
+            lent = [send] if self.host is not None else []
+            return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent)
         if self.host is not None:  # copied to the host once reduced, so lent for the collective only
             received = self.pool.take(s + f, self.dtype, self.device)
             lent = [send, received]
