@@ -149,6 +149,21 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     return _pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
+def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error: type[Exception] = ValueError) -> None:
+    """Every rank raises ``error`` if any rank's ``problem`` (a message, None where all is well) is
+    set: a failing rank its own message, the others the lowest failing rank's, so no rank goes on
+    to a collective that a rank which gave up never joins."""
+    if world_size(group) > 1:
+        problems: list[Optional[str]] = [None] * world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+        failing = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if problem is None and failing:
+            r, other = failing[0]
+            problem = f"rank {r} of {len(problems)} failed this check: {other}"
+    if problem is not None:
+        raise error(problem)
+
+
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor, group)
     if world_size(group) > 1:

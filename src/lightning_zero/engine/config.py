@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
@@ -39,6 +40,7 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
     "zero2_offload": {"stage": 2, "offload_optimizer": True},
     "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+    "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_params": True},
 }
 """The names ``import lightning_zero`` registers in the Trainer's and Fabric's strategy registries,
 and the options each one stands for."""
@@ -58,6 +60,14 @@ def check_shard_group_size(shard_group_size: int, world_size: int) -> None:
             " here), or be 'node' (the devices per node)."
         )
 
+
+NVME_PATH_VARIABLE = "LIGHTNING_ZERO_NVME_PATH"
+"""Where ``offload_optimizer="nvme"`` keeps its files when ``nvme_path`` is not given (the registered
+name ``zero3_offload_nvme`` takes no options)."""
+
+OffloadTier = Union[bool, Literal["cpu", "nvme"]]
+"""Where offloaded optimizer state lives: False (on the device), True or "cpu" (host memory), "nvme"
+(files on a local disk, stepped through a few host buffers)."""
 
 ShardGroupSize = Optional[Union[int, Literal["node"]]]
 """How many ranks shard the states: None (all of them), an int, or "node" (the ranks of one node)."""
@@ -137,14 +147,25 @@ class ZeroConfig:
     costs a host sync per gather. None (default): on where parameters live in host memory (CPU
     training, where reading the tags waits for nothing), off on accelerators."""
 
-    offload_optimizer: bool = False
-    """Keep the optimizer state and fp32 master chunks in host memory (pinned on CUDA) and step
-    the optimizer there; gradient chunks are copied to the host as each bucket's reduce-scatter
-    finishes, updated chunks copied back for the all-gather."""
+    offload_optimizer: OffloadTier = False
+    """True (or "cpu"): keep the optimizer state and fp32 master chunks in host memory (pinned on
+    CUDA) and step the optimizer there; gradient chunks are copied to the host as each bucket's
+    reduce-scatter finishes, updated chunks copied back for the all-gather. "nvme": as True, and
+    the optimizer's own state (Adam's moments) lives in files under ``nvme_path`` instead, stepped
+    one bucket at a time through ``nvme_buffer_count`` host buffers (see ``state_on_disk.py``)."""
 
     offload_params: bool = False
     """Stage 3: also keep the parameter chunks at rest in host memory, copied to the device only
     for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those chunks)."""
+
+    nvme_path: Optional[str] = None
+    """With ``offload_optimizer="nvme"``: an existing directory on a fast local disk (an NVMe SSD).
+    Each rank makes its own scratch directory in it, removed when the engine closes; checkpoints
+    are saved elsewhere as usual. None: the ``LIGHTNING_ZERO_NVME_PATH`` environment variable."""
+
+    nvme_buffer_count: int = 4
+    """With ``offload_optimizer="nvme"``: host buffers the state streams through, each the size of
+    the largest bucket's state: one steps while the others read ahead and write behind. At least 2."""
 
     fused_host_step: bool = True
     """With ``offload_optimizer``: step Adam, AdamW, SGD and Adagrad with torch's fused CPU kernel
@@ -171,7 +192,8 @@ class ZeroConfig:
             object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         if not (self.check_units_every_gather is None or isinstance(self.check_units_every_gather, bool)):
             raise TypeError(f"`check_units_every_gather` must be True, False or None (automatic), got {self.check_units_every_gather!r}.")
-        for name in ("offload_optimizer", "offload_params", "fused_host_step"):
+        self._check_offload_tiers()
+        for name in ("offload_params", "fused_host_step"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         check_offload(self.zero_stage, self.offload_optimizer, self.offload_params)
@@ -180,6 +202,47 @@ class ZeroConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{name}` must be a non-negative integer, got {value!r}.")
         self._check_options_apply()
+
+    def _check_offload_tiers(self) -> None:
+        if self.offload_optimizer == "cpu":
+            object.__setattr__(self, "offload_optimizer", True)
+        if not (isinstance(self.offload_optimizer, bool) or self.offload_optimizer == "nvme"):
+            raise ValueError(
+                f"`offload_optimizer` must be False, True (or 'cpu': host memory) or 'nvme' (files under"
+                f" `nvme_path`), got {self.offload_optimizer!r}."
+            )
+        if self.offload_params == "nvme":
+            raise ValueError(
+                "`offload_params='nvme'` (parameter chunks streamed from NVMe) is not supported yet: the"
+                " NVMe tier holds the optimizer state. Use `offload_params=True` (chunks in host memory)"
+                " with `offload_optimizer='nvme'`, as `strategy='zero3_offload_nvme'` does."
+            )
+        if self.offload_params == "cpu":
+            object.__setattr__(self, "offload_params", True)
+        if self.optimizer_state_on_disk:
+            if self.nvme_path is None:
+                object.__setattr__(self, "nvme_path", os.environ.get(NVME_PATH_VARIABLE) or None)
+            if not isinstance(self.nvme_path, str) or not self.nvme_path:
+                raise ValueError(
+                    "`offload_optimizer='nvme'` needs `nvme_path`: an existing directory on a fast local disk"
+                    f" where each rank keeps its optimizer state, got nvme_path={self.nvme_path!r}. Pass it"
+                    f" (`ZeroStrategy(..., nvme_path='/local_nvme/scratch')`), or set {NVME_PATH_VARIABLE}"
+                    " (what `strategy='zero3_offload_nvme'` reads)."
+                )
+            count = self.nvme_buffer_count
+            if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+                raise ValueError(f"`nvme_buffer_count` must be an integer of at least 2, got {count!r}.")
+        elif self.nvme_path is not None or self.nvme_buffer_count != 4:
+            given = "`nvme_path`" if self.nvme_path is not None else "`nvme_buffer_count`"
+            raise ValueError(
+                f"{given} only applies with `offload_optimizer='nvme'` (optimizer state in files), but"
+                f" `offload_optimizer={self.offload_optimizer!r}`. Remove it, or set `offload_optimizer='nvme'`."
+            )
+
+    @property
+    def optimizer_state_on_disk(self) -> bool:
+        """``offload_optimizer="nvme"``: the optimizer's state lives in files (``state_on_disk.py``)."""
+        return self.offload_optimizer == "nvme"
 
     def _check_options_apply(self) -> None:
         """An option that does nothing with the chosen stage raises rather than being ignored: a

@@ -38,6 +38,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zero.engine import collectives, module_link
 from lightning_zero.engine.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
+from lightning_zero.engine.disk_tier import DiskTier
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.grad_window import GradientWindow, full_gradients
 from lightning_zero.engine.host_reads import HostReads
@@ -101,6 +102,10 @@ class ZeroEngine:
         self._params_of_optimizer: list[list[ShardedParam]] = []
         self._step_hooks: list[RemovableHandle] = []
         self._fused_host_steps: list[FusedHostStep] = []
+        self.disk: Optional[DiskTier] = None
+        """``offload_optimizer="nvme"``: where the optimizers' state lives (``disk_tier.py``)."""
+        if config.optimizer_state_on_disk:
+            self.disk = DiskTier(config, self.buckets)
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
 
@@ -148,6 +153,8 @@ class ZeroEngine:
         finished run's (whose state is dropped), as a new engine would have been built with them."""
         self._close_fused_host_steps()
         self._remove_step_hooks()
+        if self.disk is not None:
+            self.disk.detach_all()
         self.optimizers, self._params_of_optimizer = [], []
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
@@ -160,6 +167,8 @@ class ZeroEngine:
         self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.gradients.take_assignments()))
         if self.config.offload_optimizer and self.config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
+        if self.disk is not None:
+            self.disk.attach(optimizer, self._params_of_optimizer[-1])
 
     @property
     def shards_parameters(self) -> bool:
@@ -398,6 +407,8 @@ class ZeroEngine:
             self.residency.pool.kept_bytes,
             [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows],
             [held for average in self.averages for held in average.held()],
+            staging_bytes=self.disk.staging.held_bytes if self.disk is not None else 0,
+            disk_bytes=self.disk.disk_bytes if self.disk is not None else 0,
         )
 
     @property
@@ -412,6 +423,8 @@ class ZeroEngine:
         self.grad_sync.close()
         self.residency.close()
         self._close_fused_host_steps()
+        if self.disk is not None:
+            self.disk.close()
         self._replacement_guard.close()
         module_link.unlink(self.module, self)
 

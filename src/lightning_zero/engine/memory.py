@@ -53,6 +53,9 @@ class MemoryReport:
     comm_buffers: int = 0
     """Bytes of the communication buffers kept for reuse (``buffers.py``): not model state, the
     engine's working memory on the device, next to it."""
+    disk: int = 0
+    """Bytes of optimizer state in NVMe scratch files (``offload_optimizer="nvme"``): not memory,
+    and not in ``total``; its staging buffers count as host optimizer state."""
 
     @property
     def parameters(self) -> int:
@@ -90,13 +93,16 @@ def measure(
     comm_buffers: int = 0,
     host_gradient_buffers: Sequence[torch.Tensor] = (),
     averages: Iterable[tuple[torch.Tensor, str]] = (),
+    staging_bytes: int = 0,
+    disk_bytes: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
     ``host_chunks.py``); counted whole, also between steps, and the gradients viewing them not again.
     ``averages``: the tensors of weight averages, each with where it counts (``place_of``).
 
-    Each tensor counts where it is (``place_of``).
+    Each tensor counts where it is (``place_of``). ``staging_bytes``: the NVMe tier's host buffers
+    (optimizer state); ``disk_bytes``: the state in its files.
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
@@ -107,6 +113,7 @@ def measure(
 
     counts = {"device": Counter(), "host": Counter()}
     counts["host"]["gradients"] += sum(nbytes(b) for b in host_gradient_buffers)
+    counts["host"]["optimizer_state"] += staging_bytes
     held = {b.untyped_storage().data_ptr() for b in host_gradient_buffers}
     for sp in params:
         counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
@@ -125,4 +132,6 @@ def measure(
     counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
     for t, where in averages:
         counts[where]["averages"] += nbytes(t)
-    return MemoryReport(device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers)
+    return MemoryReport(
+        device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers, disk=disk_bytes
+    )

@@ -35,7 +35,7 @@ from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
 from lightning_zero.checkpoint.pickles import checkpoint_globals
 from lightning_zero.engine import MemoryReport, ZeroStage, collectives
-from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
+from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
@@ -74,8 +74,10 @@ class ZeroFabricStrategy(DDPStrategy):
         min_unit_params: int = 0,
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
-        offload_optimizer: bool = False,
+        offload_optimizer: OffloadTier = False,
         offload_params: bool = False,
+        nvme_path: Optional[str] = None,
+        nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",

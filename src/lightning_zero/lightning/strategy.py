@@ -35,7 +35,7 @@ from lightning_zero.checkpoint.checkpointing import check_state_dict_type, file_
 from lightning_zero.checkpoint.layout import as_trainer_checkpoint
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
-from lightning_zero.engine.config import STRATEGY_NAMES, ShardGroupSize, check_shard_group_option, config_from_options
+from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.module_link import linked_engine
 from lightning_zero.engine.sharded_optimizer import check_optimizer_type
 from lightning_zero.lightning.checkpointing import (
@@ -75,10 +75,17 @@ class ZeroStrategy(DDPStrategy):
             each all-gather rather than once per backward; turns a hang from ranks whose forwards
             run different numbers of units into an error naming them. Default (None): on for CPU
             training, where it is free; off on GPUs, where it is a host sync per gather.
-        offload_optimizer: keep optimizer state and fp32 master chunks in host memory and step the
-            optimizer there (any stage).
+        offload_optimizer: True (or "cpu"): keep optimizer state and fp32 master chunks in host
+            memory and step the optimizer there (any stage). "nvme": as True, but the optimizer's
+            own state (Adam's moments) lives in files under ``nvme_path``, stepped one bucket at a
+            time through a few host buffers.
         offload_params: stage 3: also keep the parameter chunks in host memory between uses
             (needs ``offload_optimizer``).
+        nvme_path: with ``offload_optimizer="nvme"``: an existing directory on a fast local disk;
+            each rank keeps its scratch files in a directory of its own there, removed at the
+            end. Default: the ``LIGHTNING_ZERO_NVME_PATH`` environment variable.
+        nvme_buffer_count: with ``offload_optimizer="nvme"``: host buffers the state streams
+            through (at least 2), each the size of the largest bucket's state.
         fused_host_step: with offload, step Adam/AdamW/SGD/Adagrad with torch's fused CPU kernel
             (default; matches a non-offloaded run to float rounding, not bitwise). False keeps the
             optimizer's configured kernel.
@@ -115,8 +122,10 @@ class ZeroStrategy(DDPStrategy):
         min_unit_params: int = 0,
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
-        offload_optimizer: bool = False,
+        offload_optimizer: OffloadTier = False,
         offload_params: bool = False,
+        nvme_path: Optional[str] = None,
+        nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",

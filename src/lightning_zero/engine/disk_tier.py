@@ -1,0 +1,79 @@
+"""One engine's NVMe tier: its scratch directory, the staging buffers, and each optimizer's state
+on disk (see [Note: optimizer state on disk] in ``state_on_disk.py``)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional, Sequence
+
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.bucket import Bucket
+from lightning_zero.engine.config import ZeroConfig
+from lightning_zero.engine.scratch_files import IOStats, ScratchDirectory, check_scratch_root
+from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.state_on_disk import OptimizerStateOnDisk, StagingBuffers
+
+STATE_TENSORS_PER_PARAM = {
+    "SGD": 1, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
+    "RMSprop": 3, "Adagrad": 1, "Adadelta": 2, "ASGD": 1, "Rprop": 2,
+}  # fmt: skip
+"""Per-element state tensors torch's optimizers keep, at most (Adam's ``amsgrad`` adds one); 2 for others."""
+
+
+def state_bytes_needed(optimizer: Optimizer, params: Sequence[ShardedParam]) -> int:
+    """At most how many bytes of files ``optimizer``'s state for ``params`` (this rank's chunks) takes."""
+    tensors = STATE_TENSORS_PER_PARAM.get(type(optimizer).__name__, 2)
+    tensors += any(group.get("amsgrad") for group in optimizer.param_groups)
+    return tensors * sum(p.shard.numel() * p.shard.element_size() for p in params)
+
+
+class DiskTier:
+    """Made by the engine with ``offload_optimizer="nvme"``; ``attach`` each optimizer once sharded."""
+
+    def __init__(self, config: ZeroConfig, buckets: Sequence[Bucket]) -> None:
+        assert config.nvme_path is not None
+        self.root = config.nvme_path
+        # not pinned: the optimizer steps the state on the host, it never crosses to a device
+        self.staging = StagingBuffers(config.nvme_buffer_count)
+        self.directory: Optional[ScratchDirectory] = None
+        self.states: list[OptimizerStateOnDisk] = []
+        self._buckets = [{id(p) for p in bucket.params} for bucket in buckets]
+        self._attached = 0
+
+    def attach(self, optimizer: Optimizer, params: Sequence[ShardedParam]) -> None:
+        """Move ``optimizer``'s state for ``params`` (``state_dict`` order) to files, one per bucket.
+        A collective: every rank checks its ``nvme_path`` and all fail alike if one cannot hold it."""
+        collectives.raise_if_any_rank(check_scratch_root(self.root, state_bytes_needed(optimizer, params)))
+        if self.directory is None:
+            self.directory = ScratchDirectory(self.root, label=f"rank{collectives.rank()}")
+            self._remove_directory = weakref.finalize(self, self.directory.close)
+        positions = [[i for i, p in enumerate(params) if id(p) in members] for members in self._buckets]
+        bucketed = {i for bucket in positions for i in bucket}
+        positions.append([i for i in range(len(params)) if i not in bucketed])  # frozen ones, if an optimizer holds them
+        self.states.append(
+            OptimizerStateOnDisk(optimizer, params, positions, self.directory, f"optimizer{self._attached}", self.staging)
+        )
+        self._attached += 1
+
+    def detach_all(self) -> None:
+        """The optimizers are done with (a new fit replaces them): each gets its own ``step`` back."""
+        for state in self.states:
+            state.close()
+        self.states.clear()
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(state.disk_bytes for state in self.states)
+
+    @property
+    def io(self) -> Optional[IOStats]:
+        """What the disk did since the stats were last reset (None before any optimizer was attached)."""
+        return self.directory.stats if self.directory is not None else None
+
+    def close(self) -> None:
+        """Detach every optimizer and remove the scratch directory with its files."""
+        self.detach_all()
+        if self.directory is not None:
+            self._remove_directory()

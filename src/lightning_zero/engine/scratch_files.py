@@ -1,0 +1,200 @@
+"""Scratch files on a fast local disk, read and written in the background: NVMe offload's I/O.
+
+One :class:`ScratchDirectory` per engine and rank: a fresh directory made under the user's
+``nvme_path`` (never a file that was there before) and removed, with everything in it, when the
+engine closes. Its files are read and written by a small thread pool running ``os.preadv`` and
+``os.pwritev`` straight into host tensors (pinned on CUDA); both release the GIL, so the disk works
+while the optimizer steps on the main thread. Each read or write returns a :class:`PendingIO`;
+:class:`IOStats` counts the bytes, the seconds the disk took, and how often and how long the
+caller had to wait for one (a read that was not prefetched early enough).
+
+A file that is shorter than expected or was removed while training fails the read, naming the
+file: its contents are this run's only copy of that state, and a checkpoint (elsewhere) is the way
+back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+class ScratchFileError(OSError):
+    """A scratch file no longer holds what was written to it (truncated or removed while training)."""
+
+
+@dataclass
+class IOStats:
+    """What the disk did for one directory since the last ``reset``."""
+
+    reads: int = 0
+    writes: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    read_seconds: float = 0.0
+    """Summed over the workers' reads (several overlap, so this can exceed the wall time)."""
+    write_seconds: float = 0.0
+    waits: int = 0
+    """Times the caller needed an I/O that had not finished yet, and blocked."""
+    wait_seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    @property
+    def read_gbps(self) -> float:
+        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.write_bytes / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+
+class PendingIO:
+    """A read or write in flight; ``wait`` returns once it is done (or raises what it raised)."""
+
+    def __init__(self, future: Future, stats: IOStats) -> None:
+        self._future = future
+        self._stats = stats
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        if not self._future.done():
+            start = time.perf_counter()
+            self._future.result()
+            self._stats.waits += 1
+            self._stats.wait_seconds += time.perf_counter() - start
+        self._future.result()  # re-raise a failed I/O
+
+
+def _byte_view(buffer: Tensor, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of a contiguous host byte tensor, as a writable buffer for ``preadv``."""
+    if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.numel() < nbytes:
+        raise ValueError(f"scratch I/O needs a contiguous host uint8 tensor of at least {nbytes} bytes")
+    return memoryview(buffer.view(-1).numpy())[:nbytes]
+
+
+class ScratchFile:
+    """One file of a :class:`ScratchDirectory`, read and written whole (``nbytes`` from offset 0)."""
+
+    def __init__(self, directory: "ScratchDirectory", name: str) -> None:
+        self.directory = directory
+        self.path = os.path.join(directory.path, name)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.nbytes = 0
+        """Bytes written so far: what a read expects to find."""
+
+    def start_write(self, buffer: Tensor, nbytes: int) -> PendingIO:
+        """Write the first ``nbytes`` of ``buffer`` (a host tensor nobody writes until this is done)."""
+        self.nbytes = nbytes
+        return self.directory._submit(self._write, _byte_view(buffer, nbytes))
+
+    def start_read(self, buffer: Tensor, nbytes: int) -> PendingIO:
+        """Read the file's first ``nbytes`` into ``buffer`` (nobody reads it until this is done)."""
+        return self.directory._submit(self._read, _byte_view(buffer, nbytes))
+
+    def _write(self, view: memoryview) -> None:
+        start, done = time.perf_counter(), 0
+        while done < len(view):
+            done += os.pwritev(self._fd, [view[done:]], done)
+        stats = self.directory.stats
+        stats.writes, stats.write_bytes = stats.writes + 1, stats.write_bytes + len(view)
+        stats.write_seconds += time.perf_counter() - start
+
+    def _read(self, view: memoryview) -> None:
+        self.check()
+        start, done = time.perf_counter(), 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], done)
+            if n == 0:
+                raise ScratchFileError(
+                    f"NVMe offload: {self.path} ends after {done} bytes, {len(view)} were written there: it was"
+                    " truncated while training. The optimizer state in it is lost; resume from the last checkpoint."
+                )
+            done += n
+        stats = self.directory.stats
+        stats.reads, stats.read_bytes = stats.reads + 1, stats.read_bytes + len(view)
+        stats.read_seconds += time.perf_counter() - start
+
+    def check(self) -> None:
+        """Raise a ``ScratchFileError`` naming the file if it was removed or cut short."""
+        status = os.fstat(self._fd)
+        if status.st_nlink == 0 or not os.path.exists(self.path):
+            raise ScratchFileError(
+                f"NVMe offload: {self.path} was removed while training. The optimizer state in it is lost;"
+                " resume from the last checkpoint, and keep `nvme_path` free of cleanup jobs while a run uses it."
+            )
+        if status.st_size < self.nbytes:
+            raise ScratchFileError(
+                f"NVMe offload: {self.path} holds {status.st_size} bytes, {self.nbytes} were written there: it was"
+                " truncated while training. The optimizer state in it is lost; resume from the last checkpoint."
+            )
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ScratchDirectory:
+    """This rank's directory of scratch files under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: str, label: str, workers: int = 4) -> None:
+        self.path = tempfile.mkdtemp(prefix=f"lightning-zero-{label}-", dir=root)
+        self.stats = IOStats()
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvme-io")
+        self._files: list[ScratchFile] = []
+
+    def new_file(self, name: str) -> ScratchFile:
+        file = ScratchFile(self, name)
+        self._files.append(file)
+        return file
+
+    def _submit(self, fn, view: memoryview) -> PendingIO:
+        if self._pool is None:
+            raise RuntimeError(f"scratch directory {self.path} is closed")
+        return PendingIO(self._pool.submit(fn, view), self.stats)
+
+    def close(self) -> None:
+        """Finish the I/O in flight, close the files and remove the directory."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for file in self._files:
+            file.close()
+        self._files.clear()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def check_scratch_root(root: str, bytes_needed: int) -> Optional[str]:
+    """Why ``root`` cannot hold ``bytes_needed`` bytes of scratch files (None if it can): it must
+    be an existing, writable directory with that much free space."""
+    if not os.path.isdir(root):
+        what = "is not a directory" if os.path.exists(root) else "does not exist"
+        return f"`nvme_path={root!r}` {what}. Create it on a fast local disk (an NVMe SSD), or point `nvme_path` at one."
+    try:
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as err:
+        return f"`nvme_path={root!r}` is not writable here ({err.strerror}). Give this user write access, or choose another directory."
+    free = shutil.disk_usage(root).free
+    if free < bytes_needed:
+        return (
+            f"`nvme_path={root!r}` has {_gb(free)} free, and this rank's optimizer state needs {_gb(bytes_needed)}"
+            " there (the estimator's figure, `lightning-zero estimate`). Free space, or choose a larger disk."
+        )
+    return None
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e7 else f"{nbytes:,} bytes"
