@@ -3,7 +3,7 @@ on disk (see [Note: optimizer state on disk] in ``state_on_disk.py``)."""
 
 from __future__ import annotations
 
-import weakref
+import multiprocessing.util
 from typing import Optional, Sequence
 
 from torch.optim import Optimizer
@@ -13,7 +13,7 @@ from lightning_zero.engine.bucket import Bucket
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.scratch_files import IOStats, ScratchDirectory, check_scratch_root
 from lightning_zero.engine.sharded_param import ShardedParam
-from lightning_zero.engine.state_on_disk import OptimizerStateOnDisk, StagingBuffers
+from lightning_zero.engine.state_on_disk import OptimizerStateOnDisk, StagingBuffers, aligned
 
 STATE_TENSORS_PER_PARAM = {
     "SGD": 1, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
@@ -22,11 +22,15 @@ STATE_TENSORS_PER_PARAM = {
 """Per-element state tensors torch's optimizers keep, at most (Adam's ``amsgrad`` adds one); 2 for others."""
 
 
+def state_tensors_per_param(optimizer: Optimizer) -> int:
+    """At most how many per-element state tensors ``optimizer`` keeps for each parameter."""
+    tensors = STATE_TENSORS_PER_PARAM.get(type(optimizer).__name__, 2)
+    return tensors + any(group.get("amsgrad") for group in optimizer.param_groups)
+
+
 def state_bytes_needed(optimizer: Optimizer, params: Sequence[ShardedParam]) -> int:
     """At most how many bytes of files ``optimizer``'s state for ``params`` (this rank's chunks) takes."""
-    tensors = STATE_TENSORS_PER_PARAM.get(type(optimizer).__name__, 2)
-    tensors += any(group.get("amsgrad") for group in optimizer.param_groups)
-    return tensors * sum(p.shard.numel() * p.shard.element_size() for p in params)
+    return state_tensors_per_param(optimizer) * sum(p.shard.numel() * p.shard.element_size() for p in params)
 
 
 class DiskTier:
@@ -48,10 +52,15 @@ class DiskTier:
         collectives.raise_if_any_rank(check_scratch_root(self.root, state_bytes_needed(optimizer, params)))
         if self.directory is None:
             self.directory = ScratchDirectory(self.root, label=f"rank{collectives.rank()}")
-            self._remove_directory = weakref.finalize(self, self.directory.close)
+            # when this tier is dropped, or at the latest when the process ends, also a rank that
+            # multiprocessing started (it skips atexit after a fork); a killed process leaves it
+            self._remove_directory = multiprocessing.util.Finalize(self, self.directory.close, exitpriority=10)
         positions = [[i for i, p in enumerate(params) if id(p) in members] for members in self._buckets]
         bucketed = {i for bucket in positions for i in bucket}
         positions.append([i for i in range(len(params)) if i not in bucketed])  # frozen ones, if an optimizer holds them
+        # sized once for the largest bucket, so that the first step (which makes the state) allocates no more
+        tensors = state_tensors_per_param(optimizer)
+        self.staging.reserve(max(tensors * sum(aligned(params[i].shard.nbytes) for i in bucket) for bucket in positions))
         self.states.append(
             OptimizerStateOnDisk(optimizer, params, positions, self.directory, f"optimizer{self._attached}", self.staging)
         )

@@ -30,6 +30,9 @@ its class, param groups, hyperparameters and schedulers; what changes:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import types
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,7 +51,7 @@ ALIGNMENT = 64
 """Bytes each entry's offset is rounded up to, so every view is aligned for vectorized kernels."""
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
@@ -81,7 +84,7 @@ class BucketState:
 
     @property
     def nbytes(self) -> int:
-        return _aligned(max((e.offset + e.nbytes for e in self.entries), default=0))
+        return aligned(max((e.offset + e.nbytes for e in self.entries), default=0))
 
     def add_entry(self, position: int, key: str, value: Tensor) -> StateEntry:
         entry = StateEntry(position, key, value.dtype, value.numel(), self.nbytes)
@@ -100,9 +103,14 @@ class StagingBuffers:
         self.allocations = 0
         """Buffers allocated: ``count`` once the largest bucket has stepped, then flat."""
 
+    def reserve(self, nbytes: int) -> None:
+        """Make every buffer at least ``nbytes`` (the largest bucket's state, where it can be told
+        before the optimizer first makes it)."""
+        self.capacity = max(self.capacity, aligned(nbytes))
+
     def take(self, nbytes: int) -> Tensor:
         """A free buffer of at least ``nbytes`` (the caller holds at most ``count`` at once)."""
-        self.capacity = max(self.capacity, _aligned(nbytes))
+        self.reserve(nbytes)
         while self._free:
             buffer = self._free.pop()
             if buffer.numel() >= self.capacity:
@@ -249,6 +257,9 @@ class OptimizerStateOnDisk:
         for entry, value in fresh:
             entry.view(buffer).copy_(value.reshape(-1))
         self._release(bucket)
+        if fresh:
+            del fresh, value
+            return_freed_memory()
         return buffer
 
     def _release(self, bucket: BucketState) -> None:
@@ -305,6 +316,8 @@ class OptimizerStateOnDisk:
             bucket.file.start_write(buffer, bucket.nbytes).wait()
             self.staging.give_back(buffer)
             self._release(bucket)
+            del in_memory
+            return_freed_memory()
 
     @property
     def disk_bytes(self) -> int:
@@ -321,6 +334,28 @@ class OptimizerStateOnDisk:
             self.optimizer.step = self._previous_step  # type: ignore[method-assign]
         else:
             self.optimizer.__dict__.pop("step", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand the host memory freed in the middle of glibc's heap back to the system.
+
+    The optimizer makes a bucket's state itself the first time (``zeros_like``), and it is freed
+    once written. glibc serves those allocations from its heap, and a 64-byte-aligned request of
+    the same size does not fit the hole the last one left, so without this each bucket's first
+    step left about its state's size resident: 32 MB of 50 MB of AdamW state over 24 buckets,
+    measured here, where the staging buffers are 8 MB. Called only when state was made (the first
+    step, a load), never in a steady step. A no-op where the C library is not glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _per_element(key: str, value: Any, shard: Tensor) -> bool:
