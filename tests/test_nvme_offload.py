@@ -352,6 +352,7 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     the staging buffers' size."""
     from lightning_zero.engine.config import ZeroConfig
     from lightning_zero.engine.engine import ZeroEngine
+    from lightning_zero.engine.state_on_disk import return_freed_memory
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])
@@ -359,11 +360,12 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     options = {"nvme_path": str(tmp_path)} if tier == "nvme" else {}
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_size_mb=1, offload_optimizer=tier, **options))
     peaks = []
-    for _ in range(3):
+    for _ in range(2):
         engine.begin_step()
         model(torch.randn(4, 512)).square().mean().backward()
         engine.finish_backward()
         engine.end_step()
+        return_freed_memory()  # what earlier tests freed would otherwise hide what this step allocates
         before = _resident()
         Path("/proc/self/clear_refs").write_text("5")
         optimizer.step()
@@ -376,8 +378,8 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     return peaks, report, capacity
 
 
-LAYERS = 24
-"""Linear(512, 512) layers: 6.3M parameters, whose AdamW state (50 MB) is 24 buckets' worth."""
+LAYERS = 16
+"""Linear(512, 512) layers: 4.2M parameters, whose AdamW state (34 MB) is 16 buckets' worth."""
 
 
 def _status_kib(field: str) -> int:
@@ -397,8 +399,8 @@ def _peak() -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc to reset the peak")
 def test_the_host_holds_at_most_four_buckets_of_state(tmp_path) -> None:
-    cpu_growth, cpu_report, _ = _peak_step_growth(True, tmp_path)
     nvme_growth, nvme_report, capacity = _peak_step_growth("nvme", tmp_path)
+    cpu_growth, cpu_report, _ = _peak_step_growth(True, tmp_path)
     state = 2 * 4 * LAYERS * (512 * 512 + 512)  # AdamW's two fp32 moments of every parameter (one rank)
     largest_bucket_state = 2 * 4 * 2 * (512 * 512 + 512)  # a bucket (1 MiB) holds at most 2 Linears' parameters
     print(f"peak growth per step: cpu offload {cpu_growth} B, nvme {nvme_growth} B; staging 4 x {capacity} B; state {state} B")
@@ -407,7 +409,7 @@ def test_the_host_holds_at_most_four_buckets_of_state(tmp_path) -> None:
     assert cpu_report.host.optimizer_state - nvme_report.host.optimizer_state == state - 4 * capacity
     assert state <= nvme_report.disk <= state + 12 * 4 * 64  # each entry aligned to 64 bytes
     # measured: the resident peak of each step
-    assert cpu_growth[0] >= 0.9 * state  # CPU offload's first step allocates all of it
+    assert cpu_growth[0] >= 0.9 * state  # the control: CPU offload's first step allocates all of it
     # the first step allocates the staging buffers, and the optimizer makes each bucket's state in
     # turn (one bucket's worth at a time, freed once written); later steps allocate nothing
     assert nvme_growth[0] <= 5 * capacity + 4 * 2**20
