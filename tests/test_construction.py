@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 
 import pytest
 
@@ -39,6 +40,34 @@ def test_fused_host_step_without_offload_is_refused():
     with pytest.raises(ValueError, match="only applies with `offload_optimizer=True`"):
         ZeroStrategy(stage=2, fused_host_step=False)
     ZeroStrategy(stage=2, fused_host_step=False, offload_optimizer=True)
+
+
+NVME_REFUSALS = [
+    ({"stage": 2, "offload_optimizer": "nvme"}, "needs `nvme_path`: an existing directory"),
+    ({"stage": 2, "offload_optimizer": "disk"}, "must be False, True \\(or 'cpu': host memory\\) or 'nvme'"),
+    ({"stage": 3, "offload_optimizer": True, "offload_params": "nvme"}, "`offload_params='nvme'` .* is not supported yet"),
+    ({"stage": 2, "nvme_path": "/tmp"}, "`nvme_path` only applies with `offload_optimizer='nvme'`"),
+    ({"stage": 2, "offload_optimizer": True, "nvme_buffer_count": 8}, "`nvme_buffer_count` only applies"),
+    ({"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/tmp", "nvme_buffer_count": 1}, "at least 2, got 1"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), NVME_REFUSALS)
+def test_bad_nvme_options_are_refused_at_construction(options, message, monkeypatch):
+    from lightning_zero import ZeroFabricStrategy
+
+    monkeypatch.delenv("LIGHTNING_ZERO_NVME_PATH", raising=False)
+    for strategy in (ZeroStrategy, ZeroFabricStrategy):
+        with pytest.raises(ValueError, match=message):
+            strategy(**options)
+
+
+def test_offload_tiers_by_name(monkeypatch):
+    assert ZeroStrategy(stage=2, offload_optimizer="cpu").zero_config.offload_optimizer is True
+    config = ZeroStrategy(stage=2, offload_optimizer="nvme", nvme_path="/scratch").zero_config
+    assert config.optimizer_state_on_disk and config.nvme_path == "/scratch"
+    monkeypatch.setenv("LIGHTNING_ZERO_NVME_PATH", "/from/the/environment")
+    assert ZeroStrategy(stage=2, offload_optimizer="nvme").zero_config.nvme_path == "/from/the/environment"
 
 
 @pytest.mark.parametrize("size", [0, -1, float("nan"), float("inf")])
@@ -101,6 +130,21 @@ def test_lightning_cli_parses_name_and_class_path(tmp_path):
     bad.write_text(config.read_text().replace("stage: 1", "stage: 5"))
     with pytest.raises((SystemExit, ValueError)):
         LightningCLI(BoringModel, run=False, args=["--config", str(bad)])
+
+    # NVMe offload: the "nvme" tier and its directory in a config; the registered name reads the variable
+    nvme = tmp_path / "nvme.yaml"
+    nvme.write_text(
+        config.read_text().replace("stage: 1", f"stage: 3\n      offload_optimizer: nvme\n      offload_params: true\n      nvme_path: {tmp_path}")
+    )
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(nvme)])
+    zero_config = cli.trainer.strategy.zero_config
+    assert (zero_config.offload_optimizer, zero_config.nvme_path, zero_config.nvme_buffer_count) == ("nvme", str(tmp_path), 4)
+    os.environ["LIGHTNING_ZERO_NVME_PATH"] = str(tmp_path)
+    try:
+        cli = LightningCLI(BoringModel, run=False, args=["--trainer.strategy=zero3_offload_nvme", "--trainer.accelerator=cpu"])
+    finally:
+        del os.environ["LIGHTNING_ZERO_NVME_PATH"]
+    assert cli.trainer.strategy.zero_config.nvme_path == str(tmp_path)
 
 
 def test_custom_precision_plugin_is_refused():

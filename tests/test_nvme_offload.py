@@ -2,8 +2,8 @@
 bucket at a time through a few host buffers.
 
 - Parity: bitwise equal to CPU offload (``offload_optimizer=True``) in fp32 at stages 1-3, with
-  gradient accumulation and norm clipping; with two param groups and an LR scheduler; with SGD's
-  momentum (state the optimizer assigns rather than updates in place).
+  gradient accumulation and norm clipping, under the Trainer and Fabric; with two param groups and
+  an LR scheduler; with SGD's momentum (state the optimizer assigns rather than updates in place).
 - Checkpoints: a zero3_offload_nvme checkpoint restores the saved optimizer state, resumes bitwise
   like zero3_offload, and reshards to one rank.
 - Faults: `nvme_path` missing on one rank, not writable, or on a full disk fails at setup on every
@@ -114,6 +114,18 @@ for _stage in (1, 2, 3):
 for _tier in (True, "nvme"):
     GROUP.case(regression_fit, name=f"steplr_{_tier}", tier=_tier, stage=2, optimizer="two_groups_steplr")
     GROUP.case(regression_fit, name=f"sgd_{_tier}", tier=_tier, stage=3, optimizer="sgd_momentum")
+
+
+def fabric_fit(ctx: RankContext, tier: Any) -> dict[str, Any]:
+    """test_fabric's loop at zero3 with both offloads, 2 micro-batches per step, clipping by norm."""
+    from test_fabric import train
+
+    options = {"nvme_path": _nvme_dir(ctx, "fabric")} if tier == "nvme" else {}
+    return train(ctx, "zero3", accumulate=2, clip="norm", offload_optimizer=tier, offload_params=True, **options)
+
+
+for _tier in (True, "nvme"):
+    GROUP.case(fabric_fit, name=f"fabric_{_tier}", tier=_tier)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
@@ -277,6 +289,12 @@ def test_state_the_optimizer_assigns_reaches_the_files(results: GroupResults) ->
         assert all(_equal(a, b) for a, b in zip(cpu["history"], nvme["history"]))
 
 
+def test_fabric_steps_as_with_cpu_offload(results: GroupResults) -> None:
+    for cpu, nvme in zip(results["fabric_True"], results["fabric_nvme"]):
+        assert _equal(cpu["weights"], nvme["weights"])
+        assert cpu["losses"] == nvme["losses"] and cpu["norms"] == nvme["norms"]
+
+
 def test_a_checkpoint_restores_and_resumes_like_cpu_offload(results: GroupResults) -> None:
     for saved, on_disk, in_memory in zip(results["save_nvme"], results["resume_nvme"], results["resume_cpu"]):
         assert _equal(saved["saved"], on_disk["restored"])
@@ -411,6 +429,6 @@ def test_the_host_holds_at_most_four_buckets_of_state(tmp_path) -> None:
     # measured: the resident peak of each step
     assert cpu_growth[0] >= 0.9 * state  # the control: CPU offload's first step allocates all of it
     # the first step allocates the staging buffers, and the optimizer makes each bucket's state in
-    # turn (one bucket's worth at a time, freed once written); later steps allocate nothing
-    assert nvme_growth[0] <= 5 * capacity + 4 * 2**20
-    assert max(nvme_growth[1:]) <= 2**20
+    # turn (one bucket's worth at a time, freed once written); a later step may still touch staging
+    # pages for the first time, and nothing else: over both steps, 4 buffers and one bucket's state
+    assert sum(nvme_growth) <= 5 * capacity + 4 * 2**20 < state / 2
