@@ -66,6 +66,14 @@ class DiskTier:
         )
         self._attached += 1
 
+    def prefetch(self) -> None:
+        """The gradients are final and an optimizer step is next: start reading the first buckets'
+        state of the first optimizer that has gradients (one at a time keeps the staging bound)."""
+        for state in self.states:
+            if state.has_gradients():
+                state.prefetch()
+                return
+
     def detach_all(self) -> None:
         """The optimizers are done with (a new fit replaces them): each gets its own ``step`` back."""
         for state in self.states:

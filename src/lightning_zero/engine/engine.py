@@ -213,6 +213,8 @@ class ZeroEngine:
         if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
             # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
             self.gradients.open(reduced=self.sync_gradients)
+        if self.sync_gradients and self.disk is not None:
+            self.disk.prefetch()  # the optimizer step is next: its first reads start now
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Make the module see the shards ``optimizer`` just updated (``param.grad`` is None again)."""

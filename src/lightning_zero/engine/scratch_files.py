@@ -21,7 +21,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -42,12 +42,25 @@ class IOStats:
     read_seconds: float = 0.0
     """Summed over the workers' reads (several overlap, so this can exceed the wall time)."""
     write_seconds: float = 0.0
-    waits: int = 0
-    """Times the caller needed an I/O that had not finished yet, and blocked."""
-    wait_seconds: float = 0.0
+    read_waits: int = 0
+    """Times the caller needed a read that had not finished yet, and blocked: a read on the
+    critical path (the read-ahead was not deep enough, or the disk too slow)."""
+    write_waits: int = 0
+    """Times the caller needed a buffer whose write had not finished yet (at the latest at the end
+    of each step, which waits for the last writes), and blocked."""
+    read_wait_seconds: float = 0.0
+    write_wait_seconds: float = 0.0
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    @property
+    def waits(self) -> int:
+        return self.read_waits + self.write_waits
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.read_wait_seconds + self.write_wait_seconds
 
     @property
     def read_gbps(self) -> float:
@@ -61,9 +74,10 @@ class IOStats:
 class PendingIO:
     """A read or write in flight; ``wait`` returns once it is done (or raises what it raised)."""
 
-    def __init__(self, future: Future, stats: IOStats) -> None:
+    def __init__(self, future: Future, stats: IOStats, kind: str) -> None:
         self._future = future
         self._stats = stats
+        self._kind = kind
 
     def done(self) -> bool:
         return self._future.done()
@@ -71,9 +85,12 @@ class PendingIO:
     def wait(self) -> None:
         if not self._future.done():
             start = time.perf_counter()
-            self._future.result()
-            self._stats.waits += 1
-            self._stats.wait_seconds += time.perf_counter() - start
+            try:
+                self._future.result()
+            finally:
+                stats, kind = self._stats, self._kind
+                setattr(stats, f"{kind}_waits", getattr(stats, f"{kind}_waits") + 1)
+                setattr(stats, f"{kind}_wait_seconds", getattr(stats, f"{kind}_wait_seconds") + time.perf_counter() - start)
         self._future.result()  # re-raise a failed I/O
 
 
@@ -97,11 +114,11 @@ class ScratchFile:
     def start_write(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Write the first ``nbytes`` of ``buffer`` (a host tensor nobody writes until this is done)."""
         self.nbytes = nbytes
-        return self.directory._submit(self._write, _byte_view(buffer, nbytes))
+        return self.directory._submit(self._write, _byte_view(buffer, nbytes), "write")
 
     def start_read(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Read the file's first ``nbytes`` into ``buffer`` (nobody reads it until this is done)."""
-        return self.directory._submit(self._read, _byte_view(buffer, nbytes))
+        return self.directory._submit(self._read, _byte_view(buffer, nbytes), "read")
 
     def _write(self, view: memoryview) -> None:
         start, done = time.perf_counter(), 0
@@ -160,10 +177,10 @@ class ScratchDirectory:
         self._files.append(file)
         return file
 
-    def _submit(self, fn, view: memoryview) -> PendingIO:
+    def _submit(self, fn: Callable[[memoryview], None], view: memoryview, kind: str) -> PendingIO:
         if self._pool is None:
             raise RuntimeError(f"scratch directory {self.path} is closed")
-        return PendingIO(self._pool.submit(fn, view), self.stats)
+        return PendingIO(self._pool.submit(fn, view), self.stats, kind)
 
     def close(self) -> None:
         """Finish the I/O in flight, close the files and remove the directory."""

@@ -13,7 +13,9 @@ its class, param groups, hyperparameters and schedulers; what changes:
   (``optimizer.state[shard][key] = view``), the update runs with each param group's ``params``
   narrowed to bucket k's shards, the entries go back to placeholders and the buffer is written
   back. Reads run ahead: while bucket k steps, the next buckets are read into free buffers, and
-  bucket k-1's write finishes; a buffer is reused once its write is done. ``buffer_count`` buffers,
+  bucket k-1's write finishes; a buffer is reused once its write is done. The first buckets'
+  reads start when the backward that precedes the step finishes (``prefetch``), so the step
+  rarely waits for a read. ``buffer_count`` buffers,
   each the size of the largest bucket's state, are all the host memory the state takes. Step hooks
   run once per ``step``, as before.
 - **Arithmetic:** an element-wise optimizer (the only kind the engine takes) updates each element
@@ -157,6 +159,7 @@ class OptimizerStateOnDisk:
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._unhooked = _unhooked_step(optimizer)
         self._writes: deque[tuple[Tensor, PendingIO]] = deque()
+        self._prefetched: deque[tuple[BucketState, Tensor, Optional[PendingIO]]] = deque()
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         optimizer.step = self._step_function()  # type: ignore[method-assign]
@@ -176,7 +179,7 @@ class OptimizerStateOnDisk:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._stream([b for b in self.buckets if any(self.shards[i].grad is not None for i in b.positions)])
+            self._stream(self._due())
             return loss
 
         hooked = types.MethodType(Optimizer.profile_hook_step(streamed_step), self.optimizer)
@@ -189,11 +192,38 @@ class OptimizerStateOnDisk:
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
 
+    def _due(self) -> list[BucketState]:
+        """The buckets the next step updates: those with a gradient."""
+        return [b for b in self.buckets if any(self.shards[i].grad is not None for i in b.positions)]
+
+    def has_gradients(self) -> bool:
+        return any(shard.grad is not None for shard in self.shards)
+
+    def prefetch(self) -> None:
+        """Start reading the first buckets' state into staging buffers now (the gradients are
+        final: the optimizer step is next), so that the step's first reads are not on its
+        critical path. The step uses them if it updates those buckets first, else drops them."""
+        self.discard_prefetched()
+        for bucket in self._due()[: self.staging.count - 1]:  # one left for the step's own read-ahead
+            buffer = self.staging.take(bucket.nbytes)
+            self._prefetched.append((bucket, buffer, bucket.file.start_read(buffer, bucket.nbytes) if bucket.entries else None))
+
+    def discard_prefetched(self) -> None:
+        while self._prefetched:
+            _, buffer, read = self._prefetched.popleft()
+            if read is not None:
+                read.wait()
+            self.staging.give_back(buffer)
+
     def _stream(self, due: list[BucketState]) -> None:
         """Step ``due`` in order, reading ahead into free buffers and writing behind: a buffer is
         reading, stepping or writing, and at most ``staging.count`` are in use at once."""
         reads: deque[tuple[Tensor, Optional[PendingIO]]] = deque()
-        next_read = 0
+        if [bucket for bucket, _, _ in self._prefetched] == due[: len(self._prefetched)]:
+            reads.extend((buffer, read) for _, buffer, read in self._prefetched)
+            self._prefetched.clear()
+        self.discard_prefetched()
+        next_read = len(reads)
         for k, bucket in enumerate(due):
             while self._writes and self._writes[0][1].done():
                 self._finish_oldest_write()
@@ -272,7 +302,8 @@ class OptimizerStateOnDisk:
         return self._placeholders[dtype]
 
     def drain(self) -> None:
-        """Wait for every write in flight."""
+        """Wait for every read and write in flight; prefetched state is dropped."""
+        self.discard_prefetched()
         while self._writes:
             self._finish_oldest_write()
 
