@@ -370,7 +370,7 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     the staging buffers' size."""
     from lightning_zero.engine.config import ZeroConfig
     from lightning_zero.engine.engine import ZeroEngine
-    from lightning_zero.engine.state_on_disk import return_freed_memory
+    from lightning_zero.engine.staging import return_freed_memory
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])

@@ -13,7 +13,9 @@ from lightning_zero.engine.bucket import Bucket
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.scratch_files import IOStats, ScratchDirectory, check_scratch_root
 from lightning_zero.engine.sharded_param import ShardedParam
-from lightning_zero.engine.state_on_disk import OptimizerStateOnDisk, StagingBuffers, aligned
+from lightning_zero.engine.staging import StagingBuffers
+from lightning_zero.engine.state_layout import aligned
+from lightning_zero.engine.state_on_disk import OptimizerStateOnDisk
 
 STATE_TENSORS_PER_PARAM = {
     "SGD": 1, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,

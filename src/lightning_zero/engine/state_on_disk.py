@@ -32,12 +32,8 @@ its class, param groups, hyperparameters and schedulers; what changes:
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import types
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -45,90 +41,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.engine.scratch_files import PendingIO, ScratchDirectory, ScratchFile
+from lightning_zero.engine.scratch_files import PendingIO, ScratchDirectory
 from lightning_zero.engine.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.sharded_param import ShardedParam
-
-ALIGNMENT = 64
-"""Bytes each entry's offset is rounded up to, so every view is aligned for vectorized kernels."""
-
-
-def aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
-@dataclass(frozen=True)
-class StateEntry:
-    """One per-element state tensor of one parameter, at ``offset`` bytes in its bucket's file."""
-
-    position: int
-    """The parameter's index in the optimizer's ``state_dict`` order."""
-    key: str
-    dtype: torch.dtype
-    numel: int
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def view(self, buffer: Tensor) -> Tensor:
-        return buffer[self.offset : self.offset + self.nbytes].view(self.dtype)
-
-
-@dataclass
-class BucketState:
-    """The state of one bucket's parameters in one optimizer: the file and where each entry sits in it."""
-
-    positions: list[int]
-    file: ScratchFile
-    entries: list[StateEntry] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return aligned(max((e.offset + e.nbytes for e in self.entries), default=0))
-
-    def add_entry(self, position: int, key: str, value: Tensor) -> StateEntry:
-        entry = StateEntry(position, key, value.dtype, value.numel(), self.nbytes)
-        self.entries.append(entry)
-        return entry
-
-
-class StagingBuffers:
-    """``count`` host byte buffers, each grown to the largest bucket's state. Not pinned: the state
-    is read from disk and stepped on the host, and never copied to a device."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.capacity = 0
-        self._free: list[Tensor] = []
-        self.allocations = 0
-        """Buffers allocated: ``count`` once the largest bucket has stepped, then flat."""
-
-    def reserve(self, nbytes: int) -> None:
-        """Make every buffer at least ``nbytes`` (the largest bucket's state, where it can be told
-        before the optimizer first makes it)."""
-        self.capacity = max(self.capacity, aligned(nbytes))
-
-    def take(self, nbytes: int) -> Tensor:
-        """A free buffer of at least ``nbytes`` (the caller holds at most ``count`` at once)."""
-        self.reserve(nbytes)
-        while self._free:
-            buffer = self._free.pop()
-            if buffer.numel() >= self.capacity:
-                return buffer
-        self.allocations += 1
-        return torch.empty(self.capacity, dtype=torch.uint8)
-
-    def give_back(self, buffer: Tensor) -> None:
-        if buffer.numel() >= self.capacity:
-            self._free.append(buffer)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the buffers kept between steps."""
-        return sum(b.numel() for b in self._free)
-
+from lightning_zero.engine.staging import StagingBuffers, return_freed_memory
+from lightning_zero.engine.state_layout import BucketState, StateEntry
 
 def _unhooked_step(optimizer: Optimizer) -> Callable[..., Any]:
     """The optimizer class's ``step`` without torch's hook wrapper (hooks run once per full step)."""
@@ -365,28 +282,6 @@ class OptimizerStateOnDisk:
             self.optimizer.step = self._previous_step  # type: ignore[method-assign]
         else:
             self.optimizer.__dict__.pop("step", None)
-
-
-@functools.lru_cache(maxsize=None)
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def return_freed_memory() -> None:
-    """Hand the host memory freed in the middle of glibc's heap back to the system.
-
-    The optimizer makes a bucket's state itself the first time (``zeros_like``), and it is freed
-    once written. glibc serves those allocations from its heap, and a 64-byte-aligned request of
-    the same size does not fit the hole the last one left, so without this each bucket's first
-    step left about its state's size resident: 32 MB of 50 MB of AdamW state over 24 buckets,
-    measured here, where the staging buffers are 8 MB. Called only when state was made (the first
-    step, a load), never in a steady step. A no-op where the C library is not glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _per_element(key: str, value: Any, shard: Tensor) -> bool:
