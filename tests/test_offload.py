@@ -105,7 +105,14 @@ def offloaded_training(ctx: RankContext, label: str, precision: str) -> dict:
     # internally), so the user-fused twin runs in fp32 only; the engine's switch is not refused
     fused_twin = precision == "32-true"
     fused_reference = ctx.once(("plain fused",) + key, lambda: history(plain, fused_adamw=True)) if fused_twin else None
+    # NVMe offload (tests/test_nvme_offload.py) steps the same bits; small buckets, so that it streams several
+    on_disk = None
+    if precision == "32-true" or label == "stage3_all":
+        nvme_path = os.path.join(ctx.tmpdir, f"nvme_{label}_{precision}")
+        os.makedirs(nvme_path, exist_ok=True)
+        on_disk = history({**offloaded, "offload_optimizer": "nvme", "nvme_path": nvme_path, "bucket_size_mb": 0.02})
     return {
+        "nvme_vs_offloaded": diffs(fused, on_disk) if on_disk is not None else None,
         "fused_vs_plain": diffs(reference, fused),
         "fused_vs_fused_adamw": diffs(fused_reference, fused) if fused_twin else None,
         "exact_vs_plain": diffs(reference, exact),
@@ -202,6 +209,8 @@ def test_offloaded_training_matches(results, label, precision):
         # the fused host step against AdamW's default kernel: float rounding after the first step
         first_step = r["fused_vs_plain"][:2]
         assert len(first_step) == 2 and max(first_step) <= FIRST_STEP_TOLERANCE, r["fused_vs_plain"]
+        if precision == "32-true" or label == "stage3_all":  # the optimizer's state in files instead: the same bits
+            assert r["nvme_vs_offloaded"] == [0.0] * 2 * STEPS, r["nvme_vs_offloaded"]
 
 
 @pytest.mark.parametrize("label", list(VARIANTS))
