@@ -15,6 +15,7 @@ back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -161,6 +162,12 @@ class ScratchFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def remove(self) -> None:
+        """Close the file and delete it (its contents are no longer wanted)."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
 
 
 class ScratchDirectory:

@@ -91,20 +91,20 @@ class OptimizerStateOnDisk:
         """``optimizer.step``: torch's hooks around the streamed step, marked the way LR schedulers
         mark the step they track (so a scheduler made before or after sees its optimizer step)."""
 
-        def streamed_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        def streamed_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._stream(self._due())
+            self._stream(self._due(), kwargs)
             return loss
 
         hooked = types.MethodType(Optimizer.profile_hook_step(streamed_step), self.optimizer)
         optimizer = self.optimizer
 
-        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
             optimizer._opt_called = True  # type: ignore[attr-defined]
-            return hooked(closure)
+            return hooked(closure, **kwargs)
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
@@ -132,7 +132,7 @@ class OptimizerStateOnDisk:
                 read.wait()
             self.staging.give_back(buffer)
 
-    def _stream(self, due: list[BucketState]) -> None:
+    def _stream(self, due: list[BucketState], step_kwargs: dict[str, Any]) -> None:
         """Step ``due`` in order, reading ahead into free buffers and writing behind: a buffer is
         reading, stepping or writing, and at most ``staging.count`` are in use at once."""
         reads: deque[tuple[Tensor, Optional[PendingIO]]] = deque()
@@ -154,7 +154,7 @@ class OptimizerStateOnDisk:
             buffer, read = reads.popleft()
             if read is not None:
                 read.wait()
-            buffer = self._step_bucket(bucket, buffer)
+            buffer = self._step_bucket(bucket, buffer, step_kwargs)
             self._writes.append((buffer, bucket.file.start_write(buffer, bucket.nbytes)))
         self.drain()
 
@@ -163,7 +163,7 @@ class OptimizerStateOnDisk:
         write.wait()
         self.staging.give_back(buffer)
 
-    def _step_bucket(self, bucket: BucketState, buffer: Tensor) -> Tensor:
+    def _step_bucket(self, bucket: BucketState, buffer: Tensor, step_kwargs: dict[str, Any]) -> Tensor:
         """Run the optimizer's update on ``bucket``'s shards with their state bound to ``buffer``;
         returns the buffer that holds the updated state (a larger one if the state grew)."""
         state = self.optimizer.state
@@ -176,7 +176,7 @@ class OptimizerStateOnDisk:
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if id(p) in members]
-            self._unhooked(self.optimizer)
+            self._unhooked(self.optimizer, **step_kwargs)
         finally:
             for group, params in zip(groups, all_params):
                 group["params"] = params
@@ -273,7 +273,9 @@ class OptimizerStateOnDisk:
         return sum(bucket.nbytes for bucket in self.buckets)
 
     def close(self) -> None:
-        """Give the optimizer back its own ``step`` and hooks (its state on disk goes with the directory)."""
+        """Give the optimizer back its own ``step`` and hooks, and delete the files. The state in
+        them ends with the engine (a checkpoint saved before holds it): the optimizer is left with
+        no state for these parameters, as if it had never stepped them, rather than placeholders."""
         self.drain()
         for handle in self._handles:
             handle.remove()
@@ -282,6 +284,11 @@ class OptimizerStateOnDisk:
             self.optimizer.step = self._previous_step  # type: ignore[method-assign]
         else:
             self.optimizer.__dict__.pop("step", None)
+        for bucket in self.buckets:
+            if bucket.entries:
+                for position in bucket.positions:
+                    self.optimizer.state.pop(self.shards[position], None)
+            bucket.file.remove()
 
 
 def _per_element(key: str, value: Any, shard: Tensor) -> bool:
