@@ -778,6 +778,34 @@ def test_a_poisoned_pickle_is_refused_by_every_reader_of_a_directory_and_runs_no
     assert not marker_of(poisoned).exists()
 
 
+def test_metadata_naming_a_file_outside_the_directory_is_refused_before_any_read(results, root, tmp_path):
+    """An altered, well-formed `.metadata` whose first file is `../<name>`: DCP would read the file
+    beside the checkpoint (here a copy of the real one, as an attacker would place it)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from lightning_zero.checkpoint import CorruptCheckpointError, checkpoint_file, convert_checkpoint, full_checkpoint
+
+    results["save_trusted"]
+    altered = tmp_path / "altered"
+    shutil.copytree(root / "trusted", altered)
+    metadata = FileSystemReader(str(root / "trusted")).read_metadata()  # the test's own, trusted copy
+    first = sorted({info.relative_path for info in metadata.storage_data.values()})[0]
+    shutil.copy(altered / first, tmp_path / first)
+    for info in metadata.storage_data.values():
+        if info.relative_path == first:
+            info.relative_path = f"../{first}"
+    replace_and_fix_manifest(altered, ".metadata", pickle.dumps(metadata))
+    readers = {
+        "convert_checkpoint": lambda: convert_checkpoint(altered, tmp_path / "out.ckpt"),
+        "full_checkpoint": lambda: full_checkpoint(altered, weights_only=True),
+        "checkpoint_file": lambda: checkpoint_file(altered, weights_only=True),
+    }
+    for reader, read in readers.items():
+        with pytest.raises(CorruptCheckpointError, match=re.escape(f"names '../{first}', which is not a file in the checkpoint's directory")):
+            read()
+    assert not (tmp_path / "out.ckpt").exists()
+
+
 def test_a_checkpoint_with_hyperparameters_callbacks_and_schedulers_loads_under_weights_only(results, root, tmp_path):
     from lightning_zero.checkpoint import convert_checkpoint, verify_checkpoint
 

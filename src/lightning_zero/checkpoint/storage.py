@@ -173,6 +173,7 @@ class _Reader(dcp.FileSystemReader):
         super().__init__(str(directory))
         self.fs = _NamingFileSystem()
         self._metadata = _read_metadata(directory)
+        _check_files_inside(directory, self._metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs.get("rank") is not None:  # a rank's own metadata, asked for where .metadata is missing
@@ -181,6 +182,18 @@ class _Reader(dcp.FileSystemReader):
         if storage_meta is not None and hasattr(self, "load_id"):
             storage_meta.load_id = self.load_id  # as DCP's reader tags the metadata of each load
         return self._metadata
+
+
+def _check_files_inside(directory: PathLike, metadata: Any) -> None:
+    """Refuse metadata that names a file outside ``directory`` (an absolute path, a subfolder or
+    ``..``): DCP would read wherever it points. Ours names plain files beside it."""
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    outside = sorted(name for name in names if os.path.basename(name) != name or name in ("", ".", ".."))
+    if outside:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(directory)!r} is damaged: its DCP metadata names {outside[0]!r}, which is not a file in"
+            " the checkpoint's directory; nothing was read. Restore the checkpoint from a copy you trust."
+        )
 
 
 def _reader(directory: PathLike) -> dcp.FileSystemReader:
