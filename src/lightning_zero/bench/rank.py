@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.bench.comm import CollectiveCounter, CommCount
+from lightning_zero.bench.disk import DiskIO
 from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
@@ -76,6 +77,7 @@ def build_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTC
         bucket_size_mb=options.bucket_size_mb,
         batch_size=options.batch_size,
         shard_group_size=options.shard_group_size,
+        nvme_path=None if options.nvme_path is None else str(options.nvme_path),
     )
     return BuiltRank(build(spec, model, setup), batches, device, threshold_fixed)
 
@@ -92,6 +94,9 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         peak_meaning += " (glibc's mmap threshold could not be fixed: freed memory may stay resident)"
     resting = peak.current()
     losses = [wrapped.step(x, y) for x, y in batches[: options.warmup]]
+    disk = wrapped.disk_stats()
+    if disk is not None:
+        disk.reset()  # the timed steps' I/O only
     dist.barrier()  # the timed steps start together
     step_times = []
     for x, y in batches[options.warmup : options.warmup + options.steps]:
@@ -100,6 +105,7 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         synchronize(device)
         step_times.append(time.perf_counter() - start)
     peak_bytes = peak.peak()
+    disk_io = DiskIO.of(disk, options.steps) if disk is not None else None
     instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=device)
     wrapped.close()
     return RankMeasurement(
@@ -116,6 +122,7 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         collectives=instrumented.collectives,
         overhead=instrumented.overhead,
         traffic_by_group=instrumented.traffic,
+        disk_io=disk_io,
     )
 
 

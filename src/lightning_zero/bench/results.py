@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, Sequence, TypeVar
 
 from lightning_zero.bench.comm import CommCount
+from lightning_zero.bench.disk import DiskIO, DiskSummary, summarize_disk
 from lightning_zero.bench.memory import HeldBytes
 from lightning_zero.bench.overhead import Overhead
 from lightning_zero.bench.theory import VariantTheory
@@ -53,6 +54,8 @@ class RankMeasurement:
     traffic_by_group: dict[str, int] = field(default_factory=dict)
     """Ours: full-buffer bytes of the instrumented step's collectives "within" this rank's shard
     group and "across" groups (hybrid sharding), or over "all" ranks; from the engine's own count."""
+    disk_io: Optional[DiskIO] = None
+    """Ours with NVMe offload: the engine's reads and writes over the timed steps (`disk.py`)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class VariantResult:
     """Targets missed and anything else a reader must know about these figures."""
     ranks: tuple[RankMeasurement, ...]
     """Every rank's own figures."""
+    disk: Optional[DiskSummary] = None
+    """Ours with NVMe offload: reads, writes and waits per step, the worst rank's (`disk.py`)."""
 
 
 def summarize(
@@ -173,6 +178,7 @@ def summarize(
         targets={},
         notes=(),
         ranks=tuple(ranks),
+        disk=summarize_disk([r.disk_io for r in ranks]),
     )
 
 
