@@ -121,6 +121,8 @@ class BenchOptions:
         object.__setattr__(self, "out", Path(self.out))
         if self.nvme_path is not None:
             object.__setattr__(self, "nvme_path", Path(self.nvme_path))
+            if not self.nvme_path.is_dir():
+                raise ValueError(f"`nvme_path` {self.nvme_path} is not a directory: create it on the disk to measure")
         if self.n_embd % self.n_head and self.params is None:
             raise ValueError(f"`n_head` ({self.n_head}) must divide `n_embd` ({self.n_embd})")
 
