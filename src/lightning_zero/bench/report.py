@@ -21,6 +21,7 @@ import torch
 from lightning_zero.bench import theory
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.results import OK, BenchResult, RunReport, VariantResult
+from lightning_zero.bench.variants import BY_NAME
 
 MARKDOWN_NAME, JSON_NAME, CHART_NAME, LOG_DIR_NAME = "bench.md", "bench.json", "bench.png", "logs"
 
@@ -56,7 +57,9 @@ DEFINITIONS = """\
   are bytes over the seconds the engine's I/O threads spent in `preadv`/`pwritev`, summed over the
   threads (requests overlap, so the disk's aggregate can be higher); the engine does not fsync or
   bypass the page cache, so with free memory its reads mostly come from the page cache. **waits**:
-  reads and writes the optimizer step had to block on. **raw**: dd-style, one 256 MB file in the
+  reads and writes the optimizer step had to block on. **optimizer step** (CPU runs): the median
+  slowest-rank time from the reduced gradients to the refreshed parameters, the part of the step the
+  disk is in. **raw**: dd-style, one 256 MB file in the
   same directory in the same run. Its optimizer state counts the host buffers it streams through;
   the files are "on disk", in no memory column."""
 
@@ -291,11 +294,17 @@ def raw_disk_line(raw: dict[str, Any]) -> str:
 
 
 def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]:
-    """The NVMe variants' I/O per step next to the directory's raw throughput."""
+    """The NVMe variants' I/O per step next to the directory's raw throughput, and the optimizer
+    step of every offload variant (NVMe's and the CPU's it is compared with)."""
     lines = ["", raw_disk_line(raw), ""]
     rows = []
     for r in ran:
+        spec = BY_NAME[r.name]
+        if not spec.offload_optimizer:
+            continue
+        optimizer_ms = "—" if r.optimizer_step_s is None else f"{r.optimizer_step_s * 1e3:,.0f}"
         if r.disk is None:
+            rows.append([f"`{r.name}`", optimizer_ms] + ["—"] * 8)
             continue
         d = r.disk
         on_disk = "—"
@@ -304,6 +313,7 @@ def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]
         share = d.wait_s_per_step / r.step_time_s if r.step_time_s else None
         rows.append([
             f"`{r.name}`",
+            optimizer_ms,
             f"{d.read_gbps:.2f}",
             f"{d.write_gbps:.2f}",
             format_mb(d.read_bytes_per_step),
@@ -314,10 +324,10 @@ def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]
             f"{on_disk} / {format_mb(r.theory.model_state.on_disk)}",
         ])  # fmt: skip
     headers = [
-        "variant", "read GB/s", "write GB/s", "read MB/step", "write MB/step", "waits/step", "wait ms/step",
-        "wait / step", "on disk MB / floor",
+        "variant", "optimizer step ms", "read GB/s", "write GB/s", "read MB/step", "write MB/step", "waits/step",
+        "wait ms/step", "wait / step", "on disk MB / floor",
     ]  # fmt: skip
-    return lines + markdown_table(headers, rows, "lrrrrrrrr")
+    return lines + markdown_table(headers, rows, "lrrrrrrrrr")
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
