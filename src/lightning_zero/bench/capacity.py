@@ -294,12 +294,13 @@ def run_notes(rows: Sequence[CapacityRow], options: BenchOptions) -> tuple[str, 
     nvme, offload = by_name.get("zero3_offload_nvme"), by_name.get("zero3_offload")
     if options.capacity == "model" and nvme is not None and offload is not None and offload.capacity.largest:
         ratio = nvme.capacity.largest / offload.capacity.largest
-        scope = "host memory (the whole process)" if options.budget_scope == "host" else "device memory (host state uncharged)"
+        host = options.budget_scope == "host"
+        scope = "host memory (the whole process)" if host else "device memory (host state uncharged)"
         notes.append(
             f"NVMe offload (issue 28): under a {options.memory_budget / 1e6:,.0f} MB budget of {scope},"
             f" zero3_offload_nvme trains {nvme.capacity.largest:,} parameters, {ratio:.2f}x zero3_offload's"
             f" {offload.capacity.largest:,}"
-            + ("" if options.budget_scope == "host" else "; use --budget-scope host to charge the host memory it saves")
+            + ("" if host else "; use --budget-scope host to charge the host memory it saves")
         )
     return tuple(notes)
 

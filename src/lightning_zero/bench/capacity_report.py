@@ -28,7 +28,9 @@ BUDGET_RULES = """\
 
 
 def _scope(opts: dict) -> str:
-    return " of host memory (the whole resident set, offloaded state included)" if opts.get("budget_scope") == "host" else ""
+    if opts.get("budget_scope") != "host":
+        return ""
+    return " of host memory (the whole resident set, offloaded state included)"
 
 
 def _size_and_amount(row: CapacityRow, size: int, amount: int) -> str:

@@ -166,7 +166,8 @@ def command_line(options: BenchOptions) -> str:
 
 def options_record(options: BenchOptions) -> dict[str, Any]:
     """`options` as the JSON records them, with the command that reproduces them."""
-    record = {k: str(v) if k in ("out", "nvme_path") and v is not None else v for k, v in dataclasses.asdict(options).items()}
+    paths = ("out", "nvme_path")
+    record = {k: str(v) if k in paths and v is not None else v for k, v in dataclasses.asdict(options).items()}
     record["command"] = command_line(options)
     return record
 
