@@ -27,13 +27,18 @@ from lightning_zero.cli import main
 
 TINY = dict(n_layer=2, n_embd=64, n_head=2, block_size=32, batch_size=2, devices=2, warmup=1, steps=1)
 """~120k parameters: each variant's processes spend far longer starting than stepping."""
-OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> BenchResult:
+def nvme_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nvme")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory, nvme_path: Path) -> BenchResult:
     out = tmp_path_factory.mktemp("bench")
-    options = BenchOptions(**TINY, variants=("ddp", *OURS), out=out, timeout_s=240)
+    options = BenchOptions(**TINY, variants=("ddp", *OURS), out=out, timeout_s=240, nvme_path=nvme_path)
     return run_bench(options)
 
 
@@ -101,6 +106,37 @@ def test_ours_hold_their_zero_floor(bench: BenchResult) -> None:
         )
         assert v.targets["model_state"] is True
         assert v.comm_bytes_per_step > 0
+
+
+def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResult, nvme_path: Path) -> None:
+    by_name = {v.name: v for v in bench.variants}
+    nvme, offload = by_name["zero3_offload_nvme"], by_name["zero3_offload"]
+    assert nvme.status == OK, nvme.reason
+    # the same model as zero3_offload, bitwise: an element-wise optimizer stepped bucket by bucket
+    assert nvme.losses == offload.losses
+    # every timed step reads and writes each bucket's file whole: the moments the engine reports on disk
+    report = nvme.ranks[0].engine_reports[nvme.model_state_phase]
+    assert nvme.disk is not None and report["disk"] > 0
+    assert nvme.disk.read_bytes_per_step == nvme.disk.write_bytes_per_step == report["disk"]
+    # 8 B per parameter of the rank's shard, up to 64-byte alignment per entry and chunk padding
+    assert 0 <= report["disk"] - nvme.theory.model_state.on_disk <= 64 * 2 * 60 + 8 * 2 * 60
+    assert nvme.disk.read_gbps > 0 and nvme.disk.write_gbps > 0 and nvme.disk.waits_per_step >= 0
+    assert offload.disk is None and offload.theory.model_state.on_disk == 0
+    # the host keeps the buffers the state streams through (counted as optimizer state), not the state:
+    # one per bucket up to 4, each the largest bucket's (a unit's) state; with this model's 3 units
+    # that is more than the state itself, which NVMe saves only on models of many buckets
+    assert nvme.model_state_by_kind["optimizer_state"] == pytest.approx(nvme.theory.model_state.optimizer_state, rel=0.02)
+    # on the CPU the optimizer step, where the disk is, is timed apart from the rest of the step
+    assert 0 < nvme.optimizer_step_s < nvme.step_time_s and 0 < offload.optimizer_step_s < offload.step_time_s
+    # issue 28's step-time target is judged against zero3_offload in the same run
+    assert nvme.targets["step_time"] is not None and any("issue 28" in note for note in nvme.notes)
+    raw = bench.environment["nvme"]
+    assert raw["path"] == str(nvme_path) and raw["nbytes"] > 0
+    assert raw["write_gbps"] > 0 and raw["read_gbps"] > 0 and raw["cached_read_gbps"] > 0
+    text = Path(bench.files["markdown"]).read_text()
+    assert "NVMe offload's directory" in text and "| `zero3_offload_nvme` | " in text and "optimizer step ms" in text
+    assert f"--nvme-path {nvme_path}" in bench.options["command"]
+    assert list(nvme_path.iterdir()) == []  # every rank removed its scratch directory
 
 
 def test_every_variant_trained_the_same_model(bench: BenchResult) -> None:
@@ -207,6 +243,33 @@ def test_options_checks() -> None:
         BenchOptions(precision="fp8")
     with pytest.raises(ValueError, match="does not divide the 4 ranks"):
         BenchOptions(devices=4, shard_group_size=3)
+    with pytest.raises(ValueError, match="budget_scope"):
+        BenchOptions(capacity="model", memory_budget=10**9, budget_scope="disk")
+    with pytest.raises(ValueError, match="only used with `capacity`"):
+        BenchOptions(budget_scope="host")
+    with pytest.raises(ValueError, match="CPU only"):
+        BenchOptions(capacity="model", memory_budget=10**9, budget_scope="host", device="cuda")
+    with pytest.raises(ValueError, match="not a directory"):
+        BenchOptions(nvme_path=Path("/no/such/directory"))
+
+
+def test_raw_disk_throughput_and_the_default_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_zero.bench import disk
+
+    raw = disk.raw_throughput(tmp_path, nbytes=4 * 2**20, block_bytes=2**20)
+    assert raw.nbytes == 4 * 2**20 and min(raw.write_gbps, raw.read_gbps, raw.cached_read_gbps) > 0
+    assert raw.filesystem is not None and raw.in_memory == (raw.filesystem in disk.MEMORY_FILESYSTEMS)
+    assert list(tmp_path.iterdir()) == []  # the measurement's file is gone
+    # without --nvme-path: a fresh directory under the current one (not /tmp), removed afterwards
+    monkeypatch.chdir(tmp_path)
+    with disk.nvme_directory(None, needed=True) as made:
+        assert made.parent == tmp_path and made.is_dir()
+    assert not made.exists()
+    with disk.nvme_directory(None, needed=False) as nothing:
+        assert nothing is None
+    summary = disk.summarize_disk([None, disk.DiskIO(2, 4, 4, 800, 400, 0.5, 0.25, 3, 0.1)])
+    assert (summary.rank, summary.read_bytes_per_step, summary.waits_per_step) == (1, 400, 1.5)
+    assert (summary.read_gbps, summary.write_gbps) == (1.6e-6, 1.6e-6)
 
 
 def test_params_target_picks_the_closest_width() -> None:

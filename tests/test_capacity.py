@@ -21,8 +21,9 @@ import pytest
 from lightning_zero.bench import BenchOptions
 from lightning_zero.bench.budget import RssWatchdog
 from lightning_zero.bench.capacity import try_size
-from lightning_zero.bench.footprint import saved_bytes, count_activations
-from lightning_zero.bench.options import model_config
+from lightning_zero.bench import theory
+from lightning_zero.bench.footprint import ActivationBytes, count_activations, footprint, saved_bytes
+from lightning_zero.bench.options import model_config, num_parameters
 from lightning_zero.bench.results import OK, OVER_BUDGET
 from lightning_zero.bench.variants import BY_NAME
 from lightning_zero.cli import main
@@ -85,6 +86,8 @@ def test_zero3_trains_a_larger_model_than_ddp_under_the_same_budget(tmp_path: Pa
         (["--capacity", "width", "--memory-budget", "2GB"], "invalid choice: 'width' (choose from 'model', 'batch')"),
         (["--capacity", "model"], "--capacity needs --memory-budget"),
         (["--memory-budget", "2GB"], "--memory-budget is only used with --capacity (model or batch)"),
+        (["--budget-scope", "host"], "--budget-scope is only used with --capacity (model or batch)"),
+        (["--capacity", "model", "--memory-budget", "2GB", "--budget-scope", "disk"], "invalid choice: 'disk'"),
     ],
 )
 def test_bad_capacity_arguments_are_usage_errors(
@@ -105,6 +108,35 @@ def test_options_check_capacity() -> None:
         BenchOptions(capacity="depth", memory_budget=10**9)
     with pytest.raises(ValueError, match="only used with `capacity`"):
         BenchOptions(memory_budget=10**9)
+
+
+def test_a_host_budget_charges_the_offloaded_state_and_not_the_nvme_files(tmp_path: Path) -> None:
+    """One try of zero3_offload_nvme under a host budget: its peak is charged whole (nothing left out
+    for host state), and the prediction counts the host's share, which for NVMe is the chunks and a
+    few buckets' moments, not the moments on disk."""
+    options = BenchOptions(
+        **{**SHAPE, "devices": 1}, n_layer=4, capacity="model", memory_budget=10**12, budget_scope="host",
+        timeout_s=TRY_TIMEOUT_S, out=tmp_path / "out", nvme_path=tmp_path,
+    )  # fmt: skip
+    tried = try_size(BY_NAME["zero3_offload_nvme"], options, 4)
+    assert tried.status == OK, tried.reason
+    assert tried.peak_bytes > tried.baseline_bytes
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the rank's scratch directory is gone
+
+    psi = num_parameters(model_config(options))
+    nothing = ActivationBytes(0, 0, 0, 0)
+    unit = psi // 4  # about one block: the buffers' size at stage 3
+    config = model_config(options)
+
+    def states(name: str, charge_host: bool) -> int:
+        staging = theory.nvme_staging(3, 4 * unit)
+        return footprint(BY_NAME[name], config, psi, 1, 1, 0, nothing, charge_host, staging).model_states
+
+    # a device budget charges neither (fp32 with offload_params leaves nothing on the device) ...
+    assert states("zero3_offload", False) == states("zero3_offload_nvme", False) == 0
+    # ... a host budget charges 16 B per parameter for CPU offload, 8 B + 4 blocks' moments for NVMe
+    assert states("zero3_offload", True) == 16 * psi
+    assert states("zero3_offload_nvme", True) == 8 * psi + 4 * 8 * unit
 
 
 # --- single-process pieces ---------------------------------------------------------------------

@@ -140,8 +140,12 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
     assert "No layout fits" in nothing.message and "1.875 GB" in nothing.message
 
     # Offloading the optimizer needs 16 B per parameter of host memory on the node, 120 GB: with 100 GB
-    # no offload layout fits, and at 10 GB per device no on-device layout does either.
-    assert est.recommend(estimates, 10 * GB, host_memory=100 * GB).choice is None
+    # no host offload layout fits, and at 10 GB per device no on-device layout does either; NVMe,
+    # the last resort, keeps 8 B per parameter (60 GB) and a few buckets on the host.
+    on_disk = est.recommend(estimates, 10 * GB, host_memory=100 * GB)
+    assert on_disk.choice.layout.label == "zero3 + offload optimizer (nvme)"
+    assert "60.419 GB of host memory per node (60 GB of it pinned), and 60 GB of NVMe per node" in on_disk.message
+    assert est.recommend(estimates, 10 * GB, host_memory=60 * GB).choice is None
     enough = est.recommend(estimates, 10 * GB, host_memory=128 * GB)
     assert enough.choice.layout.label == "zero3 + offload optimizer"
     assert "120 GB of host memory per node (60 GB of it pinned)" in enough.message
@@ -152,6 +156,53 @@ def test_recommend_offloads_fp32_parameters_when_the_device_holds_nothing_else()
     recommendation = est.recommend(estimates, 1 * GB, host_memory=128 * GB)
     assert recommendation.choice.layout.label == "zero3 + offload optimizer, params"
     assert recommendation.choice.device.total == 0
+
+
+def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
+    # See [Note: optimizer state on NVMe]. 16,000 fp32 parameters on 4 ranks (shard 4,000); buckets of
+    # 8,000 B of weights = 2,000 parameters, so 8 buckets, each 500 elements per rank: 3 buffers of
+    # 500 x 8 B = 12,000 B on the host, and 8 B x 4,000 = 32,000 B on disk per rank.
+    psi, n = 16_000, 4
+    staging = est.NvmeStaging(bucket_bytes=8_000, buffer_count=3)
+    by_label = {e.layout.label: e for e in est.estimate_all(psi, FP32, est.Topology(n), staging)}
+    params = by_label["zero3 + offload optimizer (nvme), params"]
+    assert params.device == est.StateBytes()
+    assert params.host_per_rank == est.StateBytes(parameters=16_000, gradients=16_000, optimizer_state=12_000)
+    assert (params.pinned_per_rank, params.disk_per_rank) == (32_000, 32_000)
+    # The device side is CPU offload's; only the moments moved.
+    for stage in ("zero1", "zero2", "zero3"):
+        cpu, nvme = by_label[f"{stage} + offload optimizer"], by_label[f"{stage} + offload optimizer (nvme)"]
+        assert nvme.device == cpu.device and nvme.pinned == cpu.pinned
+        assert cpu.host_per_rank.optimizer_state - nvme.host_per_rank.optimizer_state == 32_000 - 12_000
+        assert (cpu.disk, nvme.disk_per_rank, nvme.disk) == (0, 32_000, 4 * 32_000)
+    assert all(e.disk == 0 for e in by_label.values() if not e.layout.state_on_disk)
+    # Mixed precision: the bucket holds 4,000 half-precision parameters (1,000 per rank); the host
+    # also keeps the fp32 master chunk as optimizer state; 2 nodes of 2 devices: per node, 2 ranks.
+    mixed = est.estimate(psi, est.LAYOUTS[-2], MIXED, est.Topology(2, 2), staging)
+    assert mixed.layout.label == "zero3 + offload optimizer (nvme)"
+    assert mixed.device == est.StateBytes(parameters=2 * 4_000)
+    assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=16_000 + 3 * 8 * 1_000)
+    assert (mixed.disk_per_rank, mixed.disk) == (32_000, 64_000)
+
+
+def test_nvme_staging_never_exceeds_the_buckets_there_are():
+    fp32_rank = est.Topology(1)
+    # The engine's defaults: 25 MiB buckets (6,553,600 fp32 parameters), 4 buffers of their moments.
+    assert est.NvmeStaging() == est.NvmeStaging(bucket_bytes=25 * 2**20, buffer_count=4)
+    assert est.NvmeStaging().host_bytes(10**9, FP32, 1) == 4 * 8 * 6_553_600
+    # A model smaller than a bucket is one bucket: one buffer, its whole state.
+    assert est.NvmeStaging().host_bytes(1_000, FP32, 1) == 8 * 1_000
+    # Two buckets: two buffers, each of the largest.
+    assert est.NvmeStaging(bucket_bytes=4 * 600).host_bytes(1_000, FP32, 1) == 2 * 8 * 600
+    # So a small model gains nothing from NVMe: one buffer holds what the optimizer held.
+    small = est.estimate(1_000, est.LAYOUTS[-1], FP32, fp32_rank)
+    assert small.host_per_rank.total == est.estimate(1_000, est.LAYOUTS[7], FP32, fp32_rank).host_per_rank.total
+    with pytest.raises(ValueError, match="at least 2"):
+        est.NvmeStaging(buffer_count=1)
+    with pytest.raises(ValueError, match="'cpu'|False, True or 'nvme'"):
+        est.Layout(ZeroStage.PARAMETERS, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="DDP has no offload"):
+        est.Layout(ZeroStage.NOTHING, offload_optimizer="nvme")
 
 
 def test_invalid_configurations_are_refused():
@@ -204,6 +255,16 @@ def test_largest_model_exact_on_small_numbers():
     assert two.num_params == 62  # the host holds both ranks' chunks: 2 x 16 x 31 = 992 B
     assert est.largest_model(FP32, one, gpu_memory=15).num_params == 0
     assert est.largest_model(FP32, one, gpu_memory=15).estimate is None
+    # NVMe, the last resort, wins only when it holds more: with one bucket (the default 25 MiB holds
+    # all of these) its one buffer is the whole state, 16 B per parameter again, so offload keeps it.
+    assert est.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
+    # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
+    small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
+    on_disk = est.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
+    assert on_disk.num_params == 105  # 8 x 105 + 160 = 1000
+    assert on_disk.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
+    assert (on_disk.estimate.host.total, on_disk.estimate.disk) == (1000, 840)
+    assert "840 B of NVMe per node" in on_disk.message
 
 
 @pytest.mark.parametrize("scheme", [MIXED, FP32, HALF], ids=lambda s: s.name)
@@ -293,13 +354,25 @@ def test_cli_states_host_and_pinned_memory(capsys):
     assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB"]) == 0
     out = capsys.readouterr().out
     assert "host per node (GB)" in out and "of which pinned" in out
-    rows = {line.split("  ")[0].strip(): line.split()[-8:] for line in out.splitlines()}
-    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, fits
-    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "19.200", "0.000", "0.000", "yes"]
+    assert "nvme per node (GB)" in out
+    rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, nvme, fits
+    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "19.200", "0.000", "0.000", "-", "yes"]
     # 1.2B fp32 parameters offloaded: 4 B master + 4 B gradient (pinned) + 8 B moments on the host.
-    assert rows["zero3 + offload optimizer, params"] == ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "yes"]
-    # The host holds 16 B per parameter and the device 141 GB / 16: on one H200 the device holds more.
-    assert "Largest model for 141 GB per device and 128 GB of host memory per node: 8,812,500,000" in out
+    offload = ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "-", "yes"]
+    assert rows["zero3 + offload optimizer, params"] == offload
+    # NVMe: the chunks stay, the moments go to disk, 4 buffers of 6,553,600 x 8 B (0.21 GB) stay too.
+    on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "9.600", "yes"]
+    assert rows["zero3 + offload optimizer (nvme), params"] == on_disk
+    # The host holds 16 B per parameter with CPU offload and the device 141 GB / 16 = 8.8B; with
+    # NVMe the host holds 8 B per parameter (and 0.21 GB of buffers): (128 GB - 0.21 GB) / 8. The
+    # first layout that holds it keeps the full weights and gradients on the device (8 B each).
+    assert "128 GB of host memory per node: 15,973,785,600 parameters (16B), as zero1 + offload optimizer (nvme):" in out
+    assert "and 127.79 GB of NVMe per node" in out
+    # Smaller buckets and fewer buffers: 2 x 8 B x 2,621,440 (10 MiB of fp32 weights) = 0.042 GB.
+    assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB", "--bucket-size-mb", "10", "--nvme-buffer-count", "2"]) == 0
+    rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["zero3 + offload optimizer (nvme), params"][5] == "9.642"
 
 
 def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
@@ -308,9 +381,11 @@ def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
     assert main(argv + ["--shard-group-size", "node"]) == 0
     out = capsys.readouterr().out
     assert "sharded within groups of 8 and replicated across 8" in out
-    rows = {line.split("  ")[0].strip(): line.split()[-7:] for line in out.splitlines()}
-    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned
-    assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000"]  # TB
+    rows = {line.split("  ")[0].strip(): line.split()[-8:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, nvme
+    assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000", "-"]  # TB
+    # NVMe: 8 B per parameter over the group of 8, for each of the node's 8 ranks: 64e9 x 8 B
+    assert rows["zero3 + offload optimizer (nvme), params"][-1] == "0.512"
     assert main(argv + ["--shard-group-size", "16"]) == 0
     assert "groups of 16 and replicated across 4" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -340,6 +415,8 @@ def test_cli_counts_a_model(capsys):
         (["--params", "7e9", "--init-args", "{}", "--devices", "8"], "--init-args needs --model"),
         (["--model", "no_such_module_xyz:Net", "--devices", "8"], "cannot import module"),
         (["--model", "torch.nn:Linear", "--init-args", "{oops", "--devices", "8"], "not valid JSON"),
+        (["--params", "7e9", "--devices", "8", "--nvme-buffer-count", "1"], "at least 2"),
+        (["--params", "7e9", "--devices", "8", "--bucket-size-mb", "0"], "--bucket-size-mb"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_message(capsys, argv, message):

@@ -43,22 +43,39 @@ sends, in the weights' dtype) and, at stage 1, the full gradients. Stage 3 with 
 half-precision weights still keeps the half chunk on the device (the cast happens there); with fp32
 weights the host's fp32 chunk is the only copy of the weight (counted as parameters, as
 `memory_report()` does) and the device keeps no model state at all.
+
+[Note: optimizer state on NVMe]
+With `offload_optimizer="nvme"` the engine keeps the same master and gradient chunks in host memory
+(the master chunk is what the step updates and, at stage 3, what the all-gather sends), and moves
+only the optimizer's own per-element state (Adam's moments, `moment_bytes`) to files on a local disk.
+That state is stepped one bucket at a time through `buffer_count` host buffers (not pinned), each the
+size of the largest bucket's state. So, per rank, with S = Ψ/N (the shard):
+- host: master chunk + gradient chunk (`offload_chunk_bytes`·S each, pinned, as with CPU offload)
+  + staging = min(buffer_count, buckets) · `moment_bytes` · ⌈P/N⌉, where P = the largest bucket's
+  parameters (its bytes / `weight_bytes`, at most Ψ) and buckets = ⌈Ψ/P⌉;
+- NVMe: `moment_bytes`·S (8 B per parameter and rank for Adam's fp32 moments; entries are padded to
+  64 bytes in the files, ignored here).
+P is `NvmeStaging.bucket_bytes`: the engine's `bucket_size_mb` (25 MiB) at stages 1-2, where a
+parameter larger than that is a bucket of its own; at stage 3 a bucket is a unit's parameters (one
+transformer block, or the root unit with the embeddings), so give the largest unit's size there.
+DeepSpeed's ZeRO-Infinity also puts the fp32 master weights on NVMe (12 B/parameter/N); this engine
+does not, and the estimate says what it does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from decimal import Decimal
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 
-from lightning_zero.engine.config import ZeroStage, check_offload, check_shard_group_size
+from lightning_zero.engine.config import ZeroConfig, ZeroStage, check_offload, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
 
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
     "stage 3's gathered units (full weights of the running and the prefetched unit), "
     "communication buckets, allocator fragmentation and the CUDA context; with offload, pinned buffers "
-    "are rounded up to a power of two. Leave a margin."
+    "are rounded up to a power of two; with NVMe, the page cache the files pass through. Leave a margin."
 )
 """One-paragraph summary of [Note: what the estimate leaves out], for command-line output."""
 
@@ -162,23 +179,61 @@ class Layout:
 
     stage: ZeroStage
     """What is sharded across the data-parallel ranks (`ZeroStage.NOTHING` is DDP)."""
-    offload_optimizer: bool = False
-    """The optimizer term (master copy and moments) lives in host memory; the step runs on the CPU."""
+    offload_optimizer: Union[bool, Literal["nvme"]] = False
+    """True: the optimizer term (master copy and moments) lives in host memory; the step runs on the
+    CPU. "nvme": as True, but the moments live in files on a local disk ([Note: optimizer state on
+    NVMe]). The engine's option of the same name (its "cpu" is True here)."""
     offload_params: bool = False
     """Stage 3 only: the weight shard also lives in host memory and is copied in to be gathered."""
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.offload_optimizer, bool) or self.offload_optimizer == "nvme"):
+            raise ValueError(f"offload_optimizer must be False, True or 'nvme', got {self.offload_optimizer!r}")
         check_offload(self.stage, self.offload_optimizer, self.offload_params)
 
     @property
+    def state_on_disk(self) -> bool:
+        """The optimizer's moments live on NVMe."""
+        return self.offload_optimizer == "nvme"
+
+    @property
     def label(self) -> str:
-        """A short name: the strategy name, plus what is offloaded (e.g. `zero3 + offload optimizer`)."""
+        """A short name: the strategy name, plus what is offloaded (e.g. `zero3 + offload optimizer`,
+        `zero3 + offload optimizer (nvme), params`)."""
         name = "ddp" if self.stage is ZeroStage.NOTHING else f"zero{int(self.stage)}"
+        optimizer = "offload optimizer (nvme)" if self.state_on_disk else "offload optimizer"
         if self.offload_params:
-            return f"{name} + offload optimizer, params"
+            return f"{name} + {optimizer}, params"
         if self.offload_optimizer:
-            return f"{name} + offload optimizer"
+            return f"{name} + {optimizer}"
         return name
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(ZeroConfig)}
+
+
+@dataclass(frozen=True)
+class NvmeStaging:
+    """What sizes the host buffers NVMe offload steps the optimizer state through (see [Note:
+    optimizer state on NVMe]); the defaults are the engine's."""
+
+    bucket_bytes: int = int(_ENGINE_DEFAULTS["bucket_size_mb"] * 2**20)
+    """Parameter bytes of the largest bucket, in the weights' dtype: `bucket_size_mb` at stages 1-2
+    (25 MiB); at stage 3 the largest unit's parameters."""
+    buffer_count: int = _ENGINE_DEFAULTS["nvme_buffer_count"]
+    """Host buffers, `nvme_buffer_count` (4)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive number of bytes, got {self.bucket_bytes}")
+        if self.buffer_count < 2:
+            raise ValueError(f"buffer_count must be at least 2 (the engine's minimum), got {self.buffer_count}")
+
+    def host_bytes(self, num_params: int, scheme: "PrecisionScheme", sharding_ranks: int) -> int:
+        """Bytes of the staging buffers one rank keeps: min(buffer_count, buckets) · moment_bytes · ⌈P/N⌉."""
+        bucket_params = min(num_params, max(1, self.bucket_bytes // scheme.weight_bytes))
+        buckets = -(-num_params // bucket_params)
+        return min(self.buffer_count, buckets) * scheme.moment_bytes * shard_numel(bucket_params, sharding_ranks)
 
 
 LAYOUTS: tuple[Layout, ...] = (
@@ -190,9 +245,14 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout(ZeroStage.GRADIENTS, offload_optimizer=True),
     Layout(ZeroStage.PARAMETERS, offload_optimizer=True),
     Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True),
+    Layout(ZeroStage.OPTIMIZER_STATE, offload_optimizer="nvme"),
+    Layout(ZeroStage.GRADIENTS, offload_optimizer="nvme"),
+    Layout(ZeroStage.PARAMETERS, offload_optimizer="nvme"),
+    Layout(ZeroStage.PARAMETERS, offload_optimizer="nvme", offload_params=True),
 )
 """Every layout, in order of preference: on the device before offloading (the host step and PCIe
-copies cost more than sharding), lower stages first (fewer collectives, stage 3 moves 1.5x the bytes)."""
+copies cost more than sharding), lower stages first (fewer collectives, stage 3 moves 1.5x the bytes),
+NVMe last (every step reads and writes the whole optimizer state from disk)."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +297,8 @@ class MemoryEstimate:
     pinned_per_rank: int = 0
     """The part of `host_per_rank` that is pinned (page-locked) on a CUDA machine: the master and
     gradient chunks the copies read and fill (see [Note: offloaded state])."""
+    disk_per_rank: int = 0
+    """Bytes in NVMe files for each rank (`offload_optimizer="nvme"`): not memory, and in no total."""
 
     @property
     def host(self) -> StateBytes:
@@ -248,6 +310,11 @@ class MemoryEstimate:
         """On each node: the pinned part of `host`."""
         return self.pinned_per_rank * self.devices_per_node
 
+    @property
+    def disk(self) -> int:
+        """On each node: NVMe bytes of all the node's ranks."""
+        return self.disk_per_rank * self.devices_per_node
+
 
 def shard_numel(num_params: int, world_size: int) -> int:
     """Elements of the largest rank's shard of `num_params`: the ceiling of Ψ/N, because the last rank's
@@ -256,14 +323,18 @@ def shard_numel(num_params: int, world_size: int) -> int:
     return -(-num_params // world_size)
 
 
-def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology: Topology) -> MemoryEstimate:
+def estimate(
+    num_params: int, layout: Layout, scheme: PrecisionScheme, topology: Topology, nvme: NvmeStaging = NvmeStaging()
+) -> MemoryEstimate:
     """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.sharding_ranks`
     (all ranks, or with hybrid sharding the shard group's).
 
     Per device, with w, g, o the scheme's bytes per parameter:
     DDP (w+g+o)Ψ; stage 1 (w+g)Ψ + oΨ/N; stage 2 wΨ + (g+o)Ψ/N; stage 3 (w+g+o)Ψ/N.
     With offload the optimizer term leaves the device and the host keeps, per rank, the master and
-    gradient chunks (pinned) and the optimizer's moments: see [Note: offloaded state].
+    gradient chunks (pinned) and the optimizer's moments: see [Note: offloaded state]. With NVMe the
+    moments go to disk and the host keeps `nvme`'s staging buffers instead: see [Note: optimizer
+    state on NVMe].
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
@@ -288,19 +359,28 @@ def estimate(num_params: int, layout: Layout, scheme: PrecisionScheme, topology:
         parameters=0 if host_only_weights else scheme.weight_bytes * held(stage.shards_parameters),
         gradients=0 if stage.shards_gradients else scheme.gradient_bytes * num_params,
     )
+    moments = scheme.moment_bytes * shard
+    in_host = nvme.host_bytes(num_params, scheme, topology.sharding_ranks) if layout.state_on_disk else moments
     host = StateBytes(
         parameters=chunk if host_only_weights else 0,
         gradients=chunk,
-        optimizer_state=(0 if host_only_weights else chunk) + scheme.moment_bytes * shard,
+        optimizer_state=(0 if host_only_weights else chunk) + in_host,
     )
     return MemoryEstimate(
-        layout=layout, device=device, host_per_rank=host, devices_per_node=topology.devices, pinned_per_rank=2 * chunk
+        layout=layout,
+        device=device,
+        host_per_rank=host,
+        devices_per_node=topology.devices,
+        pinned_per_rank=2 * chunk,
+        disk_per_rank=moments if layout.state_on_disk else 0,
     )
 
 
-def estimate_all(num_params: int, scheme: PrecisionScheme, topology: Topology) -> tuple[MemoryEstimate, ...]:
+def estimate_all(
+    num_params: int, scheme: PrecisionScheme, topology: Topology, nvme: NvmeStaging = NvmeStaging()
+) -> tuple[MemoryEstimate, ...]:
     """`estimate` for every layout in `LAYOUTS`, in their order of preference."""
-    return tuple(estimate(num_params, layout, scheme, topology) for layout in LAYOUTS)
+    return tuple(estimate(num_params, layout, scheme, topology, nvme) for layout in LAYOUTS)
 
 
 def fits(candidate: MemoryEstimate, gpu_memory: int, host_memory: Optional[int] = None) -> bool:
@@ -356,8 +436,12 @@ def recommend(
 
 
 def host_memory_phrase(candidate: MemoryEstimate) -> str:
-    """E.g. `19.2 GB of host memory per node (9.6 GB of it pinned)`."""
-    return f"{format_bytes(candidate.host.total)} of host memory per node ({format_bytes(candidate.pinned)} of it pinned)"
+    """E.g. `19.2 GB of host memory per node (9.6 GB of it pinned)`, and with NVMe `..., and 9.6 GB of
+    NVMe per node`."""
+    phrase = f"{format_bytes(candidate.host.total)} of host memory per node ({format_bytes(candidate.pinned)} of it pinned)"
+    if candidate.disk:
+        phrase += f", and {format_bytes(candidate.disk)} of NVMe per node"
+    return phrase
 
 
 @dataclass(frozen=True)
@@ -398,29 +482,38 @@ def largest_model(
     gpu_memory: int,
     host_memory: Optional[int] = None,
     layouts: Sequence[Layout] = LAYOUTS,
+    nvme: NvmeStaging = NvmeStaging(),
 ) -> LargestModel:
     """The largest parameter count whose model states `fits` in some layout of `layouts` (the first in
-    their order when several hold the same count). Offload layouts are searched only when
-    `host_memory` is given: without a host budget they would have no bound."""
+    their order when several hold the same count, so NVMe only when it holds more). Offload layouts
+    are searched only when `host_memory` is given: without a host budget they would have no bound.
+    NVMe's disk is not a budget here: the message says how much of it the model needs."""
     if gpu_memory < 1:
         raise ValueError(f"gpu_memory must be a positive number of bytes, got {gpu_memory}")
     best = LargestModel(num_params=0, estimate=None, gpu_memory=gpu_memory, host_memory=host_memory)
     for layout in layouts:
         if layout.offload_optimizer and host_memory is None:
             continue
-        num_params = _largest_fitting(layout, scheme, topology, gpu_memory, host_memory)
+        num_params = _largest_fitting(layout, scheme, topology, gpu_memory, host_memory, nvme)
         if num_params > best.num_params:
-            best = LargestModel(num_params, estimate(num_params, layout, scheme, topology), gpu_memory, host_memory)
+            best = LargestModel(num_params, estimate(num_params, layout, scheme, topology, nvme), gpu_memory, host_memory)
     return best
 
 
 def _largest_fitting(
-    layout: Layout, scheme: PrecisionScheme, topology: Topology, gpu_memory: int, host_memory: Optional[int]
+    layout: Layout,
+    scheme: PrecisionScheme,
+    topology: Topology,
+    gpu_memory: int,
+    host_memory: Optional[int],
+    nvme: NvmeStaging,
 ) -> int:
     """The largest Ψ whose model states fit in `layout`, or 0 (`largest_passing`). Every layout costs
-    at least one byte per parameter somewhere, and both places searched have a budget, so the
-    doubling ends."""
-    return largest_passing(lambda num_params: fits(estimate(num_params, layout, scheme, topology), gpu_memory, host_memory))
+    at least one byte per parameter somewhere (NVMe's host keeps the master and gradient chunks), and
+    both places searched have a budget, so the doubling ends."""
+    return largest_passing(
+        lambda num_params: fits(estimate(num_params, layout, scheme, topology, nvme), gpu_memory, host_memory)
+    )
 
 
 def largest_passing(passes: Callable[[int], bool]) -> int:

@@ -26,6 +26,11 @@ The budget is per rank: every rank of a try must stay under it, or the size does
   state. The host state is allocated by the end of the first step and then stays, and the second
   and third steps reach the first's peak with it in place, which is why a try runs 3 steps. Its
   watchdog allows for the host state on top of the budget; the verdict is the charged peak.
+- A host budget (`budget_scope="host"`, CPU only): the question is then what host memory holds, so
+  nothing is left out: every variant is charged its whole resident set, offloaded state included,
+  and its watchdog allows nothing on top. NVMe offload's files are not memory, and the page cache
+  its reads and writes pass through is the kernel's, not the process's (it is in no VmRSS): it
+  is charged the host buffers it streams the state through, not the state.
 Every rank also checks its setup's peak before the first step and stops the try itself
 (`OverBudget`) when that alone is over: no step could bring it back under.
 """

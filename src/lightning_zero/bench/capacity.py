@@ -12,6 +12,11 @@ prediction is searched the same way on `footprint.footprint`. A try that fails f
 
 Targets (model mode; judged in `run_notes`, never asserted): zero3's largest model at least 1.8x DDP's,
 at least FSDP2's (`fsdp2_z3`), and at least 90% of its own prediction.
+
+With `budget_scope="host"` (CPU) the budget is host memory: every variant is charged its whole
+resident set, offloaded state included, and `zero3_offload_nvme` (whose files are on disk and whose
+reads pass through the page cache, neither of them the process's memory) shows how much larger a
+model NVMe offload trains than `zero3_offload` under the same host budget.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import statistics
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from lightning_zero import estimate as est
-from lightning_zero.bench import capacity_report, report, variants, worker
+from lightning_zero.bench import capacity_report, disk, report, theory, variants, worker
 from lightning_zero.bench.budget import ChargedPeak, RssWatchdog, limit_device
 from lightning_zero.bench.footprint import ActivationBytes, Footprint, count_activations, footprint, model_states
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
@@ -30,9 +37,9 @@ from lightning_zero.bench.rank import build_rank, rank_device, synchronize
 from lightning_zero.bench.results import (
     FAILED, OK, OVER_BUDGET, UNAVAILABLE, Capacity, CapacityResult, CapacityRow, CapacityTry, TryMeasurement,
 )  # fmt: skip
-from lightning_zero.bench.run import check_devices
+from lightning_zero.bench.run import check_devices, measure_disk
 from lightning_zero.bench.variants import BASELINE, VariantSpec
-from lightning_zero.models.gpt import GPTConfig
+from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 CAPACITY_STEPS = 3
 """Steps per try: the first creates the optimizer state (and DDP rebuilds its buckets after it), the
@@ -78,14 +85,19 @@ def run_capacity(options: BenchOptions, progress: Callable[[CapacityProgress], N
     base = dataclasses.replace(options, params=None, n_embd=base_config.n_embd)  # the width stays fixed
     activations = count_activations(base_config, options.precision, options.activation_checkpointing)
     specs = variants.select(options.variants)
-    predict = _Prediction(base, activations)
+    predict = _Prediction(base, activations, _unit_bytes(base_config))
     searched: list[tuple[VariantSpec, list[CapacityTry]]] = []
-    for index, spec in enumerate(specs):
-        progress(CapacityProgress(f"{spec.name}: starting", index, len(specs)))
-        tries = _search(spec, base, lambda text: progress(CapacityProgress(text, index, len(specs))))
-        searched.append((spec, tries))
-        line = f"{spec.name}: largest {KNOBS[base.capacity]} {_largest_size(tries)} ({len(tries)} tries)"
-        progress(CapacityProgress(line, index + 1, len(specs), line=line))
+    on_disk = any(spec.state_on_disk for spec in specs)
+    with disk.nvme_directory(options.nvme_path, on_disk) as nvme_path:
+        if on_disk:
+            environment["nvme"] = measure_disk(nvme_path, lambda line: progress(CapacityProgress(line, 0, len(specs))))
+        searching = dataclasses.replace(base, nvme_path=nvme_path)
+        for index, spec in enumerate(specs):
+            progress(CapacityProgress(f"{spec.name}: starting", index, len(specs)))
+            tries = _search(spec, searching, lambda text: progress(CapacityProgress(text, index, len(specs))))
+            searched.append((spec, tries))
+            line = f"{spec.name}: largest {KNOBS[base.capacity]} {_largest_size(tries)} ({len(tries)} tries)"
+            progress(CapacityProgress(line, index + 1, len(specs), line=line))
     baseline = _process_baseline(searched, predict)
     rows = tuple(_row(spec, base, tries, predict, baseline) for spec, tries in searched)
     model = {
@@ -132,8 +144,9 @@ def try_size(spec: VariantSpec, base: BenchOptions, size: int) -> CapacityTry:
     budget = options.memory_budget
     watchdog = None
     if options.device == "cpu":
-        host_state = model_states(spec, psi, options.devices).host_per_rank.total
-        watchdog = RssWatchdog(budget + int(HOST_ALLOWANCE * host_state))
+        # the host state is charged under a host budget, so nothing is allowed for it then
+        uncharged = 0 if options.budget_scope == "host" else model_states(spec, psi, options.devices).host_per_rank.total
+        watchdog = RssWatchdog(budget + int(HOST_ALLOWANCE * uncharged))
     log_dir = options.out / report.LOG_DIR_NAME / f"{knob}-{size}"
     run = worker.run_variant(spec, options, config, log_dir, body=train_under_budget, watchdog=watchdog)
     if run.status != OK:
@@ -159,7 +172,8 @@ def train_under_budget(rank: int, spec: VariantSpec, options: BenchOptions, conf
     losses = [built.wrapped.step(x, y) for x, y in built.batches]
     synchronize(device)
     engine = built.wrapped.engine_report()
-    host_state = sum(engine["host"].values()) if engine is not None and device.type == "cpu" else 0
+    charges_host = options.budget_scope == "host"
+    host_state = sum(engine["host"].values()) if engine is not None and device.type == "cpu" and not charges_host else 0
     peak = charged.charged(host_state)
     built.wrapped.close()
     return TryMeasurement(rank, baseline, peak, host_state, float(losses[-1]))
@@ -176,18 +190,30 @@ def _largest_size(tries: Sequence[CapacityTry]) -> int:
     return max((t.size for t in tries if t.status == OK), default=0)
 
 
+def _unit_bytes(config: GPTConfig) -> int:
+    """The largest stage-3 unit's bytes, which size NVMe offload's host buffers: a block, or the
+    root's embeddings; neither depends on `n_layer`, so one block is built (on meta)."""
+    with torch.device("meta"):
+        return theory.largest_unit_bytes(GPT(dataclasses.replace(config, n_layer=1)), Block)
+
+
 @dataclass(frozen=True)
 class _Prediction:
     """`footprint.footprint` at a size of the mode's knob."""
 
     base: BenchOptions
     activations: ActivationBytes
+    unit_bytes: int
+    """`_unit_bytes` of the model: what sizes NVMe offload's host buffers at stage 3."""
 
     def at(self, spec: VariantSpec, size: int, baseline: int) -> Footprint:
         options = dataclasses.replace(self.base, **{KNOBS[self.base.capacity]: size})
         config = model_config(options)
         psi = num_parameters(config)
-        return footprint(spec, config, psi, options.batch_size, options.devices, baseline, self.activations)
+        return footprint(
+            spec, config, psi, options.batch_size, options.devices, baseline, self.activations,
+            charge_host=options.budget_scope == "host", nvme=theory.nvme_staging(spec.stage, self.unit_bytes),
+        )  # fmt: skip
 
 
 def _process_baseline(searched: Sequence[tuple[VariantSpec, Sequence[CapacityTry]]], predict: _Prediction) -> int:
@@ -265,6 +291,17 @@ def run_notes(rows: Sequence[CapacityRow], options: BenchOptions) -> tuple[str, 
     zero3 = by_name.get("zero3")
     if options.capacity == "model" and zero3 is not None:
         notes += _targets(zero3, ddp, by_name.get("fsdp2_z3"))
+    nvme, offload = by_name.get("zero3_offload_nvme"), by_name.get("zero3_offload")
+    if options.capacity == "model" and nvme is not None and offload is not None and offload.capacity.largest:
+        ratio = nvme.capacity.largest / offload.capacity.largest
+        host = options.budget_scope == "host"
+        scope = "host memory (the whole process)" if host else "device memory (host state uncharged)"
+        notes.append(
+            f"NVMe offload (issue 28): under a {options.memory_budget / 1e6:,.0f} MB budget of {scope},"
+            f" zero3_offload_nvme trains {nvme.capacity.largest:,} parameters, {ratio:.2f}x zero3_offload's"
+            f" {offload.capacity.largest:,}"
+            + ("" if host else "; use --budget-scope host to charge the host memory it saves")
+        )
     return tuple(notes)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lightning_zero.bench.report import format_mb, markdown_table, pyplot
+from lightning_zero.bench.report import format_mb, markdown_table, pyplot, raw_disk_line
 from lightning_zero.bench.results import OK, CapacityResult, CapacityRow
 
 BUDGET_RULES = """\
@@ -15,13 +15,22 @@ BUDGET_RULES = """\
   CPU: the whole process's resident set (VmRSS / VmHWM), the baseline of Python, torch and gloo
   included; the parent reads every rank's every 10 ms and kills the try when one is over, and a
   rank whose peak (VmHWM) went over fails it. Offload variants are not charged the state the
-  engine keeps in host memory on purpose (on a GPU it is not in the device's budget).
+  engine keeps in host memory on purpose (on a GPU it is not in the device's budget), except under
+  `--budget-scope host`, which charges the whole resident set to every variant: a host-memory
+  budget, under which NVMe offload's files and the page cache (the kernel's) are not charged.
 - **estimate**: the process baseline + the larger of the whole fp32 model every rank builds (4Ψ)
-  and the `estimate` command's model states on the device + activations counted with fake
+  and the `estimate` command's model states on the device (with `--budget-scope host`, on the
+  device and the host; NVMe's host keeps a few buckets' moments) + activations counted with fake
   tensors; it leaves out stage 3's gathered units, communication buffers, the optimizer's
   temporaries and allocator retention (`bench/footprint.py`). The process baseline is measured:
   the least any variant's first try (size 1) needed beyond its own predicted states and activations.
 - **peak**: the charged peak of the worst rank at the largest size that fit."""
+
+
+def _scope(opts: dict) -> str:
+    if opts.get("budget_scope") != "host":
+        return ""
+    return " of host memory (the whole resident set, offloaded state included)"
 
 
 def _size_and_amount(row: CapacityRow, size: int, amount: int) -> str:
@@ -64,7 +73,7 @@ def markdown(result: CapacityResult) -> str:
         f"`{opts['command']}`",
         "",
         f"Largest {'model' if mode == 'model' else 'batch'} that trains 3 steps with every rank under "
-        f"{format_mb(opts['memory_budget'])} MB: GPT, {grown}; {config['n_head']} heads; N = "
+        f"{format_mb(opts['memory_budget'])} MB{_scope(opts)}: GPT, {grown}; {config['n_head']} heads; N = "
         f"{env['world_size']} ranks on {env['device']} ({env['backend']}); {opts['precision']}; AdamW. "
         f"Process baseline under every estimate: {format_mb(model['baseline_bytes'])} MB per rank (measured; "
         f"{format_mb(model['before_model_bytes'])} MB before the model is built). torch {env['torch']}.",
@@ -74,6 +83,8 @@ def markdown(result: CapacityResult) -> str:
         "variant", "stage", f"largest {knob}", f"estimate {knob}", "of estimate", "peak MB", "tries", "stopped by",
     ]  # fmt: skip
     lines += markdown_table(headers, [_row(r) for r in result.variants], "llrrrrrl")
+    if env.get("nvme"):
+        lines += ["", raw_disk_line(env["nvme"])]
     lines += ["", "## Notes", ""]
     lines += [f"- `{r.name}`: {note}" for r in result.variants for note in r.notes]
     lines += [f"- {note}" for note in result.notes]

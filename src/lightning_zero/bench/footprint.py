@@ -2,7 +2,9 @@
 
 Model states are `lightning_zero.estimate`'s arithmetic (the `estimate` subcommand) in the
 benchmark's fp32 scheme (`theory.BENCH_SCHEME`), the bytes it puts on the device: offloaded state is
-in host memory, outside a GPU's budget, and not charged on a CPU either (`budget.py`). `estimate`
+in host memory, outside a GPU's budget, and not charged on a CPU either (`budget.py`) — unless the
+budget is the host's (`budget_scope="host"`), where the host's share counts too (NVMe's files do
+not: the host keeps its master and gradient chunks and a few buckets' moments). `estimate`
 counts model states only ([Note: what the estimate leaves out]); a budget must hold more, so the
 prediction adds three terms:
 - the baseline: memory in use before the model is built, measured in the try's own ranks (on CPU
@@ -115,10 +117,13 @@ class Footprint:
         }  # fmt: skip
 
 
-def model_states(spec: VariantSpec, num_params: int, devices: int) -> est.MemoryEstimate:
+def model_states(
+    spec: VariantSpec, num_params: int, devices: int, nvme: est.NvmeStaging = est.NvmeStaging()
+) -> est.MemoryEstimate:
     """`estimate.estimate` for `spec`'s layout, in the benchmark's fp32 scheme, on `devices` ranks."""
     offload = {"offload_optimizer": spec.offload_optimizer, "offload_params": spec.offload_params}
-    return est.estimate(num_params, est.Layout(ZeroStage(spec.stage), **offload), BENCH_SCHEME, est.Topology(devices))
+    layout = est.Layout(ZeroStage(spec.stage), **offload)
+    return est.estimate(num_params, layout, BENCH_SCHEME, est.Topology(devices), nvme)
 
 
 def footprint(
@@ -129,12 +134,16 @@ def footprint(
     devices: int,
     baseline: int,
     activations: ActivationBytes,
+    charge_host: bool = False,
+    nvme: est.NvmeStaging = est.NvmeStaging(),
 ) -> Footprint:
     """The predicted peak of a rank training `spec` on a GPT of `config` (Ψ = `num_params`) with
-    `batch_size` samples per rank on `devices` ranks."""
+    `batch_size` samples per rank on `devices` ranks; `charge_host`: the budget is host memory, so the
+    offloaded state counts too (`nvme` sizes NVMe offload's host buffers)."""
+    states = model_states(spec, num_params, devices, nvme)
     return Footprint(
         baseline=baseline,
         setup=BENCH_SCHEME.weight_bytes * num_params,
-        model_states=model_states(spec, num_params, devices).device.total,
+        model_states=states.device.total + (states.host_per_rank.total if charge_host else 0),
         activations=activations.at(config.n_layer, batch_size),
     )

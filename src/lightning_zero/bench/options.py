@@ -1,6 +1,6 @@
 """What one benchmark run measures: the model, the data shape, the world and the variants.
 
-The defaults size a run for a small machine: on 2 CPU cores all twelve variants (three of them
+The defaults size a run for a small machine: on 2 CPU cores all thirteen variants (three of them
 DeepSpeed's) finish in about two minutes, ~10 s each, most of it in the 8 steps. Scale `--params` (or
 the shape) and `--steps` up for figures that speak for real models.
 """
@@ -25,6 +25,8 @@ CAPACITY_MODES = ("model", "batch")
 """What `--capacity` grows: `n_layer` at a fixed width, or the sequences per rank of a fixed model."""
 CAPACITY_VARIANTS = ("ddp", "fsdp2_z3", "zero1", "zero2", "zero3", "zero3_offload")
 """The variants a capacity run compares unless `--variants` names others."""
+BUDGET_SCOPES = ("device", "host")
+"""What a capacity budget charges on the CPU (`budget.py`): what a GPU would hold, or the whole host."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,14 @@ class BenchOptions:
     (see `capacity.py`) instead of measuring one."""
     memory_budget: Optional[int] = None
     """With `capacity`: bytes every rank must stay under (see `budget.py` for what is counted)."""
+    budget_scope: str = "device"
+    """With `capacity`, one of `BUDGET_SCOPES`: "device" charges what a GPU would hold (on the CPU,
+    offload's host state is left out); "host" charges the whole process, offloaded state included,
+    as a host-memory budget does (NVMe files and the page cache are not the process's memory). CPU only."""
+    nvme_path: Optional[Path] = None
+    """Where `zero3_offload_nvme` keeps its files (each rank in a directory of its own inside): an
+    existing directory on the disk to measure. None: a fresh directory under the current directory,
+    removed after the run."""
 
     def __post_init__(self) -> None:
         positive = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "steps")
@@ -109,15 +119,28 @@ class BenchOptions:
         variants.select(self.variants)  # raises for unknown names
         object.__setattr__(self, "variants", tuple(self.variants))
         object.__setattr__(self, "out", Path(self.out))
+        if self.nvme_path is not None:
+            object.__setattr__(self, "nvme_path", Path(self.nvme_path))
+            if not self.nvme_path.is_dir():
+                raise ValueError(f"`nvme_path` {self.nvme_path} is not a directory: create it on the disk to measure")
         if self.n_embd % self.n_head and self.params is None:
             raise ValueError(f"`n_head` ({self.n_head}) must divide `n_embd` ({self.n_embd})")
 
     def _check_capacity(self) -> None:
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"`budget_scope` must be one of {', '.join(BUDGET_SCOPES)}, got {self.budget_scope!r}")
         if self.capacity is None:
             if self.memory_budget is not None:
                 modes = ", ".join(CAPACITY_MODES)
                 raise ValueError(f"`memory_budget` is only used with `capacity` (one of: {modes})")
+            if self.budget_scope != "device":
+                raise ValueError("`budget_scope` is only used with `capacity`")
             return
+        if self.budget_scope == "host" and self.device != "cpu":
+            raise ValueError(
+                "`budget_scope='host'` charges the process's resident memory, which is measured on the CPU only;"
+                " on CUDA the budget is the device's (`budget_scope='device'`)"
+            )
         if self.capacity not in CAPACITY_MODES:
             raise ValueError(f"`capacity` must be one of {', '.join(CAPACITY_MODES)}, got {self.capacity!r}")
         budget = self.memory_budget

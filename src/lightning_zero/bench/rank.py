@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.bench.comm import CollectiveCounter, CommCount
+from lightning_zero.bench.disk import DiskIO
 from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
 from lightning_zero.bench.results import RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
-from lightning_zero.bench.wrappers import OursWrapped, Setup, Wrapped, autocast_for, build
+from lightning_zero.bench.wrappers import OursWrapped, Setup, Wrapped, autocast_for, build, no_probe
 from lightning_zero.engine.collectives import COLLECTIVE_STATS
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
@@ -76,6 +77,7 @@ def build_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTC
         bucket_size_mb=options.bucket_size_mb,
         batch_size=options.batch_size,
         shard_group_size=options.shard_group_size,
+        nvme_path=None if options.nvme_path is None else str(options.nvme_path),
     )
     return BuiltRank(build(spec, model, setup), batches, device, threshold_fixed)
 
@@ -92,14 +94,23 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         peak_meaning += " (glibc's mmap threshold could not be fixed: freed memory may stay resident)"
     resting = peak.current()
     losses = [wrapped.step(x, y) for x, y in batches[: options.warmup]]
+    disk = wrapped.disk_stats()
+    if disk is not None:
+        disk.reset()  # the timed steps' I/O only
     dist.barrier()  # the timed steps start together
-    step_times = []
+    step_times, optimizer_times = [], []
+    # on the CPU the clock at each probe point is exact, so the optimizer step (with the parameter
+    # refresh after it) is timed on its own; on a GPU that would need a sync per phase
+    clock = _PhaseClock() if device.type == "cpu" else None
     for x, y in batches[options.warmup : options.warmup + options.steps]:
         start = time.perf_counter()
-        losses.append(wrapped.step(x, y))
+        losses.append(wrapped.step(x, y, clock.probe if clock is not None else no_probe))
         synchronize(device)
         step_times.append(time.perf_counter() - start)
+        if clock is not None:
+            optimizer_times.append(clock.at["step"] - clock.at["gradients"])
     peak_bytes = peak.peak()
+    disk_io = DiskIO.of(disk, options.steps) if disk is not None else None
     instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=device)
     wrapped.close()
     return RankMeasurement(
@@ -116,7 +127,19 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         collectives=instrumented.collectives,
         overhead=instrumented.overhead,
         traffic_by_group=instrumented.traffic,
+        disk_io=disk_io,
+        optimizer_step_times_s=tuple(optimizer_times),
     )
+
+
+class _PhaseClock:
+    """A probe that only reads the clock at each phase of a step."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    def probe(self, phase: str) -> None:
+        self.at[phase] = time.perf_counter()
 
 
 @dataclass(frozen=True)

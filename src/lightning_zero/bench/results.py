@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Optional, Sequence, TypeVar
 
 from lightning_zero.bench.comm import CommCount
+from lightning_zero.bench.disk import DiskIO, DiskSummary, summarize_disk
 from lightning_zero.bench.memory import HeldBytes
 from lightning_zero.bench.overhead import Overhead
 from lightning_zero.bench.theory import VariantTheory
@@ -53,6 +54,11 @@ class RankMeasurement:
     traffic_by_group: dict[str, int] = field(default_factory=dict)
     """Ours: full-buffer bytes of the instrumented step's collectives "within" this rank's shard
     group and "across" groups (hybrid sharding), or over "all" ranks; from the engine's own count."""
+    disk_io: Optional[DiskIO] = None
+    """Ours with NVMe offload: the engine's reads and writes over the timed steps (`disk.py`)."""
+    optimizer_step_times_s: tuple[float, ...] = ()
+    """CPU only: the part of each timed step from the reduced gradients to the refreshed parameters
+    (the optimizer step; for DDP and FSDP2, whose probes have no gradient phase, the same)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,10 @@ class VariantResult:
     """Targets missed and anything else a reader must know about these figures."""
     ranks: tuple[RankMeasurement, ...]
     """Every rank's own figures."""
+    disk: Optional[DiskSummary] = None
+    """Ours with NVMe offload: reads, writes and waits per step, the worst rank's (`disk.py`)."""
+    optimizer_step_s: Optional[float] = None
+    """CPU only: median over timed steps of the slowest rank's optimizer step (`RankMeasurement`)."""
 
 
 def summarize(
@@ -173,7 +183,16 @@ def summarize(
         targets={},
         notes=(),
         ranks=tuple(ranks),
+        disk=summarize_disk([r.disk_io for r in ranks]),
+        optimizer_step_s=_median_of_maxima([r.optimizer_step_times_s for r in ranks]),
     )
+
+
+def _median_of_maxima(per_rank: Sequence[Sequence[float]]) -> Optional[float]:
+    """The median over steps of the slowest rank's figure (None when not measured)."""
+    if not per_rank or not all(per_rank):
+        return None
+    return statistics.median(max(step) for step in zip(*per_rank))
 
 
 def not_run(spec: VariantSpec, theory: VariantTheory, status: str, reason: str) -> VariantResult:

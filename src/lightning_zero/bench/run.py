@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from lightning_zero.bench import report, targets, theory, variants, worker
+from lightning_zero.bench import disk, report, targets, theory, variants, worker
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
 from lightning_zero.bench.results import OK, BenchResult, VariantResult, not_run, summarize
-from lightning_zero.models.gpt import GPT, Block
+from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 
 def _say_nothing(line: str) -> None:
@@ -39,20 +40,13 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
     specs = variants.select(options.variants)
     log_dir = options.out / report.LOG_DIR_NAME
     results: list[VariantResult] = []
-    for index, spec in enumerate(specs, start=1):
-        expected = theory.variant_theory(spec, psi, options.devices, unit_bytes, options.shard_group_size)
-        progress(f"[{index}/{len(specs)}] {spec.name}: {spec.description} ...")
-        run = worker.run_variant(spec, options, config, log_dir)
-        if run.status == OK:
-            result = summarize(spec, expected, run.ranks, options.tokens_per_step)
-            progress(
-                f"      model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
-                f"step {result.step_time_s * 1e3:,.0f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step"
-            )
-        else:
-            result = not_run(spec, expected, run.status, run.reason or "")
-            progress(f"      {run.status}: {run.reason}")
-        results.append(result)
+    on_disk = any(spec.state_on_disk for spec in specs)
+    with disk.nvme_directory(options.nvme_path, on_disk) as nvme_path:
+        if on_disk:
+            environment["nvme"] = measure_disk(nvme_path, progress)
+        run_options = dataclasses.replace(options, nvme_path=nvme_path)
+        for index, spec in enumerate(specs, start=1):
+            results.append(_run_one(spec, index, len(specs), run_options, config, psi, unit_bytes, log_dir, progress))
     judged, notes = targets.judge(results, options, environment["load_average_1min"])
     bench = BenchResult(
         environment=environment,
@@ -63,3 +57,46 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
         files={},
     )
     return report.write_all(bench, options.out)
+
+
+def measure_disk(directory: Path, progress: Callable[[str], None] = _say_nothing) -> dict[str, Any]:
+    """`disk.raw_throughput` of `directory`, as the report's environment keeps it."""
+    raw = disk.raw_throughput(directory)
+    progress(
+        f"disk under {directory} ({raw.filesystem or 'file system unknown'}): write {raw.write_gbps:.2f} GB/s"
+        f" (fsync'ed), read {raw.read_gbps:.2f} GB/s{'' if raw.cache_dropped else ' (cache not dropped)'},"
+        f" from the page cache {raw.cached_read_gbps:.2f} GB/s"
+    )
+    return {**dataclasses.asdict(raw), "in_memory": raw.in_memory}
+
+
+def _run_one(
+    spec: variants.VariantSpec,
+    index: int,
+    count: int,
+    options: BenchOptions,
+    config: GPTConfig,
+    psi: int,
+    unit_bytes: int,
+    log_dir: Path,
+    progress: Callable[[str], None],
+) -> VariantResult:
+    """One variant in fresh processes, summarized (or why it did not run)."""
+    expected = theory.variant_theory(spec, psi, options.devices, unit_bytes, options.shard_group_size)
+    progress(f"[{index}/{count}] {spec.name}: {spec.description} ...")
+    run = worker.run_variant(spec, options, config, log_dir)
+    if run.status == OK:
+        result = summarize(spec, expected, run.ranks, options.tokens_per_step)
+        progress(
+            f"      model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
+            f"step {result.step_time_s * 1e3:,.0f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step"
+        )
+        if result.disk is not None:
+            d = result.disk
+            progress(
+                f"      disk: read {d.read_gbps:.2f} GB/s, write {d.write_gbps:.2f} GB/s,"
+                f" {d.waits_per_step:.1f} waits ({d.wait_s_per_step * 1e3:,.0f} ms) per step"
+            )
+        return result
+    progress(f"      {run.status}: {run.reason}")
+    return not_run(spec, expected, run.status, run.reason or "")

@@ -29,6 +29,9 @@ from lightning_zero.bench.variants import BASELINE, BY_NAME, peers
 STEP_TIME_TARGETS = {1: 1.00, 2: 1.00, 3: 1.15}
 """Largest step time of ours, as a multiple of DDP's, by stage (issues 8 and 11)."""
 
+NVME_STEP_TIME_TARGET = ("zero3_offload", 1.5)
+"""Issue 28: `zero3_offload_nvme`'s step time at most 1.5x this variant's, measured in the same run."""
+
 ATEN_OPS_TARGETS = {1: 1.15, 2: 1.15, 3: 1.35}
 """Largest aten-op count per step of ours, as a multiple of DDP's, by stage (issue 11)."""
 
@@ -90,7 +93,7 @@ def judge(
         verdicts = {
             "model_state": _model_state(result),
             "communication": _communication(result),
-            "step_time": _step_time(result),
+            "step_time": _step_time(result, ran),
             "vs_peers": _vs_peers(result, ran),
             "overhead": _overhead(result),
         }
@@ -136,9 +139,12 @@ def _communication(result: VariantResult) -> _Verdict:
     )
 
 
-def _step_time(result: VariantResult) -> _Verdict:
-    """Ours without offload, against DDP (offload trades time for memory and has no target)."""
+def _step_time(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
+    """Ours without offload, against DDP (CPU offload trades time for memory and has no target);
+    NVMe offload against CPU offload (`NVME_STEP_TIME_TARGET`)."""
     spec = BY_NAME[result.name]
+    if spec.state_on_disk:
+        return _nvme_step_time(result, ran)
     if not spec.is_ours or spec.offload_optimizer or result.step_time_ratio_to_ddp is None:
         return _Verdict(None)
     limit = STEP_TIME_TARGETS[spec.stage]
@@ -146,6 +152,17 @@ def _step_time(result: VariantResult) -> _Verdict:
         return _Verdict(True)
     ratio = result.step_time_ratio_to_ddp
     return _Verdict(False, f"MISSED target: step time {ratio:.2f}x DDP (target ≤ {limit:.2f}x)")
+
+
+def _nvme_step_time(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
+    name, limit = NVME_STEP_TIME_TARGET
+    reference = ran.get(name)
+    if reference is None or not reference.step_time_s or result.step_time_s is None:
+        return _Verdict(None)
+    ratio = result.step_time_s / reference.step_time_s
+    if ratio <= limit:
+        return _Verdict(True, f"target met: step time {ratio:.2f}x {name}'s (target ≤ {limit:.2f}x, issue 28)")
+    return _Verdict(False, f"MISSED target: step time {ratio:.2f}x {name}'s (target ≤ {limit:.2f}x, issue 28)")
 
 
 def _overhead(result: VariantResult) -> _Verdict:

@@ -59,6 +59,9 @@ class StateFloor:
     """Adam's moments (and, in mixed precision, the fp32 master weights)."""
     offloaded: int
     """The part of the three terms above that lives in host memory with CPU offload (0 without)."""
+    on_disk: int = 0
+    """With NVMe offload: the optimizer state in files, in none of the terms above (the host's
+    staging buffers are in `optimizer_state`)."""
 
     @property
     def total(self) -> int:
@@ -72,17 +75,29 @@ def model_state_floor(
     offload_optimizer: bool = False,
     offload_params: bool = False,
     scheme: est.PrecisionScheme = BENCH_SCHEME,
+    nvme: est.NvmeStaging = est.NvmeStaging(),
 ) -> StateFloor:
-    """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP)."""
+    """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP);
+    `offload_optimizer` may be "nvme" (its host buffers sized by `nvme`)."""
     layout = est.Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
-    estimate = est.estimate(num_params, layout, scheme, est.Topology(devices=world_size))
+    estimate = est.estimate(num_params, layout, scheme, est.Topology(devices=world_size), nvme)
     device, host = estimate.device, estimate.host_per_rank
     return StateFloor(
         parameters=device.parameters + host.parameters,
         gradients=device.gradients + host.gradients,
         optimizer_state=device.optimizer_state + host.optimizer_state,
         offloaded=host.total,
+        on_disk=estimate.disk_per_rank,
     )
+
+
+def nvme_staging(stage: int, unit_bytes: int, scheme: est.PrecisionScheme = BENCH_SCHEME) -> est.NvmeStaging:
+    """The engine's NVMe buffers for the benchmark's GPT: at stage 3 a bucket is a unit, so the
+    largest one (`largest_unit_bytes`, fp32) sizes them, in `scheme`'s weight bytes; at stages 1-2
+    the engine's default bucket."""
+    if stage != 3:
+        return est.NvmeStaging()
+    return est.NvmeStaging(bucket_bytes=max(1, unit_bytes // BENCH_SCHEME.weight_bytes * scheme.weight_bytes))
 
 
 def communication_volume(stage: int) -> int:
@@ -150,9 +165,10 @@ def variant_theory(
     (`traffic_by_group`), so the flat communication floor is left out (0)."""
     hybrid = spec.is_ours and shard_group_size is not None and shard_group_size < world_size
     sharding_ranks = shard_group_size if hybrid else world_size
-    floor = model_state_floor(num_params, sharding_ranks, spec.stage, spec.offload_optimizer, spec.offload_params)
+    offload = (spec.offload_optimizer, spec.offload_params)
+    floor = model_state_floor(num_params, sharding_ranks, spec.stage, *offload, nvme=nvme_staging(spec.stage, unit_bytes))
     paper = model_state_floor(
-        num_params, sharding_ranks, spec.stage, spec.offload_optimizer, spec.offload_params, scheme=PAPER_SCHEME
+        num_params, sharding_ranks, spec.stage, *offload, PAPER_SCHEME, nvme_staging(spec.stage, unit_bytes, PAPER_SCHEME)
     )
     return VariantTheory(
         model_state=floor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence, Union
 
 
 class Family(str, enum.Enum):
@@ -31,14 +31,20 @@ class VariantSpec:
     compared with. For FSDP2 `reshard_after_forward=False` is ≈ stage 2 and `True` ≈ stage 3."""
     description: str
     """One line for the report."""
-    offload_optimizer: bool = False
-    """Ours: optimizer state (and its step) in host memory."""
+    offload_optimizer: Union[bool, Literal["nvme"]] = False
+    """Ours: optimizer state (and its step) in host memory; "nvme": its moments in files under the
+    run's `--nvme-path`, stepped through a few host buffers."""
     offload_params: bool = False
     """Ours, stage 3: parameter shards in host memory too."""
 
     @property
     def is_ours(self) -> bool:
         return self.family is Family.OURS
+
+    @property
+    def state_on_disk(self) -> bool:
+        """Ours with `offload_optimizer="nvme"`: needs a directory for its files."""
+        return self.offload_optimizer == "nvme"
 
 
 VARIANTS: tuple[VariantSpec, ...] = (
@@ -56,6 +62,14 @@ VARIANTS: tuple[VariantSpec, ...] = (
         3,
         "ZeroEngine stage 3, optimizer and parameter shards on the CPU",
         offload_optimizer=True,
+        offload_params=True,
+    ),
+    VariantSpec(
+        "zero3_offload_nvme",
+        Family.OURS,
+        3,
+        "ZeroEngine stage 3, as zero3_offload with Adam's moments in NVMe files (--nvme-path)",
+        offload_optimizer="nvme",
         offload_params=True,
     ),
     VariantSpec("ds_zero1", Family.DEEPSPEED, 1, "DeepSpeed ZeRO stage 1, gradient_clipping=0"),

@@ -59,6 +59,8 @@ class Setup:
     """Sequences per rank and step (DeepSpeed's config wants it)."""
     shard_group_size: Optional[int] = None
     """Ours: hybrid sharding's group size (None: shard over all ranks)."""
+    nvme_path: Optional[str] = None
+    """Ours with `offload_optimizer="nvme"`: the directory each rank makes its scratch directory in."""
 
     def make_optimizer(self, params: Iterable[Tensor]) -> Optimizer:
         """The benchmark's optimizer over `params`."""
@@ -82,6 +84,10 @@ class Wrapped(abc.ABC):
 
     def engine_report(self) -> Optional[dict[str, Any]]:
         """What the implementation itself reports holding, where it reports anything (ours)."""
+        return None
+
+    def disk_stats(self) -> Optional[Any]:
+        """Ours with NVMe offload: the engine's `IOStats` (reset with `.reset()`); None otherwise."""
         return None
 
     def close(self) -> None:
@@ -216,11 +222,23 @@ class OursWrapped(Wrapped):
         return loss.detach()
 
     def state_tensors(self) -> StateTensors:
-        return module_and_optimizer_tensors(self.model, [self.optimizer])
+        held = module_and_optimizer_tensors(self.model, [self.optimizer])
+        disk = getattr(self.engine, "disk", None)
+        if disk is None:
+            return held
+        # NVMe: the optimizer's state entries are empty placeholders between steps; what it holds
+        # is the staging buffers the state streams through (the engine keeps them; no public
+        # accessor yet, so the list `StagingBuffers` keeps them in)
+        staging = tuple(getattr(disk.staging, "_free", ()))
+        return dataclasses.replace(held, optimizer_state=held.optimizer_state + staging)
 
     def engine_report(self) -> Optional[dict[str, Any]]:
         report = self.engine.memory_report()
         return {**dataclasses.asdict(report), "total": report.total}
+
+    def disk_stats(self) -> Optional[Any]:
+        disk = getattr(self.engine, "disk", None)
+        return disk.io if disk is not None else None
 
     def close(self) -> None:
         self.engine.close()
@@ -238,10 +256,12 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
         # the default reads each gather's unit tags from host memory, which waits for nothing)
         kwargs["check_units_every_gather"] = False
     wanted = {"offload_optimizer": spec.offload_optimizer, "offload_params": spec.offload_params}
+    if spec.state_on_disk:
+        wanted["nvme_path"] = setup.nvme_path
     for name, value in wanted.items():
         if value:
             if name not in fields:
-                raise VariantUnavailable(f"ZeroConfig has no `{name}` option (CPU offload is not implemented yet)")
+                raise VariantUnavailable(f"ZeroConfig has no `{name}` option (this offload is not implemented yet)")
             kwargs[name] = value
     try:
         return config_class(**kwargs)

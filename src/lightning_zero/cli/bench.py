@@ -10,7 +10,9 @@ from typing import Callable, Iterator
 
 from lightning_zero.bench import variants
 from lightning_zero.bench.capacity import CapacityProgress, run_capacity
-from lightning_zero.bench.options import CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, BenchOptions
+from lightning_zero.bench.options import (
+    BUDGET_SCOPES, CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, BenchOptions,
+)  # fmt: skip
 from lightning_zero.bench.run import run_bench
 from lightning_zero.cli.arguments import (
     Subcommand, non_negative_int, parse_count, parse_memory, positive_float, positive_int,
@@ -83,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bucket-size-mb", type=positive_float, default=d.bucket_size_mb, metavar="MB",
         help=f"bucket size of every variant that has buckets (default: {d.bucket_size_mb:g} MiB)",
     )  # fmt: skip
+    training.add_argument(
+        "--nvme-path", type=Path, default=d.nvme_path, metavar="DIR",
+        help="zero3_offload_nvme: an existing directory on the disk to measure, where each rank keeps its"
+        " optimizer state; its raw throughput is measured in the same run (default: a fresh directory"
+        " under the current directory, removed afterwards)",
+    )  # fmt: skip
     training.add_argument("--seed", type=int, default=d.seed, help=f"model and data seed (default: {d.seed})")
     training.add_argument(
         "--timeout", type=positive_float, default=d.timeout_s, metavar="S",
@@ -105,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per rank, e.g. 1.5GB or 141GB (a bare number is GB); CUDA: the caching allocator's cap; CPU:"
         " the process's resident memory, ~300 MB of Python and torch included (see docs/benchmarks.md)",
     )  # fmt: skip
+    capacity.add_argument(
+        "--budget-scope", choices=BUDGET_SCOPES, default=d.budget_scope,
+        help="CPU only: device (default) charges what a GPU would hold, offload's host state left out; host"
+        " charges the whole resident memory, offloaded state included (NVMe files and the page cache are not"
+        " the process's memory): where zero3_offload_nvme shows what it gains",
+    )  # fmt: skip
 
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -113,6 +127,8 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("--capacity needs --memory-budget SIZE, e.g. --memory-budget 1.5GB")
     if args.memory_budget is not None and args.capacity is None:
         parser.error("--memory-budget is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
+    if args.budget_scope != _DEFAULTS.budget_scope and args.capacity is None:
+        parser.error("--budget-scope is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
     default_variants = CAPACITY_VARIANTS if args.capacity else _DEFAULTS.variants
     try:
         options = BenchOptions(
@@ -137,6 +153,8 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             timeout_s=args.timeout,
             capacity=args.capacity,
             memory_budget=args.memory_budget,
+            budget_scope=args.budget_scope,
+            nvme_path=args.nvme_path,
         )
     except ValueError as error:
         parser.error(str(error))

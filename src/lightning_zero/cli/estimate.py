@@ -1,7 +1,7 @@
 """`lightning-zero estimate`: the model-state table of `lightning_zero.estimate` for a parameter
 count or a model spec (`--model`, counted on the meta device by `model_spec`), with the host memory
-offload needs (and how much of it is pinned); given the device memory (and the host's), a
-recommendation and the largest model that fits."""
+offload needs (and how much of it is pinned) and, for NVMe offload, the disk; given the device
+memory (and the host's), a recommendation and the largest model that fits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 from lightning_zero import estimate as est
 from lightning_zero.cli import model_spec
-from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_int
+from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_float, positive_int
 from lightning_zero.engine.config import resolve_shard_group_size
 
 
@@ -61,6 +61,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory per node for offloaded states, e.g. 1TB; only used with --gpu-memory (without it, "
         "offload layouts are not limited by the host and the largest model is searched without offload)",
     )
+    defaults = est.NvmeStaging()
+    nvme = parser.add_argument_group(
+        "NVMe offload (the 'nvme' rows): the host keeps the master and gradient chunks plus a few"
+        " buckets' optimizer state, the disk the rest of it"
+    )
+    nvme.add_argument(
+        "--bucket-size-mb",
+        type=positive_float,
+        default=defaults.bucket_bytes / 2**20,
+        metavar="MiB",
+        help="parameter MiB of the largest bucket: the strategy's bucket_size_mb at stages 1-2; at stage 3 a"
+        " bucket is a unit, so the largest unit's parameters (default: %(default)g, the engine's bucket size)",
+    )
+    nvme.add_argument(
+        "--nvme-buffer-count",
+        type=positive_int,
+        default=defaults.buffer_count,
+        metavar="K",
+        help="host buffers the optimizer state streams through, each one bucket's state (default: %(default)d)",
+    )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -75,11 +95,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(f"--shard-group-size: {error}")
     topology = est.Topology(devices=args.devices, nodes=args.nodes, shard_group_size=shard_group_size)
-    estimates = est.estimate_all(num_params, scheme, topology)
+    try:
+        nvme = est.NvmeStaging(bucket_bytes=max(1, int(args.bucket_size_mb * 2**20)), buffer_count=args.nvme_buffer_count)
+    except ValueError as error:
+        parser.error(f"--nvme-buffer-count: {error}")
+    estimates = est.estimate_all(num_params, scheme, topology, nvme)
     recommendation = largest = None
     if args.gpu_memory is not None:
         recommendation = est.recommend(estimates, args.gpu_memory, args.host_memory)
-        largest = est.largest_model(scheme, topology, args.gpu_memory, args.host_memory)
+        largest = est.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
     report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest)
     if sys.stdout.isatty():
         _print_rich(report)
@@ -144,6 +168,7 @@ class _EstimateReport:
             f"devices per node ({unit})",
             f"host per node ({unit})",
             "of which pinned",
+            f"nvme per node ({unit})",
         ]
         return headers + (["fits"] if self.recommendation else [])
 
@@ -165,6 +190,7 @@ class _EstimateReport:
                 number(e.device.total * e.devices_per_node),
                 number(e.host.total),
                 number(e.pinned),
+                number(e.disk) if e.layout.state_on_disk else "-",
             ]
             if self.recommendation:
                 r = self.recommendation

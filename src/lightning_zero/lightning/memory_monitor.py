@@ -89,8 +89,12 @@ def estimate_per_rank(
     config = strategy.zero_config
     layout = est.Layout(config.zero_stage, config.offload_optimizer, config.offload_params)
     shard_group_size = resolve_shard_group_size(strategy.shard_group_size, devices * nodes, devices)
-    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices, nodes, shard_group_size))
-    return MemoryReport(device=predicted.device, host=predicted.host_per_rank)
+    # NVMe's host buffers are sized by the largest bucket (at stage 3 a unit): the engine's own, where it exists
+    buckets = strategy.engine.buckets if strategy.engine is not None else ()
+    bucket_bytes = max((b.param_bytes for b in buckets), default=config.bucket_bytes)
+    nvme = est.NvmeStaging(bucket_bytes=bucket_bytes, buffer_count=config.nvme_buffer_count)
+    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices, nodes, shard_group_size), nvme)
+    return MemoryReport(device=predicted.device, host=predicted.host_per_rank, disk=predicted.disk_per_rank)
 
 
 class ZeroMemoryMonitor(Callback):
