@@ -227,9 +227,8 @@ class OursWrapped(Wrapped):
         if disk is None:
             return held
         # NVMe: the optimizer's state entries are empty placeholders between steps; what it holds
-        # is the staging buffers the state streams through (the engine keeps them; no public
-        # accessor yet, so the list `StagingBuffers` keeps them in)
-        staging = tuple(getattr(disk.staging, "_free", ()))
+        # is the staging buffers the state streams through
+        staging = disk.staging.kept
         return dataclasses.replace(held, optimizer_state=held.optimizer_state + staging)
 
     def engine_report(self) -> Optional[dict[str, Any]]:

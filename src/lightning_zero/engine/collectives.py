@@ -17,7 +17,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -149,13 +149,21 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     return _pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
 
 
+def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (a collective; just ``[obj]`` without peers)."""
+    if world_size(group) == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error: type[Exception] = ValueError) -> None:
     """Every rank raises ``error`` if any rank's ``problem`` (a message, None where all is well) is
     set: a failing rank its own message, the others the lowest failing rank's, so no rank goes on
     to a collective that a rank which gave up never joins."""
     if world_size(group) > 1:
-        problems: list[Optional[str]] = [None] * world_size(group)
-        dist.all_gather_object(problems, problem, group=group)
+        problems = gather_objects(problem, group)
         failing = [(r, p) for r, p in enumerate(problems) if p is not None]
         if problem is None and failing:
             r, other = failing[0]

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.bucket import Bucket
 from lightning_zero.engine.config import ZeroConfig
-from lightning_zero.engine.scratch_files import IOStats, ScratchDirectory, check_scratch_root
+from lightning_zero.engine.scratch_files import IOStats, ScratchDirectory, check_scratch_root, disk_of
 from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.staging import StagingBuffers
 from lightning_zero.engine.state_layout import aligned
@@ -50,8 +50,11 @@ class DiskTier:
 
     def attach(self, optimizer: Optimizer, params: Sequence[ShardedParam]) -> None:
         """Move ``optimizer``'s state for ``params`` (``state_dict`` order) to files, one per bucket.
-        A collective: every rank checks its ``nvme_path`` and all fail alike if one cannot hold it."""
-        collectives.raise_if_any_rank(check_scratch_root(self.root, state_bytes_needed(optimizer, params)))
+        A collective: every rank checks its ``nvme_path`` (for the state of all ranks whose paths
+        are on the same disk of the same host) and all fail alike if one cannot hold it."""
+        need, disk = state_bytes_needed(optimizer, params), disk_of(self.root)
+        sharing = [n for d, n in collectives.gather_objects((disk, need)) if disk is not None and d == disk] or [need]
+        collectives.raise_if_any_rank(check_scratch_root(self.root, sum(sharing), ranks=len(sharing)))
         if self.directory is None:
             self.directory = ScratchDirectory(self.root, label=f"rank{collectives.rank()}")
             # when this tier is dropped, or at the latest when the process ends, also a rank that

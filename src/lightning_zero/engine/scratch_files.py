@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional
 
 import torch
@@ -52,8 +54,32 @@ class IOStats:
     read_wait_seconds: float = 0.0
     write_wait_seconds: float = 0.0
 
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
     def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        with self._lock:
+            for f in fields(self):
+                if f.name != "_lock":
+                    setattr(self, f.name, f.default)
+
+    def add(self, **counts: float) -> None:
+        """Add to the counters (the I/O threads and the caller update them at once)."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def counts(self) -> dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+
+    def __copy__(self) -> "IOStats":
+        return IOStats(**self.counts())
+
+    def __getstate__(self) -> dict[str, float]:  # a lock does not pickle: the counts do
+        return self.counts()
+
+    def __setstate__(self, state: dict[str, float]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     @property
     def waits(self) -> int:
@@ -89,9 +115,8 @@ class PendingIO:
             try:
                 self._future.result()
             finally:
-                stats, kind = self._stats, self._kind
-                setattr(stats, f"{kind}_waits", getattr(stats, f"{kind}_waits") + 1)
-                setattr(stats, f"{kind}_wait_seconds", getattr(stats, f"{kind}_wait_seconds") + time.perf_counter() - start)
+                kind = self._kind
+                self._stats.add(**{f"{kind}_waits": 1, f"{kind}_wait_seconds": time.perf_counter() - start})
         self._future.result()  # re-raise a failed I/O
 
 
@@ -125,9 +150,7 @@ class ScratchFile:
         start, done = time.perf_counter(), 0
         while done < len(view):
             done += os.pwritev(self._fd, [view[done:]], done)
-        stats = self.directory.stats
-        stats.writes, stats.write_bytes = stats.writes + 1, stats.write_bytes + len(view)
-        stats.write_seconds += time.perf_counter() - start
+        self.directory.stats.add(writes=1, write_bytes=len(view), write_seconds=time.perf_counter() - start)
 
     def _read(self, view: memoryview) -> None:
         self.check()
@@ -140,9 +163,7 @@ class ScratchFile:
                     " truncated while training. The optimizer state in it is lost; resume from the last checkpoint."
                 )
             done += n
-        stats = self.directory.stats
-        stats.reads, stats.read_bytes = stats.reads + 1, stats.read_bytes + len(view)
-        stats.read_seconds += time.perf_counter() - start
+        self.directory.stats.add(reads=1, read_bytes=len(view), read_seconds=time.perf_counter() - start)
 
     def check(self) -> None:
         """Raise a ``ScratchFileError`` naming the file if it was removed or cut short."""
@@ -200,9 +221,18 @@ class ScratchDirectory:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def check_scratch_root(root: str, bytes_needed: int) -> Optional[str]:
+def disk_of(root: str) -> Optional[tuple[str, int]]:
+    """Which disk ``root`` is on, as (host, device number): ranks whose roots share one fill it together."""
+    try:
+        return socket.gethostname(), os.stat(root).st_dev
+    except OSError:
+        return None
+
+
+def check_scratch_root(root: str, bytes_needed: int, ranks: int = 1) -> Optional[str]:
     """Why ``root`` cannot hold ``bytes_needed`` bytes of scratch files (None if it can): it must
-    be an existing, writable directory with that much free space."""
+    be an existing, writable directory with that much free space (``ranks``: how many ranks'
+    files the bytes are, when several share the disk)."""
     if not os.path.isdir(root):
         what = "is not a directory" if os.path.exists(root) else "does not exist"
         return f"`nvme_path={root!r}` {what}. Create it on a fast local disk (an NVMe SSD), or point `nvme_path` at one."
@@ -213,9 +243,11 @@ def check_scratch_root(root: str, bytes_needed: int) -> Optional[str]:
         return f"`nvme_path={root!r}` is not writable here ({err.strerror}). Give this user write access, or choose another directory."
     free = shutil.disk_usage(root).free
     if free < bytes_needed:
+        whose = "this rank's optimizer state needs" if ranks == 1 else f"the optimizer state of the {ranks} ranks on this disk needs"
         return (
-            f"`nvme_path={root!r}` has {_gb(free)} free, and this rank's optimizer state needs {_gb(bytes_needed)}"
-            " there (the estimator's figure, `lightning-zero estimate`). Free space, or choose a larger disk."
+            f"`nvme_path={root!r}` has {_gb(free)} free, and {whose} {_gb(bytes_needed)} there (at most: the"
+            " optimizer's per-element state of every chunk, the `nvme per node` column of `lightning-zero estimate`)."
+            " Free space, or choose a larger disk."
         )
     return None
 

@@ -45,9 +45,14 @@ class StagingBuffers:
             self._free.append(buffer)
 
     @property
+    def kept(self) -> tuple[Tensor, ...]:
+        """The buffers kept between steps (all of them once a step has ended)."""
+        return tuple(self._free)
+
+    @property
     def held_bytes(self) -> int:
         """Bytes of the buffers kept between steps."""
-        return sum(b.numel() for b in self._free)
+        return sum(b.numel() for b in self.kept)
 
 
 @functools.lru_cache(maxsize=None)
