@@ -522,13 +522,14 @@ def test_errors_name_the_problem(results: GroupResults) -> None:
         assert rank["nothing_written"] == "False"
 
 
-def test_registered_names_and_refused_precision() -> None:
+def test_registered_names_and_refused_precision(monkeypatch, tmp_path) -> None:
     from lightning.fabric.plugins.precision import Precision
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     from lightning_zero import ZeroFabricStrategy
     from lightning_zero.engine.config import STRATEGY_NAMES
 
+    monkeypatch.setenv("LIGHTNING_ZERO_NVME_PATH", str(tmp_path))  # what zero3_offload_nvme reads
     for name, options in STRATEGY_NAMES.items():
         strategy = STRATEGY_REGISTRY.get(name)
         assert isinstance(strategy, ZeroFabricStrategy) and strategy.stage == options["stage"]
