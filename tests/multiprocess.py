@@ -118,6 +118,7 @@ def run_on_ranks(
     init_process_group: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
     tolerate_deaths: bool = False,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return the
     per-rank results in rank order. A rank's exception is re-raised here with its traceback; a
@@ -128,8 +129,14 @@ def run_on_ranks(
 
     ``tolerate_deaths=True`` is for fault tests: once a rank exits without a result (killed), the
     others are stopped too and every missing result is None.
+
+    ``start_method``: "forkserver" forks the ranks from the tests' rank server (``rank_imports``);
+    "spawn" starts each in a new interpreter, for the GPU tier, whose ranks must not inherit
+    anything a server's imports may have done to CUDA's state (the driver breaks across a fork).
     """
-    ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        start_method = "spawn"  # Windows
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
