@@ -1,6 +1,6 @@
-"""Many test cases in one spawned group of ranks, each case its own function.
+"""Many test cases in one group of rank processes, each case its own function.
 
-Spawning ranks and importing torch and Lightning costs seconds, so a test module registers its
+Starting ranks and importing torch and Lightning costs seconds, so a test module registers its
 multi-rank cases in one ``CaseGroup`` and a module-scoped fixture runs them all in one group; the
 tests then assert on each case's per-rank results in the parent::
 
@@ -80,16 +80,20 @@ class GroupResults:
 
 
 class CaseGroup:
-    """Cases that run, in registration order, in one group of ``world_size`` spawned ranks.
+    """Cases that run, in registration order, in one group of ``world_size`` rank processes.
 
     ``init_process_group=True`` gives the cases a gloo process group (for engine-level cases);
     cases that build a Lightning ``Trainer`` leave it False, and each Trainer joins the ranks.
+    ``start_method``: how ``run_on_ranks`` starts the ranks ("spawn" for the GPU tier).
     """
 
-    def __init__(self, world_size: int = 2, init_process_group: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, world_size: int = 2, init_process_group: bool = False, timeout: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver"
+    ) -> None:
         self.world_size = world_size
         self.init_process_group = init_process_group
         self.timeout = timeout
+        self.start_method = start_method
         self.cases: dict[str, Case] = {}
 
     def case(self, fn: Optional[Case] = None, *, name: Optional[str] = None, **kwargs: Any) -> Any:
@@ -116,6 +120,7 @@ class CaseGroup:
             world_size=self.world_size,
             init_process_group=self.init_process_group,
             timeout=self.timeout,
+            start_method=self.start_method,
         )
         return GroupResults(per_rank)
 

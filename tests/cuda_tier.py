@@ -20,6 +20,10 @@ NO_CUDA = "no CUDA device here: the GPU tier runs where torch sees one (`bash sc
 MARKS = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 """``pytestmark`` of every GPU-tier module."""
 
+START_METHOD = "spawn"
+"""How the tier's ``CaseGroup`` starts its rank: a new interpreter, never a fork of the tests' rank
+server (``tests/rank_imports.py``), so that no import made before the fork can have touched CUDA."""
+
 PROCESS_GROUP_BACKEND = "cpu:gloo,cuda:nccl"
 """One group of one rank serves every Trainer and Fabric in a process, on either device: Lightning
 keeps a process group it finds, and a CPU run in the same process then still has gloo for its

@@ -1,8 +1,9 @@
 """Run a function on N CPU ranks (gloo) and collect what each rank returns.
 
-Spawning processes and importing torch/Lightning costs seconds, so most tests register many cases
+Starting processes and importing torch/Lightning costs seconds, so most tests register many cases
 in one ``case_groups.CaseGroup``, which runs them all through one ``run_on_ranks`` call; a test
-then asserts on each case's results in the parent.
+then asserts on each case's results in the parent. The ranks are forked from a server process that
+has done those imports once (``rank_imports.py``), not spawned.
 
 The environment variables Lightning's ``LightningEnvironment`` reads are set in each rank, so a
 ``Trainer(accelerator="cpu", devices=N, strategy=...)`` created inside the function joins the
@@ -11,13 +12,15 @@ already-running ranks instead of launching new processes.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -41,7 +44,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, init_pg: bool) -> None:
+_RANK_SERVER = multiprocessing.forkserver.ForkServer()
+_RANK_SERVER.set_forkserver_preload(["rank_imports"])
+
+
+@contextlib.contextmanager
+def _forked_from_the_rank_server() -> Iterator[None]:
+    """Processes of the "forkserver" context started in here are forked from ``_RANK_SERVER``: a
+    forkserver of the tests' own, that imported ``rank_imports``. multiprocessing's own forkserver is
+    left alone: lightning-zero's bench forks its ranks from that one, started with the environment
+    and the imports that the bench chooses (the first user of that server sets both)."""
+    # the server finds rank_imports (next to this file) on its PYTHONPATH: Python 3.11's forkserver
+    # does not take the parent's sys.path (later versions do)
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (here, saved) if path)
+    try:
+        _RANK_SERVER.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    shared = multiprocessing.forkserver.connect_to_new_process
+    multiprocessing.forkserver.connect_to_new_process = _RANK_SERVER.connect_to_new_process
+    try:
+        yield
+    finally:
+        multiprocessing.forkserver.connect_to_new_process = shared
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, init_pg: bool, environ: dict[str, str]
+) -> None:
+    # a forked rank has the server's environment (the parent's when the server started): give it the
+    # parent's of now, as a spawned process would have (multiprocessing sets the directory and sys.path)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,6 +91,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
+        import rank_imports  # noqa: F401 - imported already, unless the server could not import it
         import torch
         import torch.distributed as dist
 
@@ -78,8 +118,9 @@ def run_on_ranks(
     init_process_group: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
     tolerate_deaths: bool = False,
+    start_method: str = "forkserver",
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return the
     per-rank results in rank order. A rank's exception is re-raised here with its traceback; a
     hang fails after ``timeout`` seconds instead of blocking the test run.
 
@@ -88,16 +129,24 @@ def run_on_ranks(
 
     ``tolerate_deaths=True`` is for fault tests: once a rank exits without a result (killed), the
     others are stopped too and every missing result is None.
+
+    ``start_method``: "forkserver" forks the ranks from the tests' rank server (``rank_imports``);
+    "spawn" starts each in a new interpreter, for the GPU tier, whose ranks must not inherit
+    anything a server's imports may have done to CUDA's state (the driver breaks across a fork).
     """
-    ctx = mp.get_context("spawn")
+    if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        start_method = "spawn"  # Windows
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, init_process_group), daemon=False)
+        ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results, init_process_group, environ), daemon=False)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with _forked_from_the_rank_server():
+        for p in procs:
+            p.start()
     collected: dict[int, tuple[str, Any]] = {}
     try:
         import queue

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import csv
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from example_runs import EXAMPLES, REPO, run_example
+from example_runs import EXAMPLES, REPO, run_example_in_rank
 
 CONFIGS = REPO / "configs" / "big_models"
 FEATURES = ("meta_init", "activation_checkpointing", "compile", "offload")
@@ -107,10 +108,29 @@ for _feature in FEATURES:
     GROUP.case(fit_example, name=_feature, strategy=_feature, model_options=_model_options(_feature))
 
 
+@GROUP.case
+def stacked_in_the_cli(ctx: RankContext) -> str:
+    """All four configs at once (`--config` repeated) through the example's CLI, with a tiny model;
+    the run's log directory."""
+    run_dir = run_example_in_rank(
+        Path(ctx.tmpdir, "stacked"),
+        *(f"--config={CONFIGS / f'{feature}.yaml'}" for feature in FEATURES),
+        *(f"--model.{key}={value}" for key, value in SHAPE.items() if key != "block_size"),
+        f"--data.block_size={SHAPE['block_size']}",
+        "--data.batch_size=4",
+        "--data.max_bytes=50000",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=2",
+        "--memory_monitor.every_n_steps=1",
+    )
+    return str(run_dir)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(EXAMPLES))  # spawned ranks start with this sys.path: train_gpt, stdlib_corpus
+        patch.syspath_prepend(str(EXAMPLES))  # the ranks start with this sys.path: train_gpt, stdlib_corpus
         return GROUP.run(tmp_path_factory.mktemp("big_models"))
 
 
@@ -247,20 +267,9 @@ def test_activation_checkpointing_keeps_fewer_tensors_for_backward(monkeypatch):
     assert all(torch.equal(checkpointed_grads[name], g) for name, g in plain_grads.items())
 
 
-def test_the_four_configs_stack_in_the_cli(tmp_path):
+def test_the_four_configs_stack_in_the_cli(results):
     """All four configs at once (`--config` repeated) through the example's CLI, with a tiny model."""
-    run_dir = run_example(
-        tmp_path,
-        *(f"--config={CONFIGS / f'{feature}.yaml'}" for feature in FEATURES),
-        *(f"--model.{key}={value}" for key, value in SHAPE.items() if key != "block_size"),
-        f"--data.block_size={SHAPE['block_size']}",
-        "--data.batch_size=4",
-        "--data.max_bytes=50000",
-        "--trainer.max_steps=3",
-        "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=2",
-        "--memory_monitor.every_n_steps=1",
-    )
+    run_dir = Path(results["stacked_in_the_cli"][0])
     hparams = yaml.safe_load((run_dir / "hparams.yaml").read_text())
     assert hparams["meta_init"] and hparams["activation_checkpointing"] and hparams["compile"]
     with open(run_dir / "metrics.csv") as metrics:

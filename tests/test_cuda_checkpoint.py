@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from cuda_tier import MARKS, setup_rank
+from cuda_tier import MARKS, START_METHOD, setup_rank
 
 pytestmark = MARKS
 
 DEVICE_CHANGE_TOLERANCE = 1e-5
 """The same two steps after the same restore, computed on the CPU and on CUDA: float rounding only."""
 
-CHECKPOINT = CaseGroup(world_size=1, timeout=600)
+CHECKPOINT = CaseGroup(world_size=1, timeout=600, start_method=START_METHOD)
 CHECKPOINTS = {
     # label: ZeroStrategy arguments
     "zero3_sharded": {"stage": 3},

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from cuda_tier import MARKS, setup_rank
+from cuda_tier import MARKS, START_METHOD, setup_rank
 
 pytestmark = MARKS
 
@@ -17,7 +17,7 @@ COMPILE_TOLERANCE = 1e-4
 2e-5 after 4 AdamW steps on the CPU); on the GPU other kernels round differently again, so 5x that.
 A wrong gradient moves a weight by about the learning rate, 1e-2, per step."""
 
-COMPILE = CaseGroup(world_size=1, timeout=600)
+COMPILE = CaseGroup(world_size=1, timeout=600, start_method=START_METHOD)
 
 
 @COMPILE.case

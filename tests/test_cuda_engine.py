@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from cuda_tier import MARKS, copy_overlap, setup_rank
+from cuda_tier import MARKS, START_METHOD, copy_overlap, setup_rank
 
 pytestmark = MARKS
 
@@ -44,7 +44,7 @@ BOOKKEEPING_BYTES = 64 * 1024
 tags (a few scalars per bucket or unit), each rounded up to 512 B by the allocator."""
 SYNC_MESSAGE = "synchronizing CUDA operation"
 
-GROUP = CaseGroup(world_size=1)
+GROUP = CaseGroup(world_size=1, start_method=START_METHOD)
 
 
 def _engine_run(variant: str, shape: dict, batch_size: int = 4, seed: int = 0):

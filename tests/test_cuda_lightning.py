@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from cuda_tier import MARKS, setup_rank
+from cuda_tier import MARKS, START_METHOD, setup_rank
 from test_precision_matrix import BF16_TRUE_TOLERANCE, FP32_TOLERANCE, STEPS
 
 pytestmark = MARKS
@@ -41,7 +41,7 @@ def _fabric_options(strategy: str) -> tuple[str, dict]:
 
 # ---- parity with DDP: the Trainer and Fabric --------------------------------------------------------
 
-PARITY = CaseGroup(world_size=1, timeout=600)
+PARITY = CaseGroup(world_size=1, timeout=600, start_method=START_METHOD)
 
 
 def _trainer_history(strategy: str, precision: str) -> list[dict[str, torch.Tensor]]:
