@@ -34,7 +34,7 @@ if [ "$dry_run" = 1 ]; then
   tier_steps=("cuda-tier:engine lightning checkpoint compile:60") overhead_precisions=(fp32)
   overhead_limit=60 offload_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
-  offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 1)
+  offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
   # the CPU budget is the whole process (~300 MB of Python and torch): one try, over it, ends the search
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else

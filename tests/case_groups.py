@@ -24,6 +24,9 @@ so what follows would hang): the ranks agree on each case's outcome through a fi
 starting the next one, and the cases never started say which one stopped them. A group of one rank
 has no peer to hang on, so it runs every case whatever failed before it (the GPU tier reports all
 of its cases from one run).
+
+To see where a group's time goes, set ``CASE_TIMES_FILE=path``: rank 0 appends one line per case,
+``seconds<TAB>case<TAB>test module``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -139,10 +143,12 @@ def _run_cases(
         if stopped_by is not None:
             outcomes[name] = ("was not run", f"case {stopped_by!r} failed before it")
             continue
+        started = time.perf_counter()
         try:
             outcomes[name] = ("ok", case(context))
         except Exception:  # noqa: BLE001 - reported to the test that reads this case
             outcomes[name] = ("failed", traceback.format_exc())
+        _record_case_time(rank, name, case, time.perf_counter() - started)
         # every rank learns whether any rank failed this case before anyone starts the next one
         store.set(f"{name}/{rank}", outcomes[name][0])
         keys = [f"{name}/{r}" for r in range(world_size)]
@@ -150,3 +156,11 @@ def _run_cases(
         if world_size > 1 and any(store.get(key) != b"ok" for key in keys):
             stopped_by = name
     return outcomes
+
+
+def _record_case_time(rank: int, name: str, case: Case, seconds: float) -> None:
+    times_file = os.environ.get("CASE_TIMES_FILE")
+    if times_file and rank == 0:
+        module = getattr(getattr(case, "func", case), "__module__", "?")
+        with open(times_file, "a") as out:
+            out.write(f"{seconds:.2f}\t{name}\t{module}\n")

@@ -279,9 +279,11 @@ def test_damaged_checkpoints_fail_clearly(w2, tmp_path):
         convert_checkpoint(w2, w2)
 
 
-def test_convert_command(w2, tmp_path):
+def test_convert_command(w2, tmp_path, capsys):
     import subprocess
     import sys
+
+    from lightning_zero.cli import main
 
     out = tmp_path / "cli.ckpt"
     done = subprocess.run(
@@ -290,8 +292,12 @@ def test_convert_command(w2, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "optimizer_states" in torch.load(out, weights_only=False)
-    bad = subprocess.run([sys.executable, "-m", "lightning_zero", "convert", str(tmp_path / "nowhere"), str(out)], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "does not exist" in bad.stderr
+    # the refusal in this process: the command's exit status is main's return value or SystemExit's code
+    try:
+        status = main(["convert", str(tmp_path / "nowhere"), str(out)])
+    except SystemExit as exit_info:
+        status = exit_info.code
+    assert status == 2 and "does not exist" in capsys.readouterr().err
 
 
 def test_commit_replaces_only_when_complete_and_clears_stale_saves(tmp_path):

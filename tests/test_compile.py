@@ -1,14 +1,18 @@
-"""``torch.compile`` of the model inside a LightningModule at every stage, compared with compiled DDP.
+"""``torch.compile`` of the model inside a LightningModule, and of a module set up by Fabric, at
+every stage, compared with compiled DDP under the Trainer and under Fabric.
 
 ``aot_eager`` runs the same graph capture and autograd tracing as inductor without generating
 kernels, so it finds what the capture breaks on within seconds on CPU; inductor itself (the
-default backend, whose crash at stage 3 was reported) is checked at stage 3 too."""
+default backend, whose crash at stage 3 was reported) is checked at stage 3 too. The Fabric cases
+run in the Trainer cases' ranks: inductor's first compilation in a process costs ~10 s on 2 cores,
+and the Fabric loop's GPT has the Trainer's shapes, so its kernels come from inductor's cache."""
 
 from __future__ import annotations
 
 import pytest
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from fabric_loop import assert_same, train
 
 STEPS = 4
 STAGES = (1, 2, 3)
@@ -45,6 +49,10 @@ for _strategy in ("ddp", *(f"zero{s}" for s in STAGES)):
     GROUP.case(compiled_fit, name=_strategy, strategy=_strategy)
 for _strategy in ("ddp", "zero3"):
     GROUP.case(compiled_fit, name=f"inductor_{_strategy}", strategy=_strategy, backend="inductor")
+for _strategy in ("ddp", *(f"zero{s}" for s in STAGES)):
+    GROUP.case(train, name=f"fabric_{_strategy}", strategy=_strategy, compile_model=True, steps=4)
+for _strategy in ("ddp", "zero3"):
+    GROUP.case(train, name=f"fabric_inductor_{_strategy}", strategy=_strategy, compile_model=True, backend="inductor", steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +97,20 @@ def test_the_recompile_counter_counts_recompilations():
         for size in (2, 3, 4):
             double(torch.ones(size))
     assert recompiles.count == 2  # a new shape each time after the first
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_module_compiled_under_fabric_trains_as_under_compiled_fabric_ddp(results: GroupResults, stage: int) -> None:
+    ours = results[f"fabric_zero{stage}"]
+    assert_same(ours, results["fabric_ddp"])
+    for rank in ours:
+        assert rank["graphs"][1:] == [rank["graphs"][1]] * (len(rank["graphs"]) - 1), "graphs captured after step 2"
+        assert rank["recompiles"] == 0, rank["reasons"]
+
+
+def test_inductor_under_fabric_at_stage_3_matches_inductor_fabric_ddp_to_float_rounding(results: GroupResults) -> None:
+    # inductor fuses DDP's whole-model graph differently from our per-unit graphs: rounding only
+    ours = results["fabric_inductor_zero3"]
+    assert_same(ours, results["fabric_inductor_ddp"], atol=1e-5)
+    for rank in ours:
+        assert rank["recompiles"] == 0, rank["reasons"]

@@ -1,131 +1,22 @@
 """Fabric under every stage, compared with Fabric's own DDP doing the same loop: parity with
 accumulation (``no_backward_sync``) and clipping (by norm and by value), ``setup_module`` +
-``setup_optimizers``, meta-device init, every precision, ``torch.compile``, evaluation forwards
+``setup_optimizers``, meta-device init, every precision (``torch.compile``: test_compile.py), evaluation forwards
 (uneven ones joined), save/load round trips with exact resume, and checkpoints that cross between
 Fabric and the Trainer at another world size."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from fabric_loop import assert_same, batches_for, fabric_for, full_weights, small_gpt, train
 
-STEPS = 4
 STAGES = (1, 2, 3)
 GROUP = CaseGroup(world_size=2)
-
-
-def _fabric(strategy: str, precision: str = "32-true", accelerator: str = "cpu", **options: Any):
-    from datetime import timedelta
-
-    from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy
-
-    from lightning_zero import ZeroFabricStrategy
-    from multiprocess import ranks_started
-
-    timeout = timedelta(seconds=60)  # a hang becomes an error
-    if strategy == "ddp":
-        chosen = DDPStrategy(timeout=timeout)
-    else:
-        chosen = ZeroFabricStrategy(stage=int(strategy[-1]), timeout=timeout, **options)
-    fabric = Fabric(accelerator=accelerator, devices=ranks_started(), strategy=chosen, precision=precision)
-    fabric.launch()
-    return fabric
-
-
-def _gpt() -> torch.nn.Module:
-    from lightning_zero.models.gpt import GPT, GPTConfig
-
-    return GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=16))
-
-
-def _batches(rank: int, count: int, batch_size: int = 2) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data, as a sampler gives
-    return [torch.randint(0, 256, (batch_size, 17), generator=g) for _ in range(count)]
-
-
-def _full_weights(fabric: Any, model: Any) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone().float() for k, v in fabric.strategy.get_module_state_dict(model.module).items()}
-
-
-def train(
-    ctx: RankContext,
-    strategy: str,
-    steps: int = STEPS,
-    accumulate: int = 1,
-    clip: Optional[str] = None,
-    separate_setup: bool = False,
-    model: str = "gpt",
-    meta_init: bool = False,
-    precision: str = "32-true",
-    compile_model: bool = False,
-    backend: str = "aot_eager",
-    accelerator: str = "cpu",
-    **options: Any,
-) -> dict[str, Any]:
-    """Train a test model with a plain Fabric loop; the losses, the clipped norms, the full weights
-    after it (and under compile, the graphs captured after each step and the recompilations)."""
-    from recompiles import RecompileCounter
-    from torch._dynamo.utils import counters
-
-    fabric = _fabric(strategy, precision, accelerator, **options)
-    fabric.seed_everything(0)
-    make = _tied_mlp if model == "mlp" else _gpt
-    if meta_init:
-        with fabric.init_module(empty_init=True):
-            module = make()
-        assert all(p.is_meta for p in module.parameters()), "stage 3 builds on the meta device"
-    else:
-        module = make()
-    if compile_model:
-        torch._dynamo.reset()
-        counters.clear()
-        module = torch.compile(module, backend=backend)
-    if separate_setup:
-        wrapped = fabric.setup_module(module)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1))
-    else:
-        wrapped, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1))
-    losses, norms, graphs = [], [], []
-    batches = _batches(ctx.rank, steps * accumulate)
-    with contextlib.ExitStack() as stack:
-        recompiles = stack.enter_context(RecompileCounter()) if compile_model else None
-        for step in range(steps):
-            for micro in range(accumulate):
-                batch = fabric.to_device(batches[step * accumulate + micro])
-                with fabric.no_backward_sync(wrapped, enabled=micro < accumulate - 1):
-                    loss = wrapped(batch[:, :-1], batch[:, 1:])[1] / accumulate
-                    fabric.backward(loss)
-                losses.append(loss.item())
-            if clip == "norm":
-                norms.append(fabric.clip_gradients(wrapped, optimizer, max_norm=0.05).item())
-            elif clip == "value":
-                fabric.clip_gradients(wrapped, optimizer, clip_val=1e-3)
-            elif clip == "raw_norm":  # torch's own, on `.grad` (engine/sharded_grad.py)
-                norms.append(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm=0.05).item())
-            optimizer.step()
-            optimizer.zero_grad()
-            graphs.append(counters["stats"]["unique_graphs"])
-    return {
-        "losses": losses,
-        "norms": norms,
-        "weights": _full_weights(fabric, wrapped),
-        "graphs": graphs,
-        "recompiles": recompiles.count if recompiles is not None else 0,
-        "reasons": recompiles.reasons if recompiles is not None else [],
-    }
-
-
-def _tied_mlp() -> torch.nn.Module:
-    from lightning_helpers import TiedMLPStack
-
-    return TiedMLPStack()
 
 
 FLOWS = {
@@ -151,10 +42,7 @@ for _precision in PRECISIONS:
     for _strategy in ("ddp", "zero2", "zero3"):
         GROUP.case(name=f"{_precision}_{_strategy}", fn=train, strategy=_strategy, precision=_precision, steps=3)
 
-for _strategy in ("ddp", "zero1", "zero2", "zero3"):
-    GROUP.case(name=f"compiled_{_strategy}", fn=train, strategy=_strategy, compile_model=True, steps=4)
-for _strategy in ("ddp", "zero3"):
-    GROUP.case(name=f"inductor_{_strategy}", fn=train, strategy=_strategy, compile_model=True, backend="inductor", steps=3)
+# torch.compile under Fabric: in test_compile.py's group, where the ranks have compiled already
 
 GROUP.case(name="offload_zero3", fn=train, strategy="zero3", offload_optimizer=True, offload_params=True, fused_host_step=False)
 
@@ -179,27 +67,27 @@ def save_and_resume(
     and runs the same 2 steps: max |difference| of the weights, and what `load` handed back.
     ``save_options``: more options of the saving strategy (e.g. hybrid sharding's group size)."""
     path = os.path.join(ctx.tmpdir, f"fabric_{save_with}_{resume_with}_{state_dict_type}")
-    batches = _batches(ctx.rank, 4)
-    fabric = _fabric(save_with, state_dict_type=state_dict_type, **save_options)
+    batches = batches_for(ctx.rank, 4)
+    fabric = fabric_for(save_with, state_dict_type=state_dict_type, **save_options)
     fabric.seed_everything(0)
-    module = _gpt()
+    module = small_gpt()
     model, optimizer = fabric.setup(module, _adamw(module))
     for batch in batches[:2]:
         _step(fabric, model, optimizer, batch)
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2, "note": "kept"})
     for batch in batches[2:]:
         _step(fabric, model, optimizer, batch)
-    expected = _full_weights(fabric, model)
+    expected = full_weights(fabric, model)
 
-    fabric = _fabric(resume_with)
+    fabric = fabric_for(resume_with)
     fabric.seed_everything(1)  # other initial weights: the checkpoint must replace them all
-    module = _gpt()
+    module = small_gpt()
     model, optimizer = fabric.setup(module, _adamw(module))
     state = {"model": model, "optimizer": optimizer, "step": 0}
     rest = fabric.load(path, state)
     for batch in batches[2:]:
         _step(fabric, model, optimizer, batch)
-    actual = _full_weights(fabric, model)
+    actual = full_weights(fabric, model)
     return {
         "diff": max((actual[k] - expected[k]).abs().max().item() for k in expected),
         "step": state["step"],
@@ -232,7 +120,7 @@ def trainer_checkpoint_into_fabric(ctx: RankContext) -> dict[str, Any]:
     trainer.save_checkpoint(path)
     saved = full_checkpoint(path, include_optimizer=True)
 
-    fabric = _fabric("zero2")
+    fabric = fabric_for("zero2")
     fabric.seed_everything(5)
     module = _gpt_module()
     model, optimizer = fabric.setup(module, _adamw(module))
@@ -253,11 +141,11 @@ def fabric_checkpoint_for_trainer(ctx: RankContext) -> dict[str, Any]:
     """Fabric (zero3) trains the LightningModule for 2 steps and saves; the Trainer resumes it
     (in the test, on one rank). Returns the path and the weights saved."""
     path = os.path.join(ctx.tmpdir, "fabric_zero3")
-    fabric = _fabric("zero3")
+    fabric = fabric_for("zero3")
     fabric.seed_everything(0)
     module = _gpt_module()
     model, optimizer = fabric.setup(module, _adamw(module))
-    for batch in _batches(ctx.rank, 2):
+    for batch in batches_for(ctx.rank, 2):
         _step(fabric, model, optimizer, batch)
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
     return {"path": path, "weights": fabric.strategy.get_module_state_dict(module)}
@@ -268,13 +156,13 @@ def raw_weights_summon_and_whole_checkpoint(ctx: RankContext) -> dict[str, Any]:
     """`fabric.load_raw` of a plain state-dict file into a zero3 model, read back inside
     `summon_full_params`; `fabric.load(path)` with no state gives the whole checkpoint, full."""
     torch.manual_seed(3)
-    reference = _gpt().state_dict()
+    reference = small_gpt().state_dict()
     raw = os.path.join(ctx.tmpdir, "raw_weights.pt")
     if ctx.rank == 0:
         torch.save(reference, raw)
-    fabric = _fabric("zero3")
+    fabric = fabric_for("zero3")
     fabric.barrier()
-    module = _gpt()
+    module = small_gpt()
     model, optimizer = fabric.setup(module, _adamw(module))
     fabric.load_raw(raw, model)
     with fabric.strategy.summon_full_params(model):
@@ -293,11 +181,11 @@ def raw_weights_summon_and_whole_checkpoint(ctx: RankContext) -> dict[str, Any]:
 def evaluate_unevenly(ctx: RankContext, strategy: str) -> list[torch.Tensor]:
     """Rank 0 evaluates 3 batches, rank 1 one (no sampler padding); then both train a step and
     evaluate again: every logit."""
-    fabric = _fabric(strategy)
+    fabric = fabric_for(strategy)
     fabric.seed_everything(0)
-    module = _gpt()
+    module = small_gpt()
     model, optimizer = fabric.setup(module, _adamw(module))
-    batches = _batches(ctx.rank, 4)
+    batches = batches_for(ctx.rank, 4)
     outputs = []
     with torch.no_grad():
         for batch in batches[: 3 if ctx.rank == 0 else 1]:
@@ -321,7 +209,7 @@ def _mlp(width_in: int, width_out: int) -> torch.nn.Module:
 def gan(ctx: RankContext, strategy: str) -> dict[str, torch.Tensor]:
     """Lightning's DCGAN loop with two modules set up separately: the discriminator's backward does
     not reach the generator (its output detached), the generator's reaches both."""
-    fabric = _fabric(strategy)
+    fabric = fabric_for(strategy)
     fabric.seed_everything(0)
     generator, discriminator = _mlp(4, 8), _mlp(8, 1)
     generator, opt_g = fabric.setup(generator, torch.optim.Adam(generator.parameters(), lr=1e-2))
@@ -361,17 +249,17 @@ def _error(action: Any) -> str:
 @GROUP.case
 def errors(ctx: RankContext) -> dict[str, str]:
     """What is refused, and the message."""
-    fabric = _fabric("zero2")
-    module = _gpt()
+    fabric = fabric_for("zero2")
+    module = small_gpt()
     model = fabric.setup_module(module)
     stray = torch.nn.Linear(2, 2)
     out = {"optimizer_of_another_module": _error(lambda: fabric.setup_optimizers(torch.optim.SGD(stray.parameters(), lr=0.1)))}
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    _step(fabric, model, optimizer, _batches(ctx.rank, 1)[0])
+    _step(fabric, model, optimizer, batches_for(ctx.rank, 1)[0])
     out["optimizer_after_first_step"] = _error(lambda: fabric.setup_optimizers(torch.optim.Adam(model.parameters())))
     path = os.path.join(ctx.tmpdir, "refused")
     out["filter"] = _error(lambda: fabric.save(path, {"model": model}, filter={"model": lambda k, v: True}))
-    other = fabric.setup(_gpt())
+    other = fabric.setup(small_gpt())
     out["two_modules"] = _error(lambda: fabric.save(path, {"a": model, "b": other}))
     out["nothing_written"] = str(os.path.exists(path))
     return out
@@ -380,16 +268,6 @@ def errors(ctx: RankContext) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("fabric"))
-
-
-def _assert_same(ours: list[dict], ddp: list[dict], atol: float = 0.0) -> None:
-    for rank, (a, b) in enumerate(zip(ours, ddp)):
-        assert a["losses"] == pytest.approx(b["losses"], abs=atol, rel=0), f"rank {rank} losses"
-        assert a["norms"] == pytest.approx(b["norms"], abs=atol, rel=0), f"rank {rank} clip norms"
-        assert a["weights"].keys() == b["weights"].keys()
-        for key, value in b["weights"].items():
-            diff = (a["weights"][key] - value).abs().max().item()
-            assert diff <= atol, f"rank {rank}: {key} differs by {diff}"
 
 
 # bitwise where the arithmetic is DDP's; else float rounding: the clip norm is computed from shards
@@ -403,15 +281,15 @@ TOLERANCE = {"plain": 0.0, "clip_value_separate_setup": 0.0, "accumulate": 1e-5,
 @pytest.mark.parametrize("flow", list(FLOWS))
 def test_parity_with_fabric_ddp(results: GroupResults, flow: str, stage: int) -> None:
     atol = 0.0 if (flow, stage) == ("accumulate", 1) else TOLERANCE[flow]  # stage 1 accumulates unreduced, as DDP
-    _assert_same(results[f"{flow}_zero{stage}"], results[f"{flow}_ddp"], atol)
+    assert_same(results[f"{flow}_zero{stage}"], results[f"{flow}_ddp"], atol)
 
 
 def test_torchs_own_clipping_on_param_grad_matches_fabric_ddp(results: GroupResults) -> None:
-    _assert_same(results["raw_clip_zero3"], results["raw_clip_ddp"], TOLERANCE["accumulate"])
+    assert_same(results["raw_clip_zero3"], results["raw_clip_ddp"], TOLERANCE["accumulate"])
 
 
 def test_meta_device_init_matches_an_eager_build(results: GroupResults) -> None:
-    _assert_same(results["meta_init_mlp_zero3"], results["eager_mlp_ddp"])
+    assert_same(results["meta_init_mlp_zero3"], results["eager_mlp_ddp"])
 
 
 # bf16-true: DDP steps bf16 weights and state, we step an fp32 master copy (see test_precision_matrix)
@@ -425,20 +303,11 @@ def test_precisions_match_fabric_ddp(results: GroupResults, precision: str, stag
     atol = PRECISION_TOLERANCE[precision]
     for a, b in zip(ours, ddp):
         b = {**b, "losses": [], "norms": []} if precision == "bf16-true" else b  # losses drift with the weights
-        _assert_same([{**a, "losses": a["losses"] if b["losses"] else []}], [b], atol)
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_compiled_module_matches_compiled_ddp(results: GroupResults, stage: int) -> None:
-    ours = results[f"compiled_zero{stage}"]
-    _assert_same(ours, results["compiled_ddp"])
-    for rank in ours:
-        assert rank["graphs"][1:] == [rank["graphs"][1]] * (len(rank["graphs"]) - 1), "graphs captured after step 2"
-        assert rank["recompiles"] == 0, rank["reasons"]
+        assert_same([{**a, "losses": a["losses"] if b["losses"] else []}], [b], atol)
 
 
 def test_offload_matches_fabric_ddp(results: GroupResults) -> None:
-    _assert_same(results["offload_zero3"], results["plain_ddp"])
+    assert_same(results["offload_zero3"], results["plain_ddp"])
 
 
 def test_sharded_and_full_checkpoints_resume_exactly_at_another_stage(results: GroupResults) -> None:
@@ -471,7 +340,7 @@ def _on_one_rank(rank: int, world_size: int, fabric_path: str, trainer_path: str
     trainer.fit(GPTModule(), token_data(), ckpt_path=fabric_path)  # weights and AdamW state, loops from 0
     out["trainer_steps"] = trainer.global_step
 
-    fabric = _fabric("zero3")
+    fabric = fabric_for("zero3")
     module = GPTModule()
     model, optimizer = fabric.setup(module, _adamw(module))
     fabric.load(trainer_path, {"model": model, "optimizer": optimizer}, strict=False)
@@ -558,11 +427,3 @@ def test_16_mixed_gets_a_scaler_that_decides_across_ranks() -> None:
     enabled = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=8.0))
     scaler = ZeroFabricStrategy(stage=3, precision=enabled).precision.scaler
     assert isinstance(scaler, ZeroGradScaler) and scaler.get_scale() == 8.0
-
-
-def test_inductor_at_stage_3_matches_inductor_ddp_to_float_rounding(results: GroupResults) -> None:
-    # inductor fuses DDP's whole-model graph differently from our per-unit graphs: rounding only
-    ours = results["inductor_zero3"]
-    _assert_same(ours, results["inductor_ddp"], atol=1e-5)
-    for rank in ours:
-        assert rank["recompiles"] == 0, rank["reasons"]

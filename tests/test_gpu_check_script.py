@@ -26,11 +26,19 @@ def load_summary_module():
     return module
 
 
-def test_dry_run_runs_every_step_and_packs_its_output(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The dry run's output and the folder it wrote."""
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--pack"], capture_output=True, text=True, env=env, timeout=300  # above the dry run's step limits (4 x 60 s): a slow step is named in its summary
     )
+    return done, out
+
+
+def test_dry_run_runs_every_step_and_packs_its_output(dry_run):
+    done, tmp_path = dry_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     # what the device machine brings back: a few files, no deep folders
     assert sorted(p.name for p in tmp_path.iterdir()) == ["detail.tar.gz", "gpu-check.log", "summary.json", "summary.md"]
@@ -57,6 +65,28 @@ def test_dry_run_runs_every_step_and_packs_its_output(tmp_path):
     for name in ("steps.tsv", "versions.json", "offload_gpu.json", "overhead/fp32/bench.json", "capacity/bench.json"):
         assert f"detail/{name}" in names, name
     assert {f"detail/logs/{step}.log" for step in DRY_STEPS} <= names
+
+
+def test_the_offload_step_runs_offload_gpu_py_end_to_end_and_writes_every_figure(dry_run):
+    """scripts/offload_gpu.py (issue 12's GPU check) on the CPU with a tiny GPT, as the dry run's
+    offload step runs it: every figure, and the offloaded state's bytes where they belong."""
+    _, out = dry_run
+    with tarfile.open(out / "detail.tar.gz") as packed:
+        summary = json.load(packed.extractfile("detail/offload_gpu.json"))
+        printed = packed.extractfile("detail/logs/offload.log").read().decode()
+    for key in ("environment", "model", "zero3", "zero3_offload", "cpu_adamw", "prediction", "largest", "ratio"):
+        assert key in summary, key
+    for variant in ("zero3", "zero3_offload"):
+        assert len(summary[variant]["step_times_s"]) == 3 and summary[variant]["median_step_s"] > 0  # warmup 1, steps 2
+    assert summary["cpu_adamw"]["elements"] == summary["model"]["params"] == summary["zero3"]["params"]
+    assert summary["ratio"] > 0 and summary["ratio_target"] == 1.25
+    # The issue's target: with fp32 weights and parameters offloaded, no model state on the device.
+    assert summary["offload_device_model_state_bytes"] == 0 and summary["device_model_state_met"] is True
+    assert summary["zero3"]["model_state_host_bytes"] == 0 < summary["zero3_offload"]["model_state_host_bytes"]
+    prediction = summary["prediction"]["zero3_offload"]
+    assert prediction["layout"] == "zero3 + offload optimizer, params" and prediction["params"] > 0
+    assert summary["largest"]["tries"] == [] and summary["largest"]["skipped"] == "no sizes"
+    assert "| zero3_offload / (zero3 + CPU step) |" in printed  # the markdown table
 
 
 # ---- the summary from fixture figures ----------------------------------------------------------------

@@ -1,20 +1,15 @@
-"""scripts/offload_gpu.py (issue 12's GPU check) on the CPU with a tiny GPT: it runs end to end and
-writes every figure; its largest-model search brackets the size where training starts failing."""
+"""scripts/offload_gpu.py (issue 12's GPU check): its largest-model search brackets the size where
+training starts failing. (Its run end to end on the CPU, every figure written, is the GPU check's
+dry-run step in test_gpu_check_script.py.)"""
 
 import argparse
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "offload_gpu.py"
-TINY = ["--device", "cpu", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--block-size", "32"]
-TINY += ["--batch-size", "2", "--warmup", "1", "--steps", "2"]
 
 
 def load_script():
@@ -22,29 +17,6 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def test_runs_on_cpu_and_writes_every_figure(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path)}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *TINY, "--search-sizes", ""], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads((tmp_path / "offload_gpu.json").read_text())
-    for key in ("environment", "model", "zero3", "zero3_offload", "cpu_adamw", "prediction", "largest", "ratio"):
-        assert key in summary, key
-    for variant in ("zero3", "zero3_offload"):
-        assert len(summary[variant]["step_times_s"]) == 3 and summary[variant]["median_step_s"] > 0
-    assert summary["cpu_adamw"]["elements"] == summary["model"]["params"] == summary["zero3"]["params"]
-    assert summary["ratio"] > 0 and summary["ratio_target"] == 1.25
-    # The issue's target: with fp32 weights and parameters offloaded, no model state on the device.
-    assert summary["offload_device_model_state_bytes"] == 0 and summary["device_model_state_met"] is True
-    assert summary["zero3"]["model_state_host_bytes"] == 0 < summary["zero3_offload"]["model_state_host_bytes"]
-    prediction = summary["prediction"]["zero3_offload"]
-    assert prediction["layout"] == "zero3 + offload optimizer, params" and prediction["params"] > 0
-    assert summary["largest"]["tries"] == [] and summary["largest"]["skipped"] == "no sizes"
-    assert "| zero3_offload / (zero3 + CPU step) |" in done.stdout  # the markdown table
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ every process group with a short collective timeout), so a regression fails inst
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -331,12 +332,24 @@ def numpy_in_summon(ctx: RankContext) -> dict:
 
 
 # ---- the strategy's `timeout` bounds stage 3's own all-gathers too ------------------------------------
+STALL_S = 20
+"""How long rank 1 stays away at most: far beyond the strategy's 5 s timeout."""
+
+
 class _StallRank1(Callback):
+    """Rank 1 stays away from its second step until rank 0 has failed (the file ``failed`` appears)
+    or ``STALL_S`` passed, while rank 0 waits in that step's first all-gather."""
+
+    def __init__(self, failed: Path) -> None:
+        self.failed = failed
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == 1 and trainer.global_rank == 1:
             import time
 
-            time.sleep(20)  # rank 0 meanwhile waits in the step's first all-gather
+            deadline = time.monotonic() + STALL_S
+            while not self.failed.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 @GROUP.case
@@ -352,11 +365,14 @@ def stalled_peer(ctx: RankContext) -> dict:
 
     L.seed_everything(0, verbose=False)
     strategy = ZeroStrategy(stage=3, timeout=timedelta(seconds=5))
+    failed = Path(ctx.tmpdir) / "stalled_peer_failed"
     start = time.monotonic()
     try:
-        make_trainer(strategy, STEPS, callbacks=[_StallRank1()]).fit(GPTModule(), token_data())
+        make_trainer(strategy, STEPS, callbacks=[_StallRank1(failed)]).fit(GPTModule(), token_data())
     except Exception as err:  # noqa: BLE001 - the message is what is tested
-        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - start}
+        seconds = time.monotonic() - start
+        failed.touch()
+        return {"error": f"{type(err).__name__}: {err}", "seconds": seconds}
     return {"error": None, "seconds": time.monotonic() - start}
 
 
@@ -475,4 +491,4 @@ def test_a_parameter_replaced_on_one_rank_fails_it_and_its_peer_promptly():
 def test_the_strategy_timeout_bounds_stage_3_all_gathers(results):
     rank0 = results["stalled_peer"][0]
     assert rank0["error"] is not None and "imed out" in rank0["error"]  # gloo: "Timed out waiting ..."
-    assert rank0["seconds"] < 20  # the 5 s timeout, not torch's 30 minutes (rank 1 sleeps 20 s)
+    assert rank0["seconds"] < STALL_S  # the 5 s timeout, not torch's 30 minutes nor rank 1's return

@@ -1,0 +1,60 @@
+"""Two things for the whole suite.
+
+**Lean imports in every process.** ``site/`` goes on ``PYTHONPATH`` (for every process the tests
+start: workers, scripts, command-line tools, spawned and torchrun ranks) and is imported here, so
+torchmetrics skips its optional ``transformers`` and ``matplotlib`` imports (see
+``site/sitecustomize.py``): ~2 CPU-seconds for each of the ~50 Python processes the suite starts (~90 of its ~520
+CPU-seconds on the 2-core CI machine).
+
+**The longest test files start first** when the suite runs on several workers (``-n 2 --dist loadfile``).
+
+pytest-xdist hands each worker one file at a time, in collection order, and by default reorders the
+files by their number of tests. Here the number of tests says little about the time: a file of one
+test may run a whole GPU-check script, one of 73 asserts on a single group of ranks. When a long
+file is handed out last, one worker runs it while the other idles, so the files below (the longest
+on the 2-core CI machine, longest first, measured with ``--durations`` and
+``CASE_TIMES_FILE``, see ``case_groups.py``) go first and the rest follow in file order. A file not
+listed here only costs time at the end if it is long: add it when it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+SITE = str(Path(__file__).resolve().parent / "site")
+
+LONGEST_FIRST = (
+    "test_compile.py",
+    "test_gpu_check_script.py",
+    "test_offload.py",
+    "test_multinode.py",
+    "test_start_methods.py",
+    "test_example_gpt.py",
+    "test_bench.py",
+    "test_drop_in.py",
+    "test_after_fit.py",
+    "test_reliability.py",
+    "test_capacity.py",
+    "test_sharded_averaging.py",
+    "test_checkpoint.py",
+    "test_hybrid.py",
+    "test_big_models.py",
+    "test_examples_hf_litgpt.py",
+)
+
+
+def pytest_configure(config: Any) -> None:
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (SITE, os.environ.get("PYTHONPATH")) if path)
+    sys.path.insert(0, SITE)
+    import sitecustomize  # noqa: F401 - this process started before PYTHONPATH named it
+
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: the rest keep their order
