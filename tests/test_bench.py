@@ -114,6 +114,8 @@ def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResul
     assert nvme.status == OK, nvme.reason
     # the same model as zero3_offload, bitwise: an element-wise optimizer stepped bucket by bucket
     assert nvme.losses == offload.losses
+    # the files' reads and writes run on host memory: no host sync of theirs (scratch_files._byte_view)
+    assert nvme.host_syncs_ours_per_step == offload.host_syncs_ours_per_step, nvme.ranks[0].overhead.host_syncs_ours_by_call
     # every timed step reads and writes each bucket's file whole: the moments the engine reports on disk
     report = nvme.ranks[0].engine_reports[nvme.model_state_phase]
     assert nvme.disk is not None and report["disk"] > 0

