@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from lightning_zero.engine.scratch_files import gbps
+
 RAW_BYTES = 256 * 2**20
 """Size of the raw throughput file: larger than any drive's write cache that matters here, small
 enough to take a second or two."""
@@ -170,11 +172,11 @@ class DiskIO:
 
     @property
     def read_gbps(self) -> float:
-        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds else 0.0
+        return gbps(self.read_bytes, self.read_seconds)
 
     @property
     def write_gbps(self) -> float:
-        return self.write_bytes / self.write_seconds / 1e9 if self.write_seconds else 0.0
+        return gbps(self.write_bytes, self.write_seconds)
 
 
 @dataclass(frozen=True)

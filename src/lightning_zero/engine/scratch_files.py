@@ -35,6 +35,11 @@ class ScratchFileError(OSError):
     """A scratch file no longer holds what was written to it (truncated or removed while training)."""
 
 
+def gbps(nbytes: float, seconds: float) -> float:
+    """GB (1e9 bytes) per second; 0 when nothing was timed."""
+    return nbytes / seconds / 1e9 if seconds else 0.0
+
+
 @dataclass
 class IOStats:
     """What the disk did for one directory since the last ``reset``."""
@@ -92,11 +97,11 @@ class IOStats:
 
     @property
     def read_gbps(self) -> float:
-        return self.read_bytes / self.read_seconds / 1e9 if self.read_seconds else 0.0
+        return gbps(self.read_bytes, self.read_seconds)
 
     @property
     def write_gbps(self) -> float:
-        return self.write_bytes / self.write_seconds / 1e9 if self.write_seconds else 0.0
+        return gbps(self.write_bytes, self.write_seconds)
 
 
 class PendingIO:
