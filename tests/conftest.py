@@ -1,10 +1,10 @@
 """Two things for the whole suite.
 
-**Lean imports in every process.** ``site/`` goes on ``PYTHONPATH`` (for every process the tests
+**Lean imports in every process.** ``startup/`` goes on ``PYTHONPATH`` (for every process the tests
 start: workers, scripts, command-line tools, spawned and torchrun ranks) and is imported here, so
 torchmetrics skips its optional ``transformers`` and ``matplotlib`` imports (see
-``site/sitecustomize.py``): ~2 CPU-seconds for each of the ~50 Python processes the suite starts (~90 of its ~520
-CPU-seconds on the 2-core CI machine).
+``startup/sitecustomize.py``): ~2 CPU-seconds for each of the ~50 Python processes the suite
+starts, ~90 of its ~520 CPU-seconds on the 2-core CI machine.
 
 **The longest test files start first** when the suite runs on several workers (``-n 2 --dist loadfile``).
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SITE = str(Path(__file__).resolve().parent / "site")
+STARTUP = str(Path(__file__).resolve().parent / "startup")
 
 LONGEST_FIRST = (
     "test_compile.py",
@@ -47,8 +47,8 @@ LONGEST_FIRST = (
 
 
 def pytest_configure(config: Any) -> None:
-    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (SITE, os.environ.get("PYTHONPATH")) if path)
-    sys.path.insert(0, SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (STARTUP, os.environ.get("PYTHONPATH")) if path)
+    sys.path.insert(0, STARTUP)
     import sitecustomize  # noqa: F401 - this process started before PYTHONPATH named it
 
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below

@@ -6,7 +6,7 @@ from a server process that imported this module (a ``multiprocessing`` forkserve
 rank starts as a fresh copy of a process that has imported everything and run nothing, as a spawned
 rank would be once its imports are done.
 
-torchmetrics imports neither ``transformers`` nor ``matplotlib`` here (``site/sitecustomize.py``,
+torchmetrics imports neither ``transformers`` nor ``matplotlib`` here (``startup/sitecustomize.py``,
 imported below as every test process imports it at start-up).
 """
 
@@ -16,8 +16,8 @@ import gc
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "site"))
-import sitecustomize  # noqa: E402,F401 - imported at start-up already where PYTHONPATH names site/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup"))
+import sitecustomize  # noqa: E402,F401 - imported at start-up already where PYTHONPATH names startup/
 
 import pytest  # noqa: E402,F401 - every test module imports it, and the ranks import the test modules
 import torch  # noqa: E402,F401

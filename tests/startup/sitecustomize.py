@@ -11,6 +11,8 @@ No test uses either through torchmetrics, and the suite starts ~50 Python proces
 folder on ``PYTHONPATH`` for all of them and Python runs this file at start-up (``site``'s
 ``sitecustomize``); ``rank_imports.py`` imports it too. Tests that use ``transformers`` or
 ``matplotlib`` (the Hugging Face example, the benchmark's chart) import them themselves, unchanged.
+Being first on ``PYTHONPATH``, this file hides any other ``sitecustomize`` from the test processes;
+the folder is not named ``site`` so that nothing can take it for the standard library's module.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import sys
 from typing import Any
 
 _SKIPPED = {
-    "_TRANSFORMERS_GREATER_EQUAL_4_4": "transformers is not imported by torchmetrics in the tests (tests/site/sitecustomize.py)",
-    "_MATPLOTLIB_AVAILABLE": "matplotlib is not imported by torchmetrics in the tests (tests/site/sitecustomize.py)",
+    "_TRANSFORMERS_GREATER_EQUAL_4_4": "transformers is not imported by torchmetrics in the tests (tests/startup/sitecustomize.py)",
+    "_MATPLOTLIB_AVAILABLE": "matplotlib is not imported by torchmetrics in the tests (tests/startup/sitecustomize.py)",
 }
 
 
