@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import estimate as est
+
+from lightning_zero import sizing
 from lightning_zero.engine import ZeroConfig, ZeroEngine, ZeroStage
 from lightning_zero.models.gpt import GPT, GPTConfig
 
@@ -199,7 +201,7 @@ def predict(args: argparse.Namespace, gpu_memory: int, host_memory: int, num_par
     per_layer = gpt_params(args, 2) - base
     topology = est.Topology(devices=1)
 
-    def as_dict(largest: est.LargestModel) -> dict:
+    def as_dict(largest: sizing.LargestModel) -> dict:
         layers = (largest.num_params - base) // per_layer + 1 if largest.num_params >= base else 0
         return {
             "params": largest.num_params,
@@ -215,8 +217,8 @@ def predict(args: argparse.Namespace, gpu_memory: int, host_memory: int, num_par
         "measured_model_zero3_offload": {
             "device_bytes": measured.device.total, "host_bytes": measured.host.total, "pinned_bytes": measured.pinned,
         },
-        "zero3_offload": as_dict(est.largest_model(SCHEME, topology, gpu_memory, host_memory, layouts=[OFFLOAD_LAYOUT])),
-        "best_layout": as_dict(est.largest_model(SCHEME, topology, gpu_memory, host_memory)),
+        "zero3_offload": as_dict(sizing.largest_model(SCHEME, topology, gpu_memory, host_memory, layouts=[OFFLOAD_LAYOUT])),
+        "best_layout": as_dict(sizing.largest_model(SCHEME, topology, gpu_memory, host_memory)),
     }
 
 
@@ -339,21 +341,21 @@ def markdown_table(summary: dict) -> str:
     def trained(entry: Optional[dict]) -> str:
         if not entry:
             return "—"
-        text = f"{entry['n_layer']} layers, {est.format_count(entry['params'])} params"
+        text = f"{entry['n_layer']} layers, {sizing.format_count(entry['params'])} params"
         return text + (f" ({entry['status']})" if entry.get("status") not in (None, "ok") else "")
 
     prediction, search = summary["prediction"], summary["largest"]
     ratio = "—" if summary["ratio"] is None else f"{summary['ratio']:.2f}"
     state = summary["offload_device_model_state_bytes"]
     pinned = summary["zero3_offload"].get("pinned_host_bytes")
-    pinned_estimate = est.format_bytes(prediction["measured_model_zero3_offload"]["pinned_bytes"])
+    pinned_estimate = sizing.format_bytes(prediction["measured_model_zero3_offload"]["pinned_bytes"])
     rows = [
         ("zero3 step", seconds(summary["zero3"]), ""),
         ("zero3_offload step", seconds(summary["zero3_offload"]), ""),
         ("CPU AdamW step alone (fused)", seconds(summary["cpu_adamw"]), ""),
         ("zero3_offload / (zero3 + CPU step)", ratio, f"≤ {RATIO_TARGET}"),
-        ("device model state, zero3_offload", "—" if state is None else est.format_bytes(state), "0 B"),
-        ("pinned host memory, zero3_offload (torch's allocator)", "—" if pinned is None else est.format_bytes(pinned),
+        ("device model state, zero3_offload", "—" if state is None else sizing.format_bytes(state), "0 B"),
+        ("pinned host memory, zero3_offload (torch's allocator)", "—" if pinned is None else sizing.format_bytes(pinned),
          f"estimator: {pinned_estimate} before rounding"),
         ("largest GPT trained, zero3_offload", trained(search["largest_ok"]), ""),
         ("smallest GPT that failed", trained(search["smallest_failed"]), ""),

@@ -27,7 +27,7 @@ from lightning_zero.bench.options import model_config, num_parameters
 from lightning_zero.bench.results import OK, OVER_BUDGET
 from lightning_zero.bench.variants import BY_NAME
 from lightning_zero.cli import main
-from lightning_zero.estimate import largest_passing
+from lightning_zero.sizing import largest_passing
 
 SHAPE = dict(n_embd=256, n_head=4, block_size=32, batch_size=1, devices=2)
 """A block of 0.79M parameters: 12.6 MB of DDP's model states, 6.3 MB of zero3's on 2 ranks."""

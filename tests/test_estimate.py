@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from lightning_zero import estimate as est
+
+from lightning_zero import sizing
 from lightning_zero.engine import ZeroStage
 from lightning_zero.cli import model_spec
 from lightning_zero.cli import main
@@ -126,7 +128,7 @@ def test_uneven_shards_round_up():
 )
 def test_recommend_prefers_lower_stages_then_offload(gpu_memory, expected):
     estimates = est.estimate_all(7_500_000_000, MIXED, est.Topology(8))
-    recommendation = est.recommend(estimates, gpu_memory)
+    recommendation = sizing.recommend(estimates, gpu_memory)
     assert recommendation.choice is not None
     assert recommendation.choice.layout.label == expected
     assert expected in recommendation.message
@@ -135,25 +137,25 @@ def test_recommend_prefers_lower_stages_then_offload(gpu_memory, expected):
 
 def test_recommend_says_when_nothing_fits_and_respects_host_memory():
     estimates = est.estimate_all(7_500_000_000, MIXED, est.Topology(8))
-    nothing = est.recommend(estimates, 1 * GB)
+    nothing = sizing.recommend(estimates, 1 * GB)
     assert nothing.choice is None
     assert "No layout fits" in nothing.message and "1.875 GB" in nothing.message
 
     # Offloading the optimizer needs 16 B per parameter of host memory on the node, 120 GB: with 100 GB
     # no host offload layout fits, and at 10 GB per device no on-device layout does either; NVMe,
     # the last resort, keeps 8 B per parameter (60 GB) and a few buckets on the host.
-    on_disk = est.recommend(estimates, 10 * GB, host_memory=100 * GB)
+    on_disk = sizing.recommend(estimates, 10 * GB, host_memory=100 * GB)
     assert on_disk.choice.layout.label == "zero3 + offload optimizer (nvme)"
     assert "60.419 GB of host memory per node (60 GB of it pinned), and 60 GB of NVMe per node" in on_disk.message
-    assert est.recommend(estimates, 10 * GB, host_memory=60 * GB).choice is None
-    enough = est.recommend(estimates, 10 * GB, host_memory=128 * GB)
+    assert sizing.recommend(estimates, 10 * GB, host_memory=60 * GB).choice is None
+    enough = sizing.recommend(estimates, 10 * GB, host_memory=128 * GB)
     assert enough.choice.layout.label == "zero3 + offload optimizer"
     assert "120 GB of host memory per node (60 GB of it pinned)" in enough.message
 
 
 def test_recommend_offloads_fp32_parameters_when_the_device_holds_nothing_else():
     estimates = est.estimate_all(7_500_000_000, FP32, est.Topology(8))
-    recommendation = est.recommend(estimates, 1 * GB, host_memory=128 * GB)
+    recommendation = sizing.recommend(estimates, 1 * GB, host_memory=128 * GB)
     assert recommendation.choice.layout.label == "zero3 + offload optimizer, params"
     assert recommendation.choice.device.total == 0
 
@@ -219,16 +221,16 @@ def test_invalid_configurations_are_refused():
 
 
 def test_format_bytes():
-    assert est.format_bytes(28_125_000_000) == "28.125 GB"
-    assert est.format_bytes(120 * GB) == "120 GB"
-    assert est.format_bytes(16_000_000) == "16 MB"
+    assert sizing.format_bytes(28_125_000_000) == "28.125 GB"
+    assert sizing.format_bytes(120 * GB) == "120 GB"
+    assert sizing.format_bytes(16_000_000) == "16 MB"
 
 
 def test_format_count():
-    assert est.format_count(1_209_000_000) == "1.21B"
-    assert est.format_count(125_000_000) == "125M"
-    assert est.format_count(999_600_000) == "1B"
-    assert est.format_count(950) == "950"
+    assert sizing.format_count(1_209_000_000) == "1.21B"
+    assert sizing.format_count(125_000_000) == "125M"
+    assert sizing.format_count(999_600_000) == "1B"
+    assert sizing.format_count(950) == "950"
 
 
 # --- the largest model a budget holds ---------------------------------------------------------------
@@ -237,30 +239,30 @@ def test_format_count():
 def test_largest_model_exact_on_small_numbers():
     one = est.Topology(1)
     # On the device, fp32 Adam costs 16 B per parameter: 10 parameters in 160 B (and in 175 B).
-    assert est.largest_model(FP32, one, gpu_memory=175).num_params == 10
-    on_device = est.largest_model(FP32, one, gpu_memory=160)
+    assert sizing.largest_model(FP32, one, gpu_memory=175).num_params == 10
+    on_device = sizing.largest_model(FP32, one, gpu_memory=160)
     assert (on_device.num_params, on_device.estimate.layout.label) == (10, "ddp")  # the first of equals
     assert "without offload" in on_device.message
     # With a host: zero3 offloading parameters puts nothing on the device and 16 B per parameter on
     # the host, 8 of them pinned: 62 parameters in 1000 B (992 B), 63 would need 1008 B.
-    offload = est.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
+    offload = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
     assert offload.num_params == 62
     assert offload.estimate.layout.label == "zero3 + offload optimizer, params"
     assert (offload.estimate.device.total, offload.estimate.host.total, offload.estimate.pinned) == (0, 992, 496)
     # Mixed precision keeps the 2 B half chunk on the device: the device bounds it at 80 B.
-    assert est.largest_model(MIXED, one, gpu_memory=160, host_memory=1000).num_params == 62
-    assert est.largest_model(MIXED, one, gpu_memory=100, host_memory=10_000).num_params == 50
+    assert sizing.largest_model(MIXED, one, gpu_memory=160, host_memory=1000).num_params == 62
+    assert sizing.largest_model(MIXED, one, gpu_memory=100, host_memory=10_000).num_params == 50
     # Two ranks share the sharded terms: each rank's shard is ceil(Ψ/2).
-    two = est.largest_model(FP32, est.Topology(2), gpu_memory=160, host_memory=1000)
+    two = sizing.largest_model(FP32, est.Topology(2), gpu_memory=160, host_memory=1000)
     assert two.num_params == 62  # the host holds both ranks' chunks: 2 x 16 x 31 = 992 B
-    assert est.largest_model(FP32, one, gpu_memory=15).num_params == 0
-    assert est.largest_model(FP32, one, gpu_memory=15).estimate is None
+    assert sizing.largest_model(FP32, one, gpu_memory=15).num_params == 0
+    assert sizing.largest_model(FP32, one, gpu_memory=15).estimate is None
     # NVMe, the last resort, wins only when it holds more: with one bucket (the default 25 MiB holds
     # all of these) its one buffer is the whole state, 16 B per parameter again, so offload keeps it.
-    assert est.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
+    assert sizing.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
     # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
     small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
-    on_disk = est.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
+    on_disk = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
     assert on_disk.num_params == 105  # 8 x 105 + 160 = 1000
     assert on_disk.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
     assert (on_disk.estimate.host.total, on_disk.estimate.disk) == (1000, 840)
@@ -274,15 +276,15 @@ def test_largest_model_exact_on_small_numbers():
 )
 def test_largest_model_fits_and_one_more_parameter_does_not(scheme, devices, gpu_memory, host_memory):
     topology = est.Topology(devices)
-    largest = est.largest_model(scheme, topology, gpu_memory, host_memory)
+    largest = sizing.largest_model(scheme, topology, gpu_memory, host_memory)
     assert largest.num_params > 10**8
-    assert est.fits(largest.estimate, gpu_memory, host_memory)
+    assert sizing.fits(largest.estimate, gpu_memory, host_memory)
     assert largest.estimate == est.estimate(largest.num_params, largest.estimate.layout, scheme, topology)
     for layout in est.LAYOUTS:
         if layout.offload_optimizer and host_memory is None:
             continue
         for more in (largest.num_params + 1, int(largest.num_params * 1.01)):
-            assert not est.fits(est.estimate(more, layout, scheme, topology), gpu_memory, host_memory), layout.label
+            assert not sizing.fits(est.estimate(more, layout, scheme, topology), gpu_memory, host_memory), layout.label
 
 
 # --- counting parameters on the meta device ---------------------------------------------------------

@@ -6,7 +6,7 @@ A try builds the variant in fresh ranks (`worker.run_variant`) and trains `CAPAC
 it fits when no rank's charged peak is over the budget (`budget.py`, [Note: enforcing a memory
 budget]). Running each try in its own processes is what lets a try that runs out of memory, or is
 killed for it, end itself and not the benchmark. The size doubles from 1 until the first try that
-does not fit, then is bisected between the last that did and it (`estimate.largest_passing`); the
+does not fit, then is bisected between the last that did and it (`sizing.largest_passing`); the
 prediction is searched the same way on `footprint.footprint`. A try that fails for another reason
 (a crash, a timeout) ends the variant's search, and its row says so.
 
@@ -28,7 +28,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lightning_zero import estimate as est
+
+from lightning_zero import sizing
 from lightning_zero.bench import capacity_report, disk, report, theory, variants, worker
 from lightning_zero.bench.budget import ChargedPeak, RssWatchdog, limit_device
 from lightning_zero.bench.footprint import ActivationBytes, Footprint, count_activations, footprint, model_states
@@ -130,7 +131,7 @@ def _search(spec: VariantSpec, base: BenchOptions, say: Callable[[str], None]) -
         say(f"{spec.name}: {knob} {size} {outcome.status}{peak}")
         return outcome.status == OK
 
-    est.largest_passing(fits)
+    sizing.largest_passing(fits)
     return tries
 
 
@@ -240,7 +241,7 @@ def _row(
     search ended."""
     knob, budget = KNOBS[base.capacity], base.memory_budget
     largest_size = _largest_size(tries)
-    estimate_size = est.largest_passing(lambda size: predict.at(spec, size, baseline).total <= budget)
+    estimate_size = sizing.largest_passing(lambda size: predict.at(spec, size, baseline).total <= budget)
     stopped = next((t for t in tries if t.status != OK), None)
     broke = stopped is not None and stopped.status in (FAILED, UNAVAILABLE)
     status = stopped.status if broke else OK

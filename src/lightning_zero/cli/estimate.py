@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from lightning_zero import estimate as est
+
+from lightning_zero import sizing
 from lightning_zero.cli import model_spec
 from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_float, positive_int
 from lightning_zero.engine.config import resolve_shard_group_size
@@ -102,8 +104,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     estimates = est.estimate_all(num_params, scheme, topology, nvme)
     recommendation = largest = None
     if args.gpu_memory is not None:
-        recommendation = est.recommend(estimates, args.gpu_memory, args.host_memory)
-        largest = est.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
+        recommendation = sizing.recommend(estimates, args.gpu_memory, args.host_memory)
+        largest = sizing.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
     report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest)
     if sys.stdout.isatty():
         _print_rich(report)
@@ -134,8 +136,8 @@ class _EstimateReport:
     scheme: est.PrecisionScheme
     topology: est.Topology
     estimates: tuple[est.MemoryEstimate, ...]
-    recommendation: Optional[est.Recommendation]
-    largest: Optional[est.LargestModel]
+    recommendation: Optional[sizing.Recommendation]
+    largest: Optional[sizing.LargestModel]
 
     @property
     def title(self) -> str:
@@ -154,7 +156,7 @@ class _EstimateReport:
     @property
     def unit(self) -> tuple[str, int]:
         """One unit for the whole table, so its columns compare at a glance."""
-        return est.decimal_unit(max(e.device.total for e in self.estimates))
+        return sizing.decimal_unit(max(e.device.total for e in self.estimates))
 
     @property
     def headers(self) -> list[str]:
@@ -194,7 +196,7 @@ class _EstimateReport:
             ]
             if self.recommendation:
                 r = self.recommendation
-                row.append("yes" if est.fits(e, r.gpu_memory, r.host_memory) else "no")
+                row.append("yes" if sizing.fits(e, r.gpu_memory, r.host_memory) else "no")
             rows.append(row)
         return rows
 
