@@ -30,7 +30,7 @@ import torch
 
 
 from lightning_zero import sizing
-from lightning_zero.bench import capacity_report, disk, report, theory, variants, worker
+from lightning_zero.bench import capacity_report, disk, provenance, report, theory, variants, worker
 from lightning_zero.bench.budget import ChargedPeak, RssWatchdog, limit_device
 from lightning_zero.bench.footprint import ActivationBytes, Footprint, count_activations, footprint, model_states
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
@@ -81,7 +81,7 @@ def run_capacity(options: BenchOptions, progress: Callable[[CapacityProgress], N
     if options.capacity not in KNOBS or options.memory_budget is None:
         raise ValueError("run_capacity needs `capacity` and `memory_budget` in the options")
     check_devices(options)
-    environment = report.describe_environment(options)  # now, before our own processes load the machine
+    environment = provenance.describe_environment(options)  # now, before our own processes load the machine
     base_config = model_config(options)
     base = dataclasses.replace(options, params=None, n_embd=base_config.n_embd)  # the width stays fixed
     activations = count_activations(base_config, options.precision, options.activation_checkpointing)
@@ -109,7 +109,7 @@ def run_capacity(options: BenchOptions, progress: Callable[[CapacityProgress], N
         "before_model_bytes": _median([t.baseline_bytes for _, tries in searched for t in tries if t.baseline_bytes]),
     }
     notes = run_notes(rows, options)
-    result = CapacityResult(environment, report.options_record(options), model, rows, notes, files={})
+    result = CapacityResult(environment, provenance.options_record(options), model, rows, notes, files={})
     return report.write_all(result, options.out, render=capacity_report.markdown, chart=capacity_report.write_chart)
 
 

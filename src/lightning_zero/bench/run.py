@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_zero.bench import disk, report, targets, theory, variants, worker
+from lightning_zero.bench import disk, provenance, report, targets, theory, variants, worker
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
 from lightning_zero.bench.results import OK, BenchResult, VariantResult, not_run, summarize
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
@@ -32,7 +32,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
     `progress` receives one line as each variant starts and ends (the command line passes `print`).
     """
     check_devices(options)
-    environment = report.describe_environment(options)  # now, before our own processes load the machine
+    environment = provenance.describe_environment(options)  # now, before our own processes load the machine
     config = model_config(options)
     psi = num_parameters(config)
     with torch.device("meta"):
@@ -50,7 +50,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
     judged, notes = targets.judge(results, options, environment["load_average_1min"])
     bench = BenchResult(
         environment=environment,
-        options=report.options_record(options),
+        options=provenance.options_record(options),
         model={"config": dataclasses.asdict(config), "num_params": psi, "largest_unit_bytes": unit_bytes},
         variants=judged,
         notes=notes,
