@@ -26,7 +26,7 @@ has no peer to hang on, so it runs every case whatever failed before it (the GPU
 of its cases from one run).
 
 To see where a group's time goes, set ``CASE_TIMES_FILE=path``: rank 0 appends one line per case,
-``seconds<TAB>case<TAB>test module``.
+``seconds<TAB>case<TAB>the module of the case's function``.
 """
 
 from __future__ import annotations

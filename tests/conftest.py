@@ -6,7 +6,8 @@ torchmetrics skips its optional ``transformers`` and ``matplotlib`` imports (see
 ``startup/sitecustomize.py``): ~2 CPU-seconds for each of the ~50 Python processes the suite
 starts, ~90 of its ~520 CPU-seconds on the 2-core CI machine.
 
-**The longest test files start first** when the suite runs on several workers (``-n 2 --dist loadfile``).
+**The longest test files start first** when the suite runs on several workers
+(``-n 2 --dist loadfile``).
 
 pytest-xdist hands each worker one file at a time, in collection order, and by default reorders the
 files by their number of tests. Here the number of tests says little about the time: a file of one

@@ -16,17 +16,17 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.engine import collectives
 
 
-class DDPStarted(DDPStrategy):
-    """Lightning's ``DDPStrategy(start_method=...)`` with the grace at exit that lightning-zero's
+class DDPForked(DDPStrategy):
+    """Lightning's ``DDPStrategy(start_method="fork")`` (``ddp_notebook``) with the grace at exit that lightning-zero's
     strategies register (``collectives.let_workers_finish_at_exit``): without it torch 2.13 aborts
     some ranks as they exit, failing the test for a reason that is not under test.
 
-    The reference forks its ranks (``ddp_notebook``): Lightning's one launcher for "spawn" and
-    "fork" hands back the same things either way, and a forked rank skips the ~5 s of imports a
-    spawned one pays for each ``fit`` and ``validate``."""
+    The reference forks its ranks: Lightning's one launcher for "spawn" and "fork" hands back the
+    same things either way, and a forked rank skips the ~5 s of imports a spawned one pays for each
+    ``fit`` and ``validate``."""
 
-    def __init__(self, start_method: str) -> None:
-        super().__init__(start_method=start_method)
+    def __init__(self) -> None:
+        super().__init__(start_method="fork")
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
@@ -53,7 +53,7 @@ def _fit_in_spawned_ranks(strategy, folder) -> tuple[torch.Tensor, Trainer, Mode
 
 
 def test_spawned_and_forked_ranks_hand_back_what_ddp_hands_back(tmp_path):
-    expected, ddp_trainer, _, ddp_model = _fit_in_spawned_ranks(DDPStarted("fork"), tmp_path / "ddp")
+    expected, ddp_trainer, _, ddp_model = _fit_in_spawned_ranks(DDPForked(), tmp_path / "ddp")
     (expected_result,) = ddp_trainer.validate(ddp_model, ckpt_path="best", verbose=False)
     # spawned at stage 3 (parameters sharded in the ranks), forked at stage 1 (what notebooks use)
     for strategy, name in ((ZeroStrategy(stage=3, start_method="spawn"), "zero3"), ("zero1_notebook", "zero1")):
