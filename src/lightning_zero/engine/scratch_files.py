@@ -156,11 +156,11 @@ class ScratchFile:
     def start_write(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Write the first ``nbytes`` of ``buffer`` (a host tensor nobody writes until this is done)."""
         self.nbytes = nbytes
-        return self.directory._submit(self._write, buffer, _byte_view(buffer, nbytes), "write")
+        return self.directory._submit(self._write, buffer, nbytes, "write")
 
     def start_read(self, buffer: Tensor, nbytes: int) -> PendingIO:
         """Read the file's first ``nbytes`` into ``buffer`` (nobody reads it until this is done)."""
-        return self.directory._submit(self._read, buffer, _byte_view(buffer, nbytes), "read")
+        return self.directory._submit(self._read, buffer, nbytes, "read")
 
     def _write(self, view: memoryview) -> None:
         start, done = time.perf_counter(), 0
@@ -221,11 +221,11 @@ class ScratchDirectory:
         self._files.append(file)
         return file
 
-    def _submit(self, fn: Callable[[memoryview], None], buffer: Tensor, view: memoryview, kind: str) -> PendingIO:
-        """Run ``fn(view)`` on the pool; ``buffer``, whose memory ``view`` is, stays alive until it ran."""
+    def _submit(self, fn: Callable[[memoryview], None], buffer: Tensor, nbytes: int, kind: str) -> PendingIO:
+        """Run ``fn`` on the pool with the first ``nbytes`` of ``buffer``, which stays alive until it ran."""
         if self._pool is None:
             raise RuntimeError(f"scratch directory {self.path} is closed")
-        return PendingIO(self._pool.submit(_run_holding, fn, view, buffer), self.stats, kind)
+        return PendingIO(self._pool.submit(_run_holding, fn, _byte_view(buffer, nbytes), buffer), self.stats, kind)
 
     def close(self) -> None:
         """Finish the I/O in flight, close the files and remove the directory."""
