@@ -45,7 +45,9 @@ def test_fused_host_step_without_offload_is_refused():
 NVME_REFUSALS = [
     ({"stage": 2, "offload_optimizer": "nvme"}, "needs `nvme_path`: an existing directory"),
     ({"stage": 2, "offload_optimizer": "disk"}, "must be False, True \\(or 'cpu': host memory\\) or 'nvme'"),
-    ({"stage": 3, "offload_optimizer": True, "offload_params": "nvme"}, "`offload_params='nvme'` .* is not supported yet"),
+    ({"stage": 3, "offload_optimizer": True, "offload_params": "nvme"}, "`offload_params='nvme'` .* needs `offload_optimizer='nvme'` \\(got `offload_optimizer=True`\\)"),
+    ({"stage": 3, "offload_optimizer": "nvme", "offload_params": "disk", "nvme_path": "/tmp"}, "`offload_params` must be False, True \\(or 'cpu'"),
+    ({"stage": 2, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": "/tmp"}, "`offload_params='nvme'` needs stage 3"),
     ({"stage": 2, "nvme_path": "/tmp"}, "`nvme_path` only applies with `offload_optimizer='nvme'`"),
     ({"stage": 2, "offload_optimizer": True, "nvme_buffer_count": 8}, "`nvme_buffer_count` only applies"),
     ({"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/tmp", "nvme_buffer_count": 1}, "at least 2, got 1"),

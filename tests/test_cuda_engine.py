@@ -271,6 +271,49 @@ for _variant in ("zero2_offload", "zero3_offload"):
     GROUP.case(offload_copies, name=f"copies_{_variant}", variant=_variant)
 
 
+# ---- NVMe offload: the optimizer state, and the parameter chunks, in files --------------------------
+NVME_VARIANTS = ("zero3_offload", "zero3_offload_nvme_params")
+"""The Trainer's parity of both NVMe tiers in two precisions is ``test_cuda_lightning.py``'s."""
+
+
+def nvme_offload(ctx: RankContext) -> dict:
+    """zero3_offload, and the same with Adam's moments and the parameter chunks on disk: 3 fp32 steps
+    each from one seed; the losses and weights, and whether the chunks read back from disk land in
+    pinned memory (``resize_`` of a pinned storage) and leave it between steps."""
+    setup_rank(deterministic=True)
+    os.environ["LIGHTNING_ZERO_NVME_PATH"] = os.path.join(ctx.tmpdir, "nvme")
+    os.makedirs(os.environ["LIGHTNING_ZERO_NVME_PATH"], exist_ok=True)
+    out: dict[str, Any] = {}
+    for variant in NVME_VARIANTS:
+        model, optimizer, engine, tokens = _engine_run(variant, SYNC_SHAPE)
+        masters = getattr(engine.residency, "masters_on_disk", [])
+        losses, pinned, at_rest = [], [], []
+        try:
+            for _ in range(3):
+                engine.begin_step()
+                loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+                loss.backward()
+                engine.finish_backward()
+                engine.end_step()
+                for m in masters:  # read in for the step, as the optimizer's stream does
+                    m.acquire()
+                    pinned.append(m.master.is_pinned())
+                    m.release()
+                optimizer.step()
+                engine.after_optimizer_step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                at_rest.append(sum(m.master.untyped_storage().nbytes() for m in masters))
+            weights = {k: v.cpu() for k, v in engine.full_state_dict(model).items()}
+        finally:
+            engine.close()
+        out[variant] = {"losses": losses, "weights": weights, "pinned": pinned, "at_rest": at_rest, "masters": len(masters)}
+    return out
+
+
+GROUP.case(nvme_offload, name="nvme_offload")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("cuda_engine"))
@@ -320,3 +363,16 @@ def test_offload_copies_run_beside_compute(results, variant):
     for direction in directions:
         overlapped = sum(c["overlapped_us"] for c in copies if direction in c["name"])
         assert overlapped > 0, (direction, copies)
+
+
+def test_nvme_offload_trains_bitwise_like_cpu_offload_with_pinned_chunks(results):
+    (r,) = results["nvme_offload"]
+    import torch
+
+    reference = r["zero3_offload"]
+    for variant in NVME_VARIANTS[1:]:
+        assert r[variant]["losses"] == reference["losses"], variant
+        assert all(torch.equal(reference["weights"][k], r[variant]["weights"][k]) for k in reference["weights"]), variant
+    chunks = r["zero3_offload_nvme_params"]
+    assert chunks["masters"] > 0 and chunks["pinned"] and all(chunks["pinned"])  # read back into pinned memory
+    assert chunks["at_rest"] == [0, 0, 0]  # and out of host memory between steps

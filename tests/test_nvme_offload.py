@@ -1,25 +1,30 @@
 """NVMe offload (``offload_optimizer="nvme"``): the optimizer's state in scratch files, stepped one
-bucket at a time through a few host buffers.
+bucket at a time through a few host buffers; with ``offload_params="nvme"`` (stage 3) the parameter
+chunks in scratch files too, read in around each use.
 
 - Parity: bitwise equal to CPU offload (``offload_optimizer=True``), with gradient accumulation and
   norm clipping, under Fabric here (the Trainer at stages 1-3 in fp32 and bf16-mixed is
   ``test_offload.py``'s); with two param groups and an LR scheduler; with SGD's momentum (state
-  the optimizer assigns rather than updates in place).
+  the optimizer assigns rather than updates in place). The parameter chunks on disk: AdamW with
+  accumulation and clipping under the Trainer, no chunk in host memory between steps.
 - Checkpoints: a zero3_offload_nvme checkpoint restores the saved optimizer state, resumes bitwise
-  like zero3_offload, and reshards to one rank.
+  like zero3_offload, and reshards to one rank; so does it with the parameter chunks on disk, whose
+  run also saves and validates after fit as CPU offload's. One rank then reads and writes the chunks
+  every other way (summon with writeback, offload_to_cpu copies, ``param.data =``, weight averages).
 - Faults: `nvme_path` missing on one rank, not writable, or on a full disk fails at setup on every
-  rank with what was wrong; a scratch file truncated or removed mid-run fails the step naming it,
-  and the last checkpoint stays intact.
+  rank with what was wrong (for the parameter chunks first); a scratch file (of the optimizer
+  state or of the parameter chunks) truncated or removed mid-run fails the step naming it, and the
+  last checkpoint stays intact.
 - Memory: the host holds at most ``nvme_buffer_count`` buckets' state, by the engine's report and by
-  the process's peak resident memory (one process, no Trainer).
+  the process's peak resident memory (one process, no Trainer); and at most ``nvme_buffer_count``
+  buckets' parameter chunks while stepping, none at rest.
 """
-
 from __future__ import annotations
 
 import copy
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -77,26 +82,36 @@ class _DiskProbe:
         return Probe()
 
 
-def regression_fit(ctx: RankContext, tier: Any, stage: int, optimizer: str) -> dict[str, Any]:
+def regression_fit(ctx: RankContext, tier: Any, stage: int, optimizer: str, **options: Any) -> dict[str, Any]:
     import warnings
 
     from lightning_helpers import fit_and_record
 
+    probe = _DiskProbe()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, history, trainer = fit_and_record(
-            _strategy(ctx, tier, stage, f"{optimizer}{stage}", bucket_size_mb=0.0005),
+            _strategy(ctx, tier, stage, f"{optimizer}{stage}{options}", bucket_size_mb=0.0005, **options),
             max_steps=STEPS,
             module_kwargs={"optimizer": optimizer},
+            callbacks=[probe],
             **FIT,
         )
     lrs = [group["lr"] for group in trainer.optimizers[0].param_groups]
-    return {"history": history, "lrs": lrs, "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]}
+    return {
+        "history": history,
+        "lrs": lrs,
+        "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)],
+        "report": probe.reports[-1],
+        "io": probe.io,
+    }
 
 
 for _tier in (True, "nvme"):
     GROUP.case(regression_fit, name=f"steplr_{_tier}", tier=_tier, stage=2, optimizer="two_groups_steplr")
     GROUP.case(regression_fit, name=f"sgd_{_tier}", tier=_tier, stage=3, optimizer="sgd_momentum")
+GROUP.case(regression_fit, name="adamw_cpu", tier=True, stage=3, optimizer="adamw")
+GROUP.case(regression_fit, name="adamw_params_nvme", tier="nvme", stage=3, optimizer="adamw", offload_params="nvme")
 
 
 def fabric_fit(ctx: RankContext, tier: Any) -> dict[str, Any]:
@@ -138,29 +153,53 @@ def save_nvme(ctx: RankContext) -> dict[str, Any]:
     }
 
 
-def resume(ctx: RankContext, tier: Any) -> dict[str, Any]:
+@GROUP.case
+def save_params_nvme(ctx: RankContext) -> dict[str, Any]:
+    """save_nvme's run with the parameter chunks on NVMe too; saved after fit, then validated."""
+    from lightning_helpers import fit_gpt, token_data
+
+    probe = _DiskProbe()
+    module, history, trainer = fit_gpt(_strategy(ctx, "nvme", 3, "save_params", offload_params="nvme"), max_steps=2, callbacks=[probe])
+    engine = trainer.strategy._state_engine
+    path = os.path.join(ctx.tmpdir, "nvme_params_zero3.ckpt")
+    trainer.save_checkpoint(path)
+    validated = trainer.validate(module, token_data(), verbose=False)  # after fit: the chunks are read in again
+    return {
+        "saved": history[-1],
+        "optimizer": engine.full_optimizer_state_dict(trainer.optimizers[0]),
+        "reports": probe.reports,
+        "io": probe.io,
+        "in_memory_after_fit": sum(m.in_memory for m in engine.residency.masters_on_disk),
+        "masters": len(engine.residency.masters_on_disk),
+        "validated": validated,
+    }
+
+
+def resume(ctx: RankContext, tier: Any, **options: Any) -> dict[str, Any]:
     """Resume the checkpoint for 2 more steps: the state restored, and the weights after."""
     from test_checkpoint import _StateAtStart
 
     from lightning_helpers import fit_gpt
 
     probe = _StateAtStart()
-    _, history, _ = fit_gpt(_strategy(ctx, tier, 3, f"resume{tier}"), max_steps=4, callbacks=[probe], ckpt_path=_checkpoint(ctx))
+    strategy = _strategy(ctx, tier, 3, f"resume{tier}{options}", **options)
+    _, history, _ = fit_gpt(strategy, max_steps=4, callbacks=[probe], ckpt_path=_checkpoint(ctx))
     return {"restored": probe.weights, "optimizer": probe.optimizer, "history": history}
 
 
 GROUP.case(resume, name="resume_nvme", tier="nvme")
+GROUP.case(resume, name="resume_params_nvme", tier="nvme", offload_params="nvme")
 GROUP.case(resume, name="resume_cpu", tier=True)
 
 
 # ---- faults -----------------------------------------------------------------------------------
-def _setup_error(ctx: RankContext, **options: Any) -> str:
+def _setup_error(ctx: RankContext, stage: int = 2, **options: Any) -> str:
     from lightning_helpers import fit_and_record
 
     from lightning_zero import ZeroStrategy
 
     try:
-        fit_and_record(ZeroStrategy(stage=2, offload_optimizer="nvme", **options), max_steps=1)
+        fit_and_record(ZeroStrategy(stage=stage, offload_optimizer="nvme", **options), max_steps=1)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -198,8 +237,27 @@ def disk_full(ctx: RankContext) -> dict[str, Any]:
     return {"message": message, "upper_bound": adam * numel, "tensors": disk_tier.STATE_TENSORS_PER_PARAM["AdamW"]}
 
 
-def fault_mid_run(ctx: RankContext, fault: str) -> dict[str, Any]:
-    """Each rank's first scratch file is damaged after step 2; ModelCheckpoint saves every step."""
+@GROUP.case
+def disk_full_params(ctx: RankContext) -> dict[str, Any]:
+    """With the parameter chunks on NVMe too, the check comes first, for their bytes."""
+    import shutil
+
+    from lightning_helpers import RegressionModule
+
+    from lightning_zero.engine.masters_on_disk import master_bytes_needed
+
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=1000)
+    try:
+        message = _setup_error(ctx, stage=3, offload_params="nvme", nvme_path=_nvme_dir(ctx, "full_params"))
+    finally:
+        shutil.disk_usage = real
+    return {"message": message, "chunks": master_bytes_needed(RegressionModule(), world_size=2)}
+
+
+def fault_mid_run(ctx: RankContext, fault: str, prefix: str = "", **options: Any) -> dict[str, Any]:
+    """Each rank's first scratch file (whose name starts with ``prefix``) is damaged after step 2;
+    ModelCheckpoint saves every step."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -212,15 +270,18 @@ def fault_mid_run(ctx: RankContext, fault: str) -> dict[str, Any]:
 
         def on_train_batch_start(self, trainer, *args) -> None:
             if trainer.global_step == 2:  # after the second step's checkpoint, before the third step
-                files = sorted(Path(trainer.strategy.engine.disk.directory.path).iterdir())
+                files = sorted(f for f in Path(trainer.strategy.engine.disk.directory.path).iterdir() if f.name.startswith(prefix))
                 Damage.path = str(files[0])
                 os.truncate(files[0], 16) if fault == "truncate" else os.remove(files[0])
 
-    dirpath = os.path.join(ctx.tmpdir, f"checkpoints_{fault}")
+    dirpath = os.path.join(ctx.tmpdir, f"checkpoints_{fault}{prefix}")
     saver = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)
     try:
         fit_and_record(
-            _strategy(ctx, "nvme", 3, f"fault_{fault}"), max_steps=4, callbacks=[Damage(), saver], enable_checkpointing=True
+            _strategy(ctx, "nvme", 3, f"fault_{fault}{prefix}", **options),
+            max_steps=4,
+            callbacks=[Damage(), saver],
+            enable_checkpointing=True,
         )
         error = "no error"
     except OSError as err:
@@ -237,6 +298,8 @@ def fault_mid_run(ctx: RankContext, fault: str) -> dict[str, Any]:
 
 GROUP.case(fault_mid_run, name="truncated", fault="truncate")
 GROUP.case(fault_mid_run, name="removed", fault="remove")
+GROUP.case(fault_mid_run, name="params_truncated", fault="truncate", prefix="params-", offload_params="nvme")
+GROUP.case(fault_mid_run, name="params_removed", fault="remove", prefix="params-", offload_params="nvme")
 
 
 @pytest.fixture(scope="module")
@@ -313,15 +376,41 @@ def test_a_saved_state_reshards_to_one_rank(results: GroupResults, tmp_path) -> 
         engine.load_full_optimizer_state_dict(optimizer, copy.deepcopy(saved["optimizer"]))  # torch's load aliases `step`
         if tier == "nvme":
             assert engine.memory_report().disk > 0 and _optimizer_states_equal(engine.full_optimizer_state_dict(optimizer), saved["optimizer"])
-        engine.begin_step()
-        module.training_step((tokens,), 0).backward()
-        engine.finish_backward()
-        engine.end_step()
-        optimizer.step()
-        engine.after_optimizer_step(optimizer)
+        _engine_step(engine, optimizer, lambda: module.training_step((tokens,), 0))
         after[tier] = {k: v.clone() for k, v in engine.full_state_dict(module).items()}
         engine.close()
     assert _equal(after[True], after["nvme"])
+
+
+def test_parameter_chunks_on_nvme_train_bitwise_like_cpu_offload(results: GroupResults) -> None:
+    """offload_params="nvme": stage 3, AdamW, 2 micro-batches per step, clipping by norm."""
+    for cpu, nvme in zip(results["adamw_cpu"], results["adamw_params_nvme"]):
+        assert len(nvme["history"]) == len(cpu["history"]) == 2 * STEPS  # a record per micro-batch
+        assert all(_equal(a, b) for a, b in zip(cpu["history"], nvme["history"]))
+        # between steps no chunk is in host memory: they are in the files, with the optimizer state
+        assert cpu["report"].host.parameters > 0 and nvme["report"].host.parameters == 0
+        assert nvme["report"].disk > cpu["report"].host.parameters  # the chunks, and the optimizer state
+        assert cpu["io"] is None and nvme["io"].reads > 0
+
+
+def test_parameter_chunks_on_nvme_save_resume_and_validate_like_cpu_offload(results: GroupResults) -> None:
+    for in_memory, on_disk in zip(results["save_nvme"], results["save_params_nvme"]):
+        assert _equal(in_memory["saved"], on_disk["saved"])
+        assert _optimizer_states_equal(in_memory["optimizer"], on_disk["optimizer"])
+        assert all(report.host.parameters == 0 for report in on_disk["reports"])
+        assert on_disk["masters"] > 0 and on_disk["in_memory_after_fit"] == 0
+        assert on_disk["validated"] and all(v == v for v in on_disk["validated"][0].values())  # ran, finite
+    for saved, cpu, nvme in zip(results["save_nvme"], results["resume_cpu"], results["resume_params_nvme"]):
+        assert _equal(saved["saved"], nvme["restored"])
+        assert _optimizer_states_equal(saved["optimizer"], nvme["optimizer"])
+        assert len(nvme["history"]) == 2
+        assert all(_equal(a, b) for a, b in zip(cpu["history"], nvme["history"]))
+
+
+def test_a_full_disk_fails_setup_with_the_bytes_of_the_parameter_chunks(results: GroupResults) -> None:
+    for rank in results["disk_full_params"]:
+        expected = f"has 1,000 bytes free, and the parameter chunks of the 2 ranks on this disk needs {2 * rank['chunks']:,} bytes"
+        assert expected in rank["message"]
 
 
 def test_nvme_path_missing_on_one_rank_fails_setup_on_every_rank(results: GroupResults) -> None:
@@ -342,10 +431,21 @@ def test_a_full_disk_fails_setup_with_the_bytes_needed(results: GroupResults) ->
         assert rank["tensors"] == 2 and needed == rank["upper_bound"]
 
 
-@pytest.mark.parametrize(("case", "says"), [("truncated", "was truncated while training"), ("removed", "was removed while training")])
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("truncated", "was truncated while training"),
+        ("removed", "was removed while training"),
+        ("params_truncated", "was truncated while training"),
+        ("params_removed", "was removed while training"),
+    ],
+)
 def test_a_damaged_scratch_file_fails_the_step_naming_it(results: GroupResults, case: str, says: str) -> None:
     for rank in results[case]:
         assert rank["error"].startswith("ScratchFileError") and says in rank["error"]
+        assert os.path.basename(rank["damaged"]).startswith("params-" if case.startswith("params") else "optimizer")
+        lost = "The parameter chunks in it are lost" if case.startswith("params") else "The optimizer state in it is lost"
+        assert lost in rank["error"]
         assert rank["damaged"] in rank["error"]
         assert rank["saved"] == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]  # the last one intact:
         assert rank["verified"].endswith(")") and ": OK (" in rank["verified"]
@@ -368,10 +468,7 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_size_mb=1, offload_optimizer=tier, **options))
     peaks = []
     for _ in range(2):
-        engine.begin_step()
-        model(torch.randn(4, 512)).square().mean().backward()
-        engine.finish_backward()
-        engine.end_step()
+        _backward(engine, _linear_loss(model))
         return_freed_memory()  # what earlier tests freed would otherwise hide what this step allocates
         before = _resident()
         Path("/proc/self/clear_refs").write_text("5")
@@ -387,6 +484,26 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
 
 LAYERS = 16
 """Linear(512, 512) layers: 4.2M parameters, whose AdamW state (34 MB) is 16 buckets' worth."""
+
+
+def _backward(engine: Any, loss: Callable[[], torch.Tensor]) -> None:
+    """Forward and backward of ``loss()`` through the engine, up to the optimizer step."""
+    engine.begin_step()
+    loss().backward()
+    engine.finish_backward()
+    engine.end_step()
+
+
+def _engine_step(engine: Any, optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor]) -> None:
+    """One training step through the engine, the optimizer's included."""
+    _backward(engine, loss)
+    optimizer.step()
+    engine.after_optimizer_step(optimizer)
+    optimizer.zero_grad()
+
+
+def _linear_loss(model: nn.Module) -> Callable[[], torch.Tensor]:
+    return lambda: model(torch.randn(4, 512)).square().mean()
 
 
 def _status_kib(field: str) -> int:
@@ -421,3 +538,89 @@ def test_the_host_holds_at_most_four_buckets_of_state(tmp_path) -> None:
     # turn (one bucket's worth at a time, freed once written); a later step may still touch staging
     # pages for the first time, and nothing else: over both steps, 4 buffers and one bucket's state
     assert sum(nvme_growth) <= 5 * capacity + 4 * 2**20 < state / 2
+
+
+def test_the_host_holds_a_few_buckets_of_parameter_chunks(tmp_path, monkeypatch) -> None:
+    """offload_params="nvme", one process, a meta-built model of 16 units: between steps no chunk
+    is in host memory, and while stepping at most ``nvme_buffer_count`` buckets' chunks are (their
+    storage, sampled at every read the engine starts)."""
+    from lightning_zero.engine import masters_on_disk
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
+    engine = ZeroEngine(model, [optimizer], config, device=torch.device("cpu"))
+    masters = engine.residency.masters_on_disk
+    allocated: list[int] = []
+    fetch = masters_on_disk.MasterOnDisk.fetch
+
+    def counting_fetch(self) -> None:
+        fetch(self)
+        allocated.append(sum(m.master.untyped_storage().nbytes() for m in masters))
+
+    monkeypatch.setattr(masters_on_disk.MasterOnDisk, "fetch", counting_fetch)
+    at_rest = []
+    for _ in range(3):
+        _engine_step(engine, optimizer, _linear_loss(model))
+        at_rest.append(sum(m.master.untyped_storage().nbytes() for m in masters))
+    report, io = engine.memory_report(), copy.copy(engine.disk.io)
+    engine.close()
+    bucket = masters[0].nbytes
+    print(f"chunk bytes in memory: at most {max(allocated)} of {len(masters) * bucket} while stepping, {at_rest} at rest; {io}")
+    assert len(masters) == LAYERS and all(m.nbytes == bucket == 4 * (512 * 512 + 512) for m in masters)
+    assert at_rest == [0, 0, 0] and report.host.parameters == 0
+    assert 0 < max(allocated) <= config.nvme_buffer_count * bucket
+    # per step every chunk is read for the forward, the backward and the step, and from the second
+    # step on (the first makes it) each bucket's optimizer state
+    assert io.reads == 3 * 3 * LAYERS + 2 * LAYERS
+
+
+def _weights_between_steps(params_tier: Any, tmp_path: Path, saved: dict[str, Any]) -> dict[str, Any]:
+    """One rank, stage 3, the 2-rank run's weights and optimizer state loaded (a reshard), then steps
+    with every way of reading or writing the chunks between steps: an edit kept by
+    ``gathered(writeback=True)``, one through ``offload_to_cpu`` copies, ``param.data = value`` at
+    rest, and a weight average updated each step and swapped in and out."""
+    from lightning_helpers import GPTModule, token_data
+
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.engine import ZeroEngine
+
+    module = GPTModule()
+    optimizer = module.configure_optimizers()
+    tmp_path.mkdir()
+    config = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params=params_tier, nvme_path=str(tmp_path))
+    engine = ZeroEngine(module, [optimizer], config, device=torch.device("cpu"))
+    engine.load_full_state_dict(module, saved["saved"])
+    engine.load_full_optimizer_state_dict(optimizer, copy.deepcopy(saved["optimizer"]))
+    average = engine.average_weights()
+    batches = iter(token_data())
+    first = next(name for name, _ in module.named_parameters())
+    for step in range(3):
+        (tokens,) = next(batches)
+        _engine_step(engine, optimizer, lambda: module.training_step((tokens,), 0))
+        average.update(torch.tensor(step))
+        with engine.gathered(writeback=True):
+            module.get_parameter(first).data.mul_(0.5)
+        with engine.gathered(writeback=True, offload_to_cpu=True):
+            module.get_parameter(first).data.add_(1.0)
+        module.get_parameter(first).data = torch.full_like(saved["saved"][first], 0.25)  # adopted at rest
+        average.swap()
+        swapped = {k: v.clone() for k, v in engine.full_state_dict(module).items()}
+        average.swap()
+    weights = {k: v.clone() for k, v in engine.full_state_dict(module).items()}
+    at_rest = sum(m.master.untyped_storage().nbytes() for m in getattr(engine.residency, "masters_on_disk", []))
+    engine.close()
+    return {"weights": weights, "swapped": swapped, "average": average.full_state_dict(), "at_rest": at_rest}
+
+
+def test_every_reader_and_writer_of_the_chunks_sees_what_cpu_offload_sees(results: GroupResults, tmp_path) -> None:
+    saved = results["save_params_nvme"][0]
+    in_memory = _weights_between_steps(True, tmp_path / "cpu", saved)
+    on_disk = _weights_between_steps("nvme", tmp_path / "nvme", saved)
+    for key in ("weights", "swapped", "average"):
+        assert _equal(in_memory[key], on_disk[key]), key
+    assert on_disk["at_rest"] == 0

@@ -35,6 +35,7 @@ Reading and writing the files (with checksums and errors that name the file) is 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -51,7 +52,6 @@ from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.averaged_shards import AveragedShards
 from lightning_zero.engine.partition import ChunkLayout
 from lightning_zero.engine.sharded_optimizer import STEP_KEY
-from lightning_zero.engine.sharded_param import ShardedParam
 
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
 SHARD_KEY_PREFIXES = ("model/", "buffer/")
@@ -94,6 +94,7 @@ def model_tensors(
     ``average``: a weight-averaging callback's average instead (its chunks, laid out on ``mesh`` as
     the engine's; its buffers where it keeps them, else the module's)."""
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
+    chunks = engine.weight_chunks() if engine is not None and average is None else {}
     _, _, buffers = _param_names(module)
     state = module.state_dict(keep_vars=True)
     tensors: dict[str, Tensor] = {}
@@ -104,17 +105,13 @@ def model_tensors(
         elif sp is None:
             tensors[f"model/{name}"] = p.detach().reshape(-1).to("cpu")
         else:  # at stage 3 the parameter itself is an empty placeholder at rest
-            tensors[f"model/{name}"] = _flat_dtensor(_weight_chunk(sp), sp.layout.numel, mesh)
+            # the optimizer's chunk is the most precise copy of the weight (fp32 master where the
+            # parameter is half precision), so converted checkpoints get full-precision weights
+            tensors[f"model/{name}"] = _flat_dtensor(chunks[id(sp)], sp.layout.numel, mesh)
     for key in buffers:
         kept = average.buffer(key) if average is not None else None
         tensors[f"buffer/{key}"] = (kept if kept is not None else state[key]).detach().to("cpu")
     return tensors
-
-
-def _weight_chunk(sp: ShardedParam) -> Tensor:
-    # the optimizer's chunk is the most precise copy of the weight (fp32 master where the
-    # parameter is half precision), so converted checkpoints get full-precision weights
-    return sp.shard
 
 
 @dataclass
@@ -259,7 +256,9 @@ def load_model(
         if key in state and f"buffer/{key}" in metadata:
             targets[f"buffer/{key}"] = torch.empty(state[key].shape, dtype=metadata[f"buffer/{key}"].properties.dtype)
     read_tensors(targets, directory, group)
-    with torch.no_grad():
+    # chunks kept on disk between uses (offload_params="nvme") are read in once, written back after
+    in_memory = engine.chunks_in_memory(writing=True) if engine is not None else nullcontext()
+    with torch.no_grad(), in_memory:
         for name, p in module.named_parameters():
             key = f"model/{name}"
             if key not in targets:

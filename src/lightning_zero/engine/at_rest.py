@@ -59,13 +59,18 @@ class ParameterAtRest(nn.Parameter):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         at_rest = next((a for a in args if isinstance(a, ParameterAtRest)), None)
-        raise RuntimeError(_message(at_rest, getattr(func, "__name__", str(func))))
+        raise RuntimeError(cls.refusal(at_rest, getattr(func, "__name__", str(func))))
+
+    @staticmethod
+    def refusal(param: Any, operation: str) -> str:
+        """The message for ``operation`` on ``param`` (a subclass refuses for its own reason)."""
+        return _message(param, operation)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise RuntimeError(_message(self, "copy.deepcopy"))
+        raise RuntimeError(type(self).refusal(self, "copy.deepcopy"))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise RuntimeError(_message(self, "pickle"))
+        raise RuntimeError(type(self).refusal(self, "pickle"))
 
     def __repr__(self) -> str:
         name = ParameterAtRest.names.get(id(self), "?")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -124,7 +125,9 @@ class AveragedShards:
     ``device``: where the averages live (None: beside each chunk the optimizer steps).
     ``comm_device``: where the all-gathers of stages 1-2 and of ``full_state_dict`` stage their
     chunks; ``piece_bytes``: the most bytes of whole parameters one such gather moves;
-    ``copies``: the engine's host copies (offload), synchronized before host chunks are written.
+    ``copies``: the engine's host copies (offload), synchronized before host chunks are written;
+    ``chunks_in_memory``: the engine's, around every read or write of the training chunks (with
+    ``offload_params="nvme"`` they are read in from disk for it).
     """
 
     def __init__(
@@ -137,8 +140,10 @@ class AveragedShards:
         device: Optional[torch.device] = None,
         buffers: Buffers = Buffers.AVERAGED,
         copies: Optional[CopyStream] = None,
+        chunks_in_memory: Optional[Callable[[bool], AbstractContextManager]] = None,
     ) -> None:
         self.module = module
+        self._in_memory = chunks_in_memory or (lambda writing: nullcontext())
         self.buffers = buffers
         self._group, self._comm_device, self._piece_bytes, self._copies = group, comm_device, piece_bytes, copies
         rank, world_size = collectives.rank(group), collectives.world_size(group)
@@ -151,12 +156,15 @@ class AveragedShards:
             else:
                 self.chunks[name] = AveragedChunk(name, p, None, p.shape, ChunkLayout(p.numel(), world_size), rank)
         by_place: dict[tuple[torch.dtype, torch.device], list[AveragedChunk]] = defaultdict(list)
-        for c in self.chunks.values():
-            source = c.training_chunk()
-            by_place[(source.dtype, torch.device(device) if device is not None else source.device)].append(c)
         self._groups: list[_ChunkGroup] = []
-        for (_, place), members in by_place.items():
-            flat = torch.cat([c.training_chunk().to(place) for c in members])  # a copy: the current weights
+        with self._in_memory(False):
+            for c in self.chunks.values():
+                source = c.training_chunk()
+                by_place[(source.dtype, torch.device(device) if device is not None else source.device)].append(c)
+            # copies: the current weights
+            flats = {key: torch.cat([c.training_chunk().to(key[1]) for c in members]) for key, members in by_place.items()}
+        for key, members in by_place.items():
+            flat = flats[key]
             for c, view in zip(members, torch.split_with_sizes(flat, [c.layout.owned_numel(rank) for c in members])):
                 c.average = view
             offloaded = any(c.sharded is not None and c.sharded.offloaded for c in members)
@@ -172,7 +180,8 @@ class AveragedShards:
         (the caller counts): the first copies the training weights, later ones apply ``avg_fn``,
         ``multi_avg_fn`` or, with neither, the equal average, grouped as torch groups them."""
         averages = [g.flat for g in self._groups]
-        currents = [g.training() for g in self._groups]
+        with self._in_memory(False):
+            currents = [g.training() for g in self._groups]
         if self.buffers is Buffers.AVERAGED:
             averages += self._buffer_averages
             currents += [b.detach().to(a.device) for a, b in zip(self._buffer_averages, self.module.buffers())]
@@ -192,7 +201,7 @@ class AveragedShards:
     # ---- the average into the training weights ---------------------------------------------------
     def swap(self) -> None:
         """Exchange the average and the training weights (Lightning does it around validation)."""
-        with torch.no_grad():
+        with torch.no_grad(), self._in_memory(True):
             for g in self._groups:
                 training = g.training()
                 self._write_training([(c, c.average) for c in g.chunks])
@@ -225,8 +234,9 @@ class AveragedShards:
     def _write_training(self, values: Sequence[tuple[AveragedChunk, Tensor]]) -> None:
         if self._copies is not None:
             self._copies.synchronize()  # no copy to the device still reads the host chunks
-        for c, value in values:
-            c.write_training_chunk(value.reshape(-1))
+        with self._in_memory(True):
+            for c, value in values:
+                c.write_training_chunk(value.reshape(-1))
 
     def _gather_whole(self) -> None:
         """Stages 1-2: every rank's new chunks into the whole parameters (stage 3: nothing whole)."""

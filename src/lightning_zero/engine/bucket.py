@@ -29,6 +29,7 @@ from lightning_zero.engine.copy_stream import CopyStream, Event
 from lightning_zero.engine.host_chunks import HostChunks
 from lightning_zero.engine.host_reads import HostReads
 from lightning_zero.engine.partition import interleaved_sizes, pack_rows, unpack_rows
+from lightning_zero.engine.scratch_files import ScratchDirectory
 from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.stop_vote import StopVote
 
@@ -49,7 +50,8 @@ class Bucket:
     ``group`` carries the gradient reduce-scatters, ``gather_group`` (default: ``group``) the
     parameter all-gathers; ``pool`` lends the communication buffers (see ``buffers.py``). With
     ``copies``, offloaded parameters keep their chunks in the bucket's ``host`` buffers (see
-    [Note: offloaded bucket] in ``host_chunks.py``).
+    [Note: offloaded bucket] in ``host_chunks.py``), and with ``param_files`` those chunks live in a
+    file named ``name`` there between uses (see [Note: parameters on disk] in ``masters_on_disk.py``).
     """
 
     def __init__(
@@ -61,6 +63,8 @@ class Bucket:
         gather_group: collectives.ProcessGroup = None,
         copies: Optional[CopyStream] = None,
         replicate_group: collectives.ProcessGroup = None,
+        param_files: Optional[ScratchDirectory] = None,
+        name: str = "bucket",
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -86,8 +90,9 @@ class Bucket:
         self.host: Optional[HostChunks] = None
         if copies is not None and self.params[0].offloaded:
             self.host = HostChunks(
-                self.params, self._row_sizes, self.flag_count, copies, trainable=self.params[0].param.requires_grad
-            )
+                self.params, self._row_sizes, self.flag_count, copies, trainable=self.params[0].param.requires_grad,
+                files=param_files, name=name,
+            )  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"

@@ -41,6 +41,7 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero2_offload": {"stage": 2, "offload_optimizer": True},
     "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
     "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_params": True},
+    "zero3_offload_nvme_params": {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"},
 }
 """The names ``import lightning_zero`` registers in the Trainer's and Fabric's strategy registries,
 and the options each one stands for."""
@@ -66,8 +67,8 @@ NVME_PATH_VARIABLE = "LIGHTNING_ZERO_NVME_PATH"
 name ``zero3_offload_nvme`` takes no options)."""
 
 OffloadTier = Union[bool, Literal["cpu", "nvme"]]
-"""Where offloaded optimizer state lives: False (on the device), True or "cpu" (host memory), "nvme"
-(files on a local disk, stepped through a few host buffers)."""
+"""Where offloaded state lives: False (on the device), True or "cpu" (host memory), "nvme" (files on
+a local disk, in host memory only around their uses)."""
 
 ShardGroupSize = Optional[Union[int, Literal["node"]]]
 """How many ranks shard the states: None (all of them), an int, or "node" (the ranks of one node)."""
@@ -93,14 +94,14 @@ def resolve_shard_group_size(shard_group_size: ShardGroupSize, world_size: int, 
     return None if size == world_size else size
 
 
-def check_offload(stage: ZeroStage, offload_optimizer: bool, offload_params: bool) -> None:
+def check_offload(stage: ZeroStage, offload_optimizer: "OffloadTier", offload_params: "OffloadTier") -> None:
     """Raise a ``ValueError`` for an offload choice ``stage`` cannot make (the engine's config and the
     estimator's layouts share this check)."""
     if offload_optimizer and stage is ZeroStage.NOTHING:
         raise ValueError("offloading the optimizer needs a ZeRO stage (1, 2 or 3); DDP has no offload.")
     if offload_params and stage is not ZeroStage.PARAMETERS:
         raise ValueError(
-            f"`offload_params=True` needs stage 3 (got stage {int(stage)}): only stage 3 keeps parameter"
+            f"`offload_params={offload_params!r}` needs stage 3 (got stage {int(stage)}): only stage 3 keeps parameter"
             " chunks, at stages 1-2 every rank holds the full parameters on its device. Use"
             " `offload_optimizer=True` to move the optimizer state to the host at any stage."
         )
@@ -154,9 +155,12 @@ class ZeroConfig:
     the optimizer's own state (Adam's moments) lives in files under ``nvme_path`` instead, stepped
     one bucket at a time through ``nvme_buffer_count`` host buffers (see ``state_on_disk.py``)."""
 
-    offload_params: bool = False
-    """Stage 3: also keep the parameter chunks at rest in host memory, copied to the device only
-    for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those chunks)."""
+    offload_params: OffloadTier = False
+    """Stage 3: True (or "cpu"): also keep the parameter chunks at rest in host memory, copied to the
+    device only for their unit's all-gather. Needs ``offload_optimizer`` (the optimizer steps those
+    chunks). "nvme": the chunks live in files under ``nvme_path`` and are read into host memory
+    ahead of each gather and of the optimizer step, and written back after the step (see
+    ``masters_on_disk.py``). Needs ``offload_optimizer="nvme"``."""
 
     nvme_path: Optional[str] = None
     """With ``offload_optimizer="nvme"``: an existing directory on a fast local disk (an NVMe SSD).
@@ -193,10 +197,17 @@ class ZeroConfig:
         if not (self.check_units_every_gather is None or isinstance(self.check_units_every_gather, bool)):
             raise TypeError(f"`check_units_every_gather` must be True, False or None (automatic), got {self.check_units_every_gather!r}.")
         self._check_offload_tiers()
-        for name in ("offload_params", "fused_host_step"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if not isinstance(self.fused_host_step, bool):
+            raise TypeError(f"`fused_host_step` must be True or False, got {self.fused_host_step!r}.")
         check_offload(self.zero_stage, self.offload_optimizer, self.offload_params)
+        if self.params_on_disk and not self.optimizer_state_on_disk:
+            # the NVMe stream of the optimizer step is what reads and writes the chunks it steps
+            raise ValueError(
+                "`offload_params='nvme'` keeps the parameter chunks in files, and the optimizer steps"
+                " them one bucket at a time as it streams its own state from the same disk, so it needs"
+                f" `offload_optimizer='nvme'` (got `offload_optimizer={self.offload_optimizer!r}`)."
+                " `strategy='zero3_offload_nvme_params'` sets both."
+            )
         for name in ("min_unit_params", "prefetch_units"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -211,14 +222,13 @@ class ZeroConfig:
                 f"`offload_optimizer` must be False, True (or 'cpu': host memory) or 'nvme' (files under"
                 f" `nvme_path`), got {self.offload_optimizer!r}."
             )
-        if self.offload_params == "nvme":
-            raise ValueError(
-                "`offload_params='nvme'` (parameter chunks streamed from NVMe) is not supported yet: the"
-                " NVMe tier holds the optimizer state. Use `offload_params=True` (chunks in host memory)"
-                " with `offload_optimizer='nvme'`, as `strategy='zero3_offload_nvme'` does."
-            )
         if self.offload_params == "cpu":
             object.__setattr__(self, "offload_params", True)
+        if not (isinstance(self.offload_params, bool) or self.offload_params == "nvme"):
+            raise ValueError(
+                f"`offload_params` must be False, True (or 'cpu': host memory) or 'nvme' (files under"
+                f" `nvme_path`), got {self.offload_params!r}."
+            )
         if self.optimizer_state_on_disk:
             if self.nvme_path is None:
                 object.__setattr__(self, "nvme_path", os.environ.get(NVME_PATH_VARIABLE) or None)
@@ -243,6 +253,11 @@ class ZeroConfig:
     def optimizer_state_on_disk(self) -> bool:
         """``offload_optimizer="nvme"``: the optimizer's state lives in files (``state_on_disk.py``)."""
         return self.offload_optimizer == "nvme"
+
+    @property
+    def params_on_disk(self) -> bool:
+        """``offload_params="nvme"``: the stage-3 chunks live in files (``masters_on_disk.py``)."""
+        return self.offload_params == "nvme"
 
     def _check_options_apply(self) -> None:
         """An option that does nothing with the chosen stage raises rather than being ignored: a

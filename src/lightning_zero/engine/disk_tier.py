@@ -1,5 +1,7 @@
 """One engine's NVMe tier: its scratch directory, the staging buffers, and each optimizer's state
-on disk (see [Note: optimizer state on disk] in ``state_on_disk.py``)."""
+on disk (see [Note: optimizer state on disk] in ``state_on_disk.py``); with ``offload_params="nvme"``
+the directory also holds the parameter chunks (see [Note: parameters on disk] in
+``masters_on_disk.py``)."""
 
 from __future__ import annotations
 
@@ -38,36 +40,56 @@ def state_bytes_needed(optimizer: Optimizer, params: Sequence[ShardedParam]) -> 
 class DiskTier:
     """Made by the engine with ``offload_optimizer="nvme"``; ``attach`` each optimizer once sharded."""
 
-    def __init__(self, config: ZeroConfig, buckets: Sequence[Bucket]) -> None:
+    def __init__(self, config: ZeroConfig) -> None:
         assert config.nvme_path is not None
         self.root = config.nvme_path
         # not pinned: the optimizer steps the state on the host, it never crosses to a device
         self.staging = StagingBuffers(config.nvme_buffer_count)
         self.directory: Optional[ScratchDirectory] = None
         self.states: list[OptimizerStateOnDisk] = []
-        self._buckets = [{id(p) for p in bucket.params} for bucket in buckets]
         self._attached = 0
+        self.param_bytes = 0
+        """Bytes of parameter chunks in the directory (``offload_params="nvme"``)."""
 
-    def attach(self, optimizer: Optimizer, params: Sequence[ShardedParam]) -> None:
-        """Move ``optimizer``'s state for ``params`` (``state_dict`` order) to files, one per bucket.
-        A collective: every rank checks its ``nvme_path`` (for the state of all ranks whose paths
-        are on the same disk of the same host) and all fail alike if one cannot hold it."""
-        need, disk = state_bytes_needed(optimizer, params), disk_of(self.root)
-        sharing = [n for d, n in collectives.gather_objects((disk, need)) if disk is not None and d == disk] or [need]
-        collectives.raise_if_any_rank(check_scratch_root(self.root, sum(sharing), ranks=len(sharing)))
+    def reserve(self, nbytes: int, what: str) -> ScratchDirectory:
+        """The scratch directory, once every rank has checked that its ``nvme_path`` can hold
+        ``nbytes`` more of ``what`` (with the bytes of all ranks whose paths are on the same disk of
+        the same host). A collective: all ranks fail alike if one cannot."""
+        disk = disk_of(self.root)
+        sharing = [n for d, n in collectives.gather_objects((disk, nbytes)) if disk is not None and d == disk] or [nbytes]
+        collectives.raise_if_any_rank(check_scratch_root(self.root, sum(sharing), ranks=len(sharing), what=what))
         if self.directory is None:
             self.directory = ScratchDirectory(self.root, label=f"rank{collectives.rank()}")
             # when this tier is dropped, or at the latest when the process ends, also a rank that
             # multiprocessing started (it skips atexit after a fork); a killed process leaves it
             self._remove_directory = multiprocessing.util.Finalize(self, self.directory.close, exitpriority=10)
-        positions = [[i for i, p in enumerate(params) if id(p) in members] for members in self._buckets]
+        return self.directory
+
+    def reserve_for_params(self, nbytes: int) -> ScratchDirectory:
+        """Where the parameter chunks go (``nbytes`` of them on this rank), checked as ``reserve``."""
+        directory = self.reserve(nbytes, "the parameter chunks")
+        self.param_bytes += nbytes
+        return directory
+
+    def attach(self, optimizer: Optimizer, params: Sequence[ShardedParam], buckets: Sequence[Bucket]) -> None:
+        """Move ``optimizer``'s state for ``params`` (``state_dict`` order) to files, one per bucket
+        of ``buckets`` (the engine's gradient buckets) that holds some of them. A collective (see
+        ``reserve``). Where a bucket's chunks live on disk too, the stream steps them with its state."""
+        self.reserve(state_bytes_needed(optimizer, params), "the optimizer state")
+        assert self.directory is not None
+        members = [{id(p) for p in bucket.params} for bucket in buckets]
+        positions = [[i for i, p in enumerate(params) if id(p) in bucket] for bucket in members]
+        masters = [bucket.host.on_disk if bucket.host is not None else None for bucket in buckets]
         bucketed = {i for bucket in positions for i in bucket}
         positions.append([i for i in range(len(params)) if i not in bucketed])  # frozen ones, if an optimizer holds them
+        masters.append(None)
         # sized once for the largest bucket, so that the first step (which makes the state) allocates no more
         tensors = state_tensors_per_param(optimizer)
         self.staging.reserve(max(tensors * sum(aligned(params[i].shard.nbytes) for i in bucket) for bucket in positions))
         self.states.append(
-            OptimizerStateOnDisk(optimizer, params, positions, self.directory, f"optimizer{self._attached}", self.staging)
+            OptimizerStateOnDisk(
+                optimizer, params, positions, self.directory, f"optimizer{self._attached}", self.staging, masters
+            )
         )
         self._attached += 1
 
@@ -87,7 +109,7 @@ class DiskTier:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(state.disk_bytes for state in self.states)
+        return sum(state.disk_bytes for state in self.states) + self.param_bytes
 
     @property
     def io(self) -> Optional[IOStats]:

@@ -39,6 +39,7 @@ from lightning_zero.engine import collectives, module_link
 from lightning_zero.engine.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.disk_tier import DiskTier
+from lightning_zero.engine.masters_on_disk import master_bytes_needed
 from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.grad_window import GradientWindow, full_gradients
 from lightning_zero.engine.host_reads import HostReads
@@ -88,11 +89,20 @@ class ZeroEngine:
         self.optimizers = list(optimizers)
         optimizer_of = optimizer_index_of_params(module, self.optimizers)
         self._host_reads = HostReads()
+        self.disk: Optional[DiskTier] = None
+        """``offload_optimizer="nvme"``: the scratch files of the optimizers' state, and with
+        ``offload_params="nvme"`` of the parameter chunks (``disk_tier.py``)."""
+        if config.optimizer_state_on_disk:
+            self.disk = DiskTier(config)
 
         self.residency: ParameterResidency
         if config.zero_stage is ZeroStage.PARAMETERS:
+            param_files = None
+            if config.params_on_disk:
+                assert self.disk is not None
+                param_files = self.disk.reserve_for_params(master_bytes_needed(module, collectives.world_size(group)))
             self.residency = ShardedParameters(
-                module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group
+                module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group, param_files
             )
         else:
             self.residency = ReplicatedParameters(module, optimizer_of, config, group, replicate_group)
@@ -102,10 +112,6 @@ class ZeroEngine:
         self._params_of_optimizer: list[list[ShardedParam]] = []
         self._step_hooks: list[RemovableHandle] = []
         self._fused_host_steps: list[FusedHostStep] = []
-        self.disk: Optional[DiskTier] = None
-        """``offload_optimizer="nvme"``: where the optimizers' state lives (``disk_tier.py``)."""
-        if config.optimizer_state_on_disk:
-            self.disk = DiskTier(config, self.buckets)
         for optimizer in self.optimizers:
             self._shard_optimizer(optimizer)
 
@@ -168,7 +174,7 @@ class ZeroEngine:
         if self.config.offload_optimizer and self.config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
         if self.disk is not None:
-            self.disk.attach(optimizer, self._params_of_optimizer[-1])
+            self.disk.attach(optimizer, self._params_of_optimizer[-1], self.buckets)
 
     @property
     def shards_parameters(self) -> bool:
@@ -257,6 +263,17 @@ class ZeroEngine:
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         load_full_state_dict(optimizer, state_dict, self.params_of(optimizer))
 
+    def chunks_in_memory(self, writing: bool = False) -> AbstractContextManager[None]:
+        """A context in which every ``ShardedParam.shard`` can be read (and with ``writing`` written):
+        with ``offload_params="nvme"`` this rank's chunks are read in from disk for it (and written
+        back after); otherwise they are in memory anyway."""
+        return self.residency.chunks_in_memory(writing)
+
+    def weight_chunks(self) -> dict[int, torch.Tensor]:
+        """This rank's chunk of every weight, by ``id`` of its ``ShardedParam`` (copies, one bucket at
+        a time, where the chunks live on disk)."""
+        return self.residency.weight_chunks()
+
     def sync_master_weights(self) -> None:
         """Refresh fp32 master shards after the module's full weights were loaded or edited
         (stages 1-2; at stage 3 the chunks are the only copy)."""
@@ -340,7 +357,7 @@ class ZeroEngine:
                 f"The state dict does not match the model: missing keys {missing[:10]}, unexpected keys"
                 f" {unexpected[:10]}{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}."
             )
-        with torch.no_grad():
+        with torch.no_grad(), self.residency.chunks_in_memory(writing=True):
             for key, target in expected.items():
                 if key not in state_dict:
                     continue
@@ -446,7 +463,7 @@ class ZeroEngine:
         ``memory_report`` counts it while it lives."""
         average = AveragedShards(
             self.module, self.params, self.group, self.residency.compute_device, self.config.bucket_bytes,
-            device=device, buffers=buffers, copies=self.residency.copies,
+            device=device, buffers=buffers, copies=self.residency.copies, chunks_in_memory=self.chunks_in_memory,
         )  # fmt: skip
         self.averages.add(average)
         return average

@@ -15,6 +15,11 @@ its parameters may be used anywhere in the step):
   post-accumulate-grad hook per parameter that the gradient sync registers);
 - anything still gathered when backward ends is freed there.
 
+With ``offload_params="nvme"`` each gather's chunks are read from disk first: the unit after those
+being prefetched (in forward order, and in the backward queue) is read ahead (``Unit.read_ahead``),
+so that a gather finds its chunks in memory (see [Note: parameters on disk] in
+``masters_on_disk.py``).
+
 All-gathers are issued in forward order (and its reverse in backward) on a process group of their
 own, so they never interleave with the reduce-scatters, whose order is fixed by the buckets.
 
@@ -112,6 +117,8 @@ class GatherSchedule:
             self._previous_order = self._forward_order
         self._forward_order = []
         self._forget_backward()
+        for index in self._previous_order[: 1 + self.prefetch_units]:  # their reads overlap the root's
+            self.units[index].read_ahead()
         self.root.unshard()
 
     def end_backward(self) -> None:
@@ -203,6 +210,9 @@ class GatherSchedule:
         self._issue_through(position)
         unit.unshard()
         self._issue_through(position + self.prefetch_units)
+        queue = self._queue()
+        if position + self.prefetch_units + 1 < len(queue):
+            queue[position + self.prefetch_units + 1].read_ahead()
 
     def _queue(self) -> list[Unit]:
         """This backward's gather queue, made from the forward calls before it (see [Note:
@@ -240,6 +250,8 @@ class GatherSchedule:
             return  # no record yet, or this forward already left last step's path
         for later in order[position + 1 : position + 1 + self.prefetch_units]:
             self.units[later].start_unshard()
+        for later in order[position + 1 + self.prefetch_units : position + 2 + self.prefetch_units]:
+            self.units[later].read_ahead()
 
     def close(self) -> None:
         for handle in self._handles:

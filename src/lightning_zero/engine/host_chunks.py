@@ -16,6 +16,9 @@ its padding; see [Note: chunk layout] in ``partition.py``):
   still hold gradients (accumulation over micro-batches, or ``zero_grad(set_to_none=False)``):
   the copy lands there and is added on the host.
 
+With ``offload_params="nvme"`` the master lives in a scratch file between uses and is in host
+memory only inside ``in_memory`` (see [Note: parameters on disk] in ``masters_on_disk.py``).
+
 Casts between the weight dtype and the master dtype happen on the device, in pool buffers, never
 in host temporaries. The optimizer's own state is allocated by the optimizer, once, on the host
 next to the shards; it is not pinned, since it never crosses the bus.
@@ -23,13 +26,16 @@ next to the shards; it is not pinned, since it never crosses the bus.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.copy_stream import CopyStream, Event, host_empty
+from lightning_zero.engine.masters_on_disk import MasterOnDisk
+from lightning_zero.engine.scratch_files import ScratchDirectory
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -43,6 +49,8 @@ class HostChunks:
         flag_count: int,
         copies: CopyStream,
         trainable: bool,
+        files: Optional[ScratchDirectory] = None,
+        name: str = "bucket",
     ) -> None:
         self.params = list(params)
         self.flag_count = flag_count
@@ -56,6 +64,14 @@ class HostChunks:
         self.master.zero_()  # the padding goes out with every all-gather and is never read
         for p, piece in zip(self.params, self._chunks(self.master)):
             p.move_shard_into(piece)
+        self.on_disk: Optional[MasterOnDisk] = None
+        """``offload_params="nvme"``: the master's file (see [Note: parameters on disk])."""
+        if files is not None and self.master.numel():
+            file = files.new_file(f"{name}.bin", holds="parameter chunks")
+            self.on_disk = MasterOnDisk(self.master, [p.shard for p in self.params], file)
+            self.on_disk.after_step = self.refresh_device_chunks
+            for p in self.params:
+                p.master_in_memory = self.in_memory
         self.grads = self._allocate(self.row_numel) if trainable else None
         self._grad_chunks = self._chunks(self.grads) if self.grads is not None else []
         self._landing: Optional[Tensor] = None
@@ -76,6 +92,26 @@ class HostChunks:
         """The device copies of the chunks that the all-gather sends, where the device keeps them
         (half-precision weights, or only the optimizer offloaded at stage 3); else empty."""
         return [p.device_chunk for p in self.params if p.device_chunk is not None]
+
+    @contextmanager
+    def in_memory(self, writing: bool = False) -> Iterator[None]:
+        """A context in which ``master`` (and the shards viewing it) can be read, and with
+        ``writing`` written; a no-op unless it lives on disk between uses."""
+        if self.on_disk is None:
+            yield
+            return
+        self.on_disk.acquire(writing)
+        try:
+            yield
+        finally:
+            self.on_disk.release(writing)
+            if writing:  # between steps: the chunks leave memory now, not at their next use
+                self.on_disk.settle(wait=True)
+
+    def fetch(self) -> None:
+        """A use of ``master`` is coming: start reading it from disk (where it lives there)."""
+        if self.on_disk is not None:
+            self.on_disk.fetch()
 
     def _allocate(self, numel: int) -> Tensor:
         self.allocations += 1
@@ -125,12 +161,14 @@ class HostChunks:
     def copy_master_to(self, out: Tensor) -> None:
         """Copy every chunk (S,) into ``out`` on the device, cast to its dtype there; kernels later
         on the compute stream see the result."""
-        out.copy_(self.copies.to_device(self.master))
+        with self.in_memory():
+            out.copy_(self.copies.to_device(self.master))
 
     def refresh_device_chunks(self) -> None:
         """After the optimizer stepped the master chunks: bring them to the device copies."""
         targets = self.device_chunks
         if targets:
-            row = self.copies.to_device(self.master)
-            sources = [chunk for p, chunk in zip(self.params, self._chunks(row)) if p.device_chunk is not None]
-            torch._foreach_copy_(targets, sources)
+            with self.in_memory():
+                row = self.copies.to_device(self.master)
+                sources = [chunk for p, chunk in zip(self.params, self._chunks(row)) if p.device_chunk is not None]
+                torch._foreach_copy_(targets, sources)

@@ -54,8 +54,9 @@ class MemoryReport:
     """Bytes of the communication buffers kept for reuse (``buffers.py``): not model state, the
     engine's working memory on the device, next to it."""
     disk: int = 0
-    """Bytes of optimizer state in NVMe scratch files (``offload_optimizer="nvme"``): not memory,
-    and not in ``total``; its staging buffers count as host optimizer state."""
+    """Bytes of optimizer state (and, with ``offload_params="nvme"``, parameter chunks) in NVMe
+    scratch files: not memory, and not in ``total``; the staging buffers count as host optimizer
+    state, and chunks read in for a use count where they are while they are there."""
 
     @property
     def parameters(self) -> int:
@@ -102,11 +103,12 @@ def measure(
     ``averages``: the tensors of weight averages, each with where it counts (``place_of``).
 
     Each tensor counts where it is (``place_of``). ``staging_bytes``: the NVMe tier's host buffers
-    (optimizer state); ``disk_bytes``: the state in its files.
+    (optimizer state); ``disk_bytes``: the state (and parameter chunks) in its files.
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
-        return 0 if t is None else t.numel() * t.element_size()
+        # a tensor whose storage is freed (a stage-3 chunk on disk between uses) holds nothing
+        return 0 if t is None or t.untyped_storage().nbytes() == 0 else t.numel() * t.element_size()
 
     def place(t: torch.Tensor, sp: ShardedParam) -> str:
         return place_of(t, sp.offloaded, sp.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import weakref
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterator, Optional, Sequence
@@ -29,7 +29,9 @@ from lightning_zero.engine.copy_stream import CopyStream
 from lightning_zero.engine.evaluation_join import EvaluationJoin
 from lightning_zero.engine.gather_schedule import GatherSchedule
 from lightning_zero.engine.host_reads import HostReads
+from lightning_zero.engine.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.materialize import build_units
+from lightning_zero.engine.scratch_files import ScratchDirectory
 from lightning_zero.engine.sharded_param import ShardedParam
 from lightning_zero.engine.unit import UnitCommunication, UnitState
 
@@ -113,6 +115,17 @@ class ParameterResidency(abc.ABC):
         """A context in which every parameter is its full tensor (on every rank, unless
         ``full_copies`` says otherwise)."""
 
+    def chunks_in_memory(self, writing: bool = False) -> AbstractContextManager[None]:
+        """A context in which every chunk the optimizer steps can be read (and with ``writing``
+        written) directly: with ``offload_params="nvme"`` they are read in from disk for it (and
+        written back after), all of this rank's at once; elsewhere they are always in memory."""
+        return nullcontext()
+
+    def weight_chunks(self) -> dict[int, Tensor]:
+        """This rank's chunk of every weight, by ``id`` of its ``ShardedParam``, readable after this
+        returns: the chunks the optimizer steps, or copies of them where they live on disk."""
+        return {id(p): p.shard for p in self.params}
+
     def adopt_assigned_data(self) -> None:
         """After each backward, before any optimizer step: keep the values of parameters whose
         ``.data`` was assigned (see ``ShardedParam.adopt_assigned_data``)."""
@@ -130,11 +143,12 @@ class ParameterResidency(abc.ABC):
         """Copy edits of the full parameters into the chunks the optimizer steps."""
         if self.copies is not None:
             self.copies.synchronize()  # no copy to the device still reads the host chunks
-        for p in self.params:
-            if p.data_was_assigned():  # `param.data = ...` (e.g. ModelPruning's lottery-ticket reset)
-                p.adopt_assigned_data(between_steps=True)
-            else:
-                p.sync_master_from_param()
+        with self.chunks_in_memory(writing=True):
+            for p in self.params:
+                if p.data_was_assigned():  # `param.data = ...` (e.g. ModelPruning's lottery-ticket reset)
+                    p.adopt_assigned_data(between_steps=True)
+                else:
+                    p.sync_master_from_param()
 
     def release_to(self, device: torch.device) -> None:
         """Leave the module with plain full parameters (when training ends)."""
@@ -218,7 +232,10 @@ class ShardedParameters(ParameterResidency):
         verdicts: HostReads,
         timeout: Optional[timedelta] = None,
         replicate_group: collectives.ProcessGroup = None,
+        param_files: Optional[ScratchDirectory] = None,
     ) -> None:
+        """``param_files``: with ``offload_params="nvme"``, where the offloaded chunks live between
+        uses (see [Note: parameters on disk] in ``masters_on_disk.py``)."""
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
         offload = config.offload_optimizer
@@ -239,6 +256,7 @@ class ShardedParameters(ParameterResidency):
             ),
             copies=self.copies,
             replicate_group=replicate_group,
+            param_files=param_files,
         )
         self.units = build_units(
             module,
@@ -251,6 +269,9 @@ class ShardedParameters(ParameterResidency):
         )
         self.params = [p for unit in self.units for p in unit.params]
         self.grad_buckets = [b for unit in reversed(self.units) for b in unit.grad_buckets]  # backward runs units in reverse
+        self.masters_on_disk: list[MasterOnDisk] = [
+            b.host.on_disk for b in self.buckets_with_host if b.host is not None and b.host.on_disk is not None
+        ]
         # the root unit is gathered once per step and often holds the embeddings: it is not what
         # the pool is sized for (see buffers.py)
         regular = [b.buffer_bytes for unit in self.units[1:] for b in unit.buckets] or [
@@ -279,6 +300,37 @@ class ShardedParameters(ParameterResidency):
     def finish_evaluation(self) -> None:
         self.join.shadow_until_all_done(self.schedule.replay_evaluation_step)
         self._verdicts.read()
+        self._drop_unused_reads()
+
+    def _drop_unused_reads(self) -> None:
+        """Chunks read ahead from disk for a gather that did not come leave memory."""
+        for master in self.masters_on_disk:
+            master.drop_unused()
+
+    @contextmanager
+    def chunks_in_memory(self, writing: bool = False) -> Iterator[None]:
+        for master in self.masters_on_disk:
+            master.fetch()  # all reads in flight at once
+        held: list[MasterOnDisk] = []
+        try:
+            for master in self.masters_on_disk:
+                master.acquire(writing)
+                held.append(master)
+            yield
+        finally:
+            for master in held:
+                master.release(writing)
+            for master in held:  # their writes run together; the chunks leave memory once written
+                master.settle(wait=True)
+
+    def weight_chunks(self) -> dict[int, Tensor]:
+        if not self.masters_on_disk:
+            return super().weight_chunks()
+        chunks = {}
+        for bucket in self.buckets_with_host:
+            with bucket.host.in_memory():
+                chunks.update({id(p): p.shard.detach().clone() for p in bucket.params})
+        return chunks
 
     def finish_backward_gathers(self) -> None:
         self.schedule.finish_backward_gathers()
@@ -295,9 +347,11 @@ class ShardedParameters(ParameterResidency):
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
         mine = {id(p) for p in optimizer_params}
         for bucket in self.buckets_with_host:
-            if any(id(p) in mine for p in bucket.params):  # one copy and one cast per bucket
+            # one copy and one cast per bucket; chunks on disk were copied by the step itself
+            if bucket.host.on_disk is None and any(id(p) in mine for p in bucket.params):
                 bucket.host.refresh_device_chunks()
         self.schedule.refresh_gathered()
+        self._drop_unused_reads()
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
         """Every parameter's full value as a copy on ``device``, gathering one unit at a time (a
@@ -356,8 +410,9 @@ class ShardedParameters(ParameterResidency):
             if copies.keep:
                 if writeback and self.copies is not None:
                     self.copies.synchronize()  # no copy to the device still reads the host chunks
-                for p, _ in lent:
-                    p.end_full_copy(writeback)
+                with self.chunks_in_memory(writing=True) if writeback else nullcontext():
+                    for p, _ in lent:
+                        p.end_full_copy(writeback)
 
     def end_training(self) -> None:
         """A run ended normally: the module stays sharded at rest for evaluation, checkpoints or
@@ -366,6 +421,9 @@ class ShardedParameters(ParameterResidency):
         self.schedule.end_step()
         self.schedule.close()
         self.pool.clear()
+        for master in self.masters_on_disk:
+            master.drop_unused()
+            master.settle(wait=True)
 
     def resume(self) -> None:
         self.schedule.open()

@@ -146,9 +146,11 @@ def _run_holding(fn: Callable[[memoryview], None], view: memoryview, buffer: Ten
 class ScratchFile:
     """One file of a :class:`ScratchDirectory`, read and written whole (``nbytes`` from offset 0)."""
 
-    def __init__(self, directory: "ScratchDirectory", name: str) -> None:
+    def __init__(self, directory: "ScratchDirectory", name: str, holds: str = "optimizer state") -> None:
         self.directory = directory
         self.path = os.path.join(directory.path, name)
+        self.holds = holds
+        """What the file holds, for the messages: "optimizer state" or "parameter chunks"."""
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.nbytes = 0
         """Bytes written so far: what a read expects to find."""
@@ -176,7 +178,7 @@ class ScratchFile:
             if n == 0:
                 raise ScratchFileError(
                     f"NVMe offload: {self.path} ends after {done} bytes, {len(view)} were written there: it was"
-                    " truncated while training. The optimizer state in it is lost; resume from the last checkpoint."
+                    f" truncated while training. The {self.holds} in it {self._are} lost; resume from the last checkpoint."
                 )
             done += n
         self.directory.stats.add(reads=1, read_bytes=len(view), read_seconds=time.perf_counter() - start)
@@ -186,14 +188,18 @@ class ScratchFile:
         status = os.fstat(self._fd)
         if status.st_nlink == 0 or not os.path.exists(self.path):
             raise ScratchFileError(
-                f"NVMe offload: {self.path} was removed while training. The optimizer state in it is lost;"
+                f"NVMe offload: {self.path} was removed while training. The {self.holds} in it {self._are} lost;"
                 " resume from the last checkpoint, and keep `nvme_path` free of cleanup jobs while a run uses it."
             )
         if status.st_size < self.nbytes:
             raise ScratchFileError(
                 f"NVMe offload: {self.path} holds {status.st_size} bytes, {self.nbytes} were written there: it was"
-                " truncated while training. The optimizer state in it is lost; resume from the last checkpoint."
+                f" truncated while training. The {self.holds} in it {self._are} lost; resume from the last checkpoint."
             )
+
+    @property
+    def _are(self) -> str:
+        return "are" if self.holds.endswith("s") else "is"
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -216,8 +222,8 @@ class ScratchDirectory:
         self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvme-io")
         self._files: list[ScratchFile] = []
 
-    def new_file(self, name: str) -> ScratchFile:
-        file = ScratchFile(self, name)
+    def new_file(self, name: str, holds: str = "optimizer state") -> ScratchFile:
+        file = ScratchFile(self, name, holds)
         self._files.append(file)
         return file
 
@@ -246,10 +252,10 @@ def disk_of(root: str) -> Optional[tuple[str, int]]:
         return None
 
 
-def check_scratch_root(root: str, bytes_needed: int, ranks: int = 1) -> Optional[str]:
+def check_scratch_root(root: str, bytes_needed: int, ranks: int = 1, what: str = "the optimizer state") -> Optional[str]:
     """Why ``root`` cannot hold ``bytes_needed`` bytes of scratch files (None if it can): it must
     be an existing, writable directory with that much free space (``ranks``: how many ranks'
-    files the bytes are, when several share the disk)."""
+    files the bytes are, when several share the disk; ``what``: what they hold, for the message)."""
     if not os.path.isdir(root):
         what = "is not a directory" if os.path.exists(root) else "does not exist"
         return f"`nvme_path={root!r}` {what}. Create it on a fast local disk (an NVMe SSD), or point `nvme_path` at one."
@@ -260,11 +266,10 @@ def check_scratch_root(root: str, bytes_needed: int, ranks: int = 1) -> Optional
         return f"`nvme_path={root!r}` is not writable here ({err.strerror}). Give this user write access, or choose another directory."
     free = shutil.disk_usage(root).free
     if free < bytes_needed:
-        whose = "this rank's optimizer state needs" if ranks == 1 else f"the optimizer state of the {ranks} ranks on this disk needs"
+        whose = f"this rank's {what[4:]} needs" if ranks == 1 else f"{what} of the {ranks} ranks on this disk needs"
         return (
-            f"`nvme_path={root!r}` has {_gb(free)} free, and {whose} {_gb(bytes_needed)} there (at most: the"
-            " optimizer's per-element state of every chunk, the `nvme per node` column of `lightning-zero estimate`)."
-            " Free space, or choose a larger disk."
+            f"`nvme_path={root!r}` has {_gb(free)} free, and {whose} {_gb(bytes_needed)} there (at most; the"
+            " `nvme per node` column of `lightning-zero estimate` gives the total). Free space, or choose a larger disk."
         )
     return None
 

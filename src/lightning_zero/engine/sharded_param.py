@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -72,6 +73,9 @@ class ShardedParam:
         self._shard_data = self.shard.detach()
         self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
         self._shape_stand_in: Optional[Tensor] = None  # see show_grad
+        self.master_in_memory: Callable[..., AbstractContextManager] = _always_in_memory
+        """``master_in_memory(writing=...)``: a context in which ``shard`` can be read (and written);
+        its bucket's where the chunk lives on disk between uses (see ``masters_on_disk.py``)."""
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -136,14 +140,15 @@ class ShardedParam:
     def refresh_device_chunk(self) -> None:
         """After the optimizer stepped the host shard: bring the update to the device copy."""
         if self.device_chunk is not None:
-            self.device_chunk.copy_(self.shard.detach())
+            with self.master_in_memory():
+                self.device_chunk.copy_(self.shard.detach())
 
     def load_full_value(self, full: Tensor) -> None:
         """Take this rank's chunk of ``full`` (the whole parameter, e.g. from a checkpoint)."""
         if full.shape != self.shape:
             raise ValueError(f"parameter {self.name!r} has shape {tuple(self.shape)}, the value has {tuple(full.shape)}")
         start, end = self.layout.owned_range(self.rank)
-        with torch.no_grad():
+        with torch.no_grad(), self.master_in_memory(writing=True):
             self.shard.copy_(full.detach().reshape(-1)[start:end])
             self.refresh_device_chunk()
             if self.keeps_full:
@@ -153,7 +158,7 @@ class ShardedParam:
         """Take this rank's chunk (stage 3; e.g. read from a sharded checkpoint)."""
         if chunk.numel() != self.owned_numel:
             raise ValueError(f"parameter {self.name!r}: expected {self.owned_numel} elements for this rank, got {chunk.numel()}")
-        with torch.no_grad():
+        with torch.no_grad(), self.master_in_memory(writing=True):
             self.shard.copy_(chunk.reshape(self.shard.shape))
             self.refresh_device_chunk()
 
@@ -195,7 +200,8 @@ class ShardedParam:
             self.param.data = full.view(self.shape)
             start, end = self.layout.owned_range(self.rank)
             if not self.aliases_param:
-                self.shard.copy_(full[start:end])
+                with self.master_in_memory(writing=True):
+                    self.shard.copy_(full[start:end])
             self.refresh_device_chunk()
 
     def _take_storage_of(self, new: Tensor) -> None:
@@ -219,7 +225,7 @@ class ShardedParam:
         other gathered storage. Never mid-step: autograd keeps the previous storage's references."""
         self._unsharded, self._unsharded_flat, self._target_rows = new, new.view(-1), None
         start, end = self.layout.owned_range(self.rank)
-        with torch.no_grad():
+        with torch.no_grad(), self.master_in_memory(writing=True):
             self.shard.copy_(self._unsharded_flat[start:end].reshape(self.shard.shape))
         self.refresh_device_chunk()
 
@@ -251,7 +257,7 @@ class ShardedParam:
     def sync_master_from_param(self) -> None:
         """Refresh the optimizer's chunk from the full parameter (after its weights were edited)."""
         if not self.aliases_param:
-            with torch.no_grad():
+            with torch.no_grad(), self.master_in_memory(writing=True):
                 self.shard.copy_(self._owned_chunk())
                 if self.device_chunk is not None:
                     self.device_chunk.copy_(self._owned_chunk())
@@ -330,6 +336,10 @@ class ShardedParam:
             # values it had, and gather into a new tensor next time
             self._unsharded = self._unsharded_flat = self._target_rows = None
 
+
+
+def _always_in_memory(writing: bool = False) -> AbstractContextManager:
+    return nullcontext()
 
 
 def _copy_to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:

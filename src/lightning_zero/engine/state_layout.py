@@ -5,10 +5,12 @@ bucket moves between them in one read or write."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from lightning_zero.engine.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.scratch_files import ScratchFile
 
 ALIGNMENT = 64
@@ -45,6 +47,9 @@ class BucketState:
     positions: list[int]
     file: ScratchFile
     entries: list[StateEntry] = field(default_factory=list)
+    master: Optional[MasterOnDisk] = None
+    """Where the bucket's parameter chunks live on disk too (``offload_params="nvme"``): they are
+    read, stepped and written with the state."""
 
     @property
     def nbytes(self) -> int:

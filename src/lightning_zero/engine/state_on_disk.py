@@ -24,6 +24,9 @@ its class, param groups, hyperparameters and schedulers; what changes:
 - **First step of a bucket:** the optimizer creates its state itself, in ordinary memory, for that
   bucket only; it is packed into a staging buffer, written, and released. The bucket's layout (its
   entries' keys, dtypes and offsets) is fixed then, and grows if a parameter gains state later.
+- **Parameters on disk too** (``offload_params="nvme"``): a bucket's master chunks (what the
+  optimizer steps) are read with its state, ahead, and written back with it; they leave memory
+  once their write is done (see [Note: parameters on disk] in ``masters_on_disk.py``).
 - **``state_dict()``** returns the entries read back from the files into fresh host tensors (this
   rank's state, for as long as the caller keeps it: a checkpoint's save). **``load_state_dict()``**
   writes the loaded state to the files and releases it. Checkpoints therefore hold the state as
@@ -41,6 +44,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.engine.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.scratch_files import PendingIO, ScratchDirectory
 from lightning_zero.engine.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.sharded_param import ShardedParam
@@ -65,17 +69,21 @@ class OptimizerStateOnDisk:
         directory: ScratchDirectory,
         name: str,
         staging: StagingBuffers,
+        masters: Optional[Sequence[Optional[MasterOnDisk]]] = None,
     ) -> None:
         self.optimizer = optimizer
         self.shards = [p.shard for p in params]
         self.staging = staging
         self.directory = directory
+        masters = masters if masters is not None else [None] * len(buckets)
         self.buckets = [
-            BucketState(list(positions), directory.new_file(f"{name}-bucket{k}.bin")) for k, positions in enumerate(buckets) if positions
+            BucketState(list(positions), directory.new_file(f"{name}-bucket{k}.bin"), master=master)
+            for k, (positions, master) in enumerate(zip(buckets, masters))
+            if positions
         ]
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._unhooked = _unhooked_step(optimizer)
-        self._writes: deque[tuple[Tensor, PendingIO]] = deque()
+        self._writes: deque[tuple[BucketState, Tensor, PendingIO]] = deque()
         self._prefetched: deque[tuple[BucketState, Tensor, Optional[PendingIO]]] = deque()
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
@@ -122,15 +130,24 @@ class OptimizerStateOnDisk:
         critical path. The step uses them if it updates those buckets first, else drops them."""
         self.discard_prefetched()
         for bucket in self._due()[: self.staging.count - 1]:  # one left for the step's own read-ahead
-            buffer = self.staging.take(bucket.nbytes)
-            self._prefetched.append((bucket, buffer, bucket.file.start_read(buffer, bucket.nbytes) if bucket.entries else None))
+            self._prefetched.append((bucket, *self._start_reading(bucket)))
+
+    def _start_reading(self, bucket: BucketState) -> tuple[Tensor, Optional[PendingIO]]:
+        """A staging buffer with ``bucket``'s state being read into it (and its chunks, where they
+        live on disk, being read too)."""
+        if bucket.master is not None:
+            bucket.master.fetch()
+        buffer = self.staging.take(bucket.nbytes)
+        return buffer, bucket.file.start_read(buffer, bucket.nbytes) if bucket.entries else None
 
     def discard_prefetched(self) -> None:
         while self._prefetched:
-            _, buffer, read = self._prefetched.popleft()
+            bucket, buffer, read = self._prefetched.popleft()
             if read is not None:
                 read.wait()
             self.staging.give_back(buffer)
+            if bucket.master is not None:
+                bucket.master.drop_unused()
 
     def _stream(self, due: list[BucketState], step_kwargs: dict[str, Any]) -> None:
         """Step ``due`` in order, reading ahead into free buffers and writing behind: a buffer is
@@ -142,26 +159,34 @@ class OptimizerStateOnDisk:
         self.discard_prefetched()
         next_read = len(reads)
         for k, bucket in enumerate(due):
-            while self._writes and self._writes[0][1].done():
+            while self._writes and self._writes[0][2].done():
                 self._finish_oldest_write()
             if next_read == k and len(self._writes) >= self.staging.count:
                 self._finish_oldest_write()  # room for the bucket about to step: wait for a write
             while next_read < len(due) and len(reads) + len(self._writes) < self.staging.count:
-                ahead = due[next_read]
-                buffer = self.staging.take(ahead.nbytes)
-                reads.append((buffer, ahead.file.start_read(buffer, ahead.nbytes) if ahead.entries else None))
+                reads.append(self._start_reading(due[next_read]))
                 next_read += 1
             buffer, read = reads.popleft()
             if read is not None:
                 read.wait()
-            buffer = self._step_bucket(bucket, buffer, step_kwargs)
-            self._writes.append((buffer, bucket.file.start_write(buffer, bucket.nbytes)))
+            if bucket.master is not None:
+                bucket.master.acquire(writing=True)
+            try:
+                buffer = self._step_bucket(bucket, buffer, step_kwargs)
+                if bucket.master is not None:
+                    bucket.master.stepped()
+            finally:
+                if bucket.master is not None:
+                    bucket.master.release(written=True)  # its write starts now
+            self._writes.append((bucket, buffer, bucket.file.start_write(buffer, bucket.nbytes)))
         self.drain()
 
     def _finish_oldest_write(self) -> None:
-        buffer, write = self._writes.popleft()
+        bucket, buffer, write = self._writes.popleft()
         write.wait()
         self.staging.give_back(buffer)
+        if bucket.master is not None:
+            bucket.master.settle(wait=True)  # its chunks' write, started with the state's
 
     def _step_bucket(self, bucket: BucketState, buffer: Tensor, step_kwargs: dict[str, Any]) -> Tensor:
         """Run the optimizer's update on ``bucket``'s shards with their state bound to ``buffer``;

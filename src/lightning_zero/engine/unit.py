@@ -31,6 +31,7 @@ from lightning_zero.engine.bucket import Bucket, PendingParamGather
 from lightning_zero.engine.buffers import BufferPool
 from lightning_zero.engine.copy_stream import CopyStream
 from lightning_zero.engine.host_reads import HostReads
+from lightning_zero.engine.scratch_files import ScratchDirectory
 from lightning_zero.engine.sharded_param import ShardedParam
 
 
@@ -58,6 +59,8 @@ class UnitCommunication:
     """Host↔device copies of offloaded buckets (see ``host_chunks.py``); None without offload."""
     replicate_group: collectives.ProcessGroup = None
     """Hybrid sharding: where reduced gradient chunks are all-reduced across shard groups."""
+    param_files: Optional[ScratchDirectory] = None
+    """``offload_params="nvme"``: where the offloaded buckets keep their chunks between uses."""
 
 
 class UnitTags:
@@ -102,9 +105,12 @@ class Unit:
         for p in self.params:
             members[(p.param.dtype, p.param.requires_grad)].append(p)
         self.buckets = [
-            Bucket(index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group)
-            for ps in members.values()
-        ]
+            Bucket(
+                index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group,
+                param_files=comm.param_files, name=f"params-unit{index}-bucket{k}",
+            )
+            for k, ps in enumerate(members.values())
+        ]  # fmt: skip
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
 
@@ -119,6 +125,14 @@ class Unit:
     def grad_buckets(self) -> list[Bucket]:
         """The buckets of trainable parameters, whose gradients are reduce-scattered."""
         return [b for b in self.buckets if b.params[0].param.requires_grad]
+
+    def read_ahead(self) -> None:
+        """Its gather comes after the ones in flight: start reading the chunks that live on disk
+        (``offload_params="nvme"``; a no-op otherwise, and once gathered)."""
+        if self.state is UnitState.SHARDED:
+            for bucket in self.buckets:
+                if bucket.host is not None:
+                    bucket.host.fetch()
 
     def start_unshard(self) -> None:
         """Issue the all-gather (asynchronously); a no-op unless at rest."""

@@ -75,7 +75,7 @@ class ZeroFabricStrategy(DDPStrategy):
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
         offload_optimizer: OffloadTier = False,
-        offload_params: bool = False,
+        offload_params: OffloadTier = False,
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,

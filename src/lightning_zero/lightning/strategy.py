@@ -79,8 +79,10 @@ class ZeroStrategy(DDPStrategy):
             memory and step the optimizer there (any stage). "nvme": as True, but the optimizer's
             own state (Adam's moments) lives in files under ``nvme_path``, stepped one bucket at a
             time through a few host buffers.
-        offload_params: stage 3: also keep the parameter chunks in host memory between uses
-            (needs ``offload_optimizer``).
+        offload_params: stage 3: True (or "cpu"): also keep the parameter chunks in host memory
+            between uses (needs ``offload_optimizer``). "nvme": keep them in files under
+            ``nvme_path``, read ahead of each gather and of the optimizer step (needs
+            ``offload_optimizer="nvme"``).
         nvme_path: with ``offload_optimizer="nvme"``: an existing directory on a fast local disk;
             each rank keeps its scratch files in a directory of its own there, removed at the
             end. Default: the ``LIGHTNING_ZERO_NVME_PATH`` environment variable.
@@ -123,7 +125,7 @@ class ZeroStrategy(DDPStrategy):
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
         offload_optimizer: OffloadTier = False,
-        offload_params: bool = False,
+        offload_params: OffloadTier = False,
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
