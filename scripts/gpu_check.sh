@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 26's one command for a GPU machine: the CUDA test tier, overhead_gpu.sh, offload_gpu.py and
-# the capacity benchmark on the GPU, then summary.md: every target, its measured value, its verdict.
+# Issue 26's one command for a GPU machine: the CUDA test tier, overhead_gpu.sh, offload_gpu.py, NVMe
+# offload's step time against CPU offload's (issue 28) and the capacity benchmark on the GPU, then
+# summary.md: every target, its measured value, its verdict.
 # Runs from a plain checkout against the installed torch and Lightning (PYTHONPATH=src), in at most
-# 8 minutes on one H200: each step has a time limit (the table below), and a step that fails or runs
+# 9 minutes on one H200: each step has a time limit (the table below), and a step that fails or runs
 # out of time is recorded in the summary while the next one runs.
 #   bash scripts/gpu_check.sh [--dry-run] [--pack]
 # Writes under $OUT (default ./gpu-check): summary.md, summary.json, gpu-check.log (this output)
@@ -17,7 +18,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) dry_run=1 ;;
     --pack) pack=1 ;;
-    -h | --help) sed -n '2,13p' "$0" | cut -c3-; exit 0 ;;
+    -h | --help) sed -n '2,14p' "$0" | cut -c3-; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -27,23 +28,29 @@ python=${PYTHON:-python3}
 detail="$out/detail"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# Steps, sizes and time limits (seconds). On the GPU the limits add up to 460 s: first guesses, sized
+# Steps, sizes and time limits (seconds). On the GPU the limits add up to 505 s: first guesses, sized
 # from the H200's published speed; the summary says how long each step took, to tune them by.
 if [ "$dry_run" = 1 ]; then
   # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
   tier_steps=("cuda-tier:engine lightning checkpoint compile:60") overhead_precisions=(fp32)
-  overhead_limit=60 offload_limit=60 capacity_limit=60
+  overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
+  nvme_args=(--device cpu --variants zero3_offload,zero3_offload_nvme_params --n-layer 2 --n-embd 64 --n-head 4 --block-size 16
+             --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   # the CPU budget is the whole process (~300 MB of Python and torch): one try, over it, ends the search
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else
   # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
   tier_steps=("cuda-tier-engine:engine:45" "cuda-tier-lightning:lightning:90" "cuda-tier-checkpoint:checkpoint:40"
               "cuda-tier-compile:compile:60")
-  overhead_precisions=(fp32 bf16-mixed) overhead_limit=50 offload_limit=70 capacity_limit=55
+  overhead_precisions=(fp32 bf16-mixed) overhead_limit=50 offload_limit=70 nvme_limit=45 capacity_limit=55
   overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 4 variants in fresh processes
   offload_args=(--warmup 1 --steps 3 --time-budget-s 60)  # the default 1.2B GPT, bf16-mixed
+  # a GPT of 8 x 1024 (101M parameters, 1.6 GB of fp32 states), 4 x 256 tokens: the optimizer step
+  # streams 0.8 GB of moments (and 0.4 GB of chunks, read 3 times) per step through the local disk
+  nvme_args=(--device cuda --variants zero3_offload,zero3_offload_nvme,zero3_offload_nvme_params --n-layer 8
+             --n-embd 1024 --n-head 16 --block-size 256 --batch-size 4 --warmup 1 --steps 3 --timeout 40)
   # GPT blocks of 0.79M parameters (12.6 MB of DDP's fp32 states) and 17 MB of activations at
   # 4 x 256 tokens: about 3 blocks for DDP and 5 for zero3_offload under the budget, so each
   # search ends after 4 to 6 tries, each in fresh processes (bench/capacity.py)
@@ -85,6 +92,10 @@ check() {
   done
   run_step offload "$offload_limit" "$python" scripts/offload_gpu.py "${offload_args[@]}" --search-sizes "" \
     --out "$detail/offload_gpu.json"
+  nvme_files=$(mktemp -d)  # the disk the check runs on, as a user's nvme_path would be; not under $OUT
+  run_step nvme "$nvme_limit" "$python" -m lightning_zero bench --devices 1 --nvme-path "$nvme_files" \
+    "${nvme_args[@]}" --out "$detail/nvme"
+  rm -rf "$nvme_files"
   run_step capacity "$capacity_limit" "$python" -m lightning_zero bench --capacity model --devices 1 \
     "${capacity_args[@]}" --out "$detail/capacity"
   "$python" scripts/gpu_summary.py summary "$out" ${flags[@]+"${flags[@]}"}

@@ -5,7 +5,7 @@
 
 The summary reads what the check's steps left in ``OUT_DIR/detail`` (see ``gpu_check.sh``): each
 step's exit status and time (``steps.tsv``), the CUDA tier's JUnit XML files, ``bench.json`` of
-``overhead_gpu.sh`` per precision and of the capacity run, and ``offload_gpu.json``; and gives each
+``overhead_gpu.sh`` per precision, of the NVMe run and of the capacity run, and ``offload_gpu.json``; and gives each
 target its measured value and a verdict: PASS, FAIL, or NOT MEASURED with the reason (the step
 failed, ran out of time, or left no figure). It imports nothing beyond the standard library (the
 versions step imports torch to report it and its GPU), so it runs whatever broke before it.
@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 STEP_TIME_TARGETS = {"zero1": 1.05, "zero2": 1.05, "zero3": 1.15}
+NVME_STEP_TIME_TARGET = 1.5
+"""NVMe offload's step time as a multiple of zero3_offload's in the same run (issue 28)."""
+NVME_VARIANTS = ("zero3_offload_nvme", "zero3_offload_nvme_params")
 """Step time of ours at world size 1 as a multiple of DDP's (issues 8 and 11, restated in issue 26)."""
 OVERHEAD_PRECISIONS = ("fp32", "bf16-mixed")
 """The runs of ``overhead_gpu.sh``, each in ``detail/overhead/<precision>/bench.json``."""
@@ -219,6 +222,31 @@ def offload_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
     return rows
 
 
+def nvme_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
+    """Each NVMe variant's step time against zero3_offload's, with what its disk did."""
+    variants = variants_by_name(report)
+    reference = variants.get("zero3_offload", {}).get("step_time_s")
+    rows = []
+    for name in NVME_VARIANTS:
+        check, target = f"{name} step time", f"≤ {NVME_STEP_TIME_TARGET:.2f}× zero3_offload"
+        variant = variants.get(name, {})
+        seconds = variant.get("step_time_s")
+        if not reference or seconds is None:
+            reason = variant.get("reason") or variants.get("zero3_offload", {}).get("reason") or "no step time in bench.json"
+            rows.append(Row(check, target, "—", not_measured(steps, "nvme", reason)))
+            continue
+        ratio = seconds / reference
+        disk = variant.get("disk") or {}
+        io = (
+            f"; read / write {disk['read_gbps']:.2f} / {disk['write_gbps']:.2f} GB/s, {disk['waits_per_step']:.1f} waits per step"
+            if "read_gbps" in disk
+            else ""
+        )
+        measured = f"{ratio:.2f}× ({seconds * 1e3:.1f} ms vs {reference * 1e3:.1f} ms{io})"
+        rows.append(Row(check, target, measured, PASS if ratio <= NVME_STEP_TIME_TARGET else FAIL))
+    return rows
+
+
 def capacity_lines(report: Optional[dict], steps: dict[str, Step]) -> list[str]:
     if report is None:
         return [not_measured(steps, "capacity", "no bench.json")]
@@ -252,6 +280,7 @@ def summarize(out: Path, dry_run: bool) -> dict[str, Any]:
         tier_rows(tier, steps, tier_steps)
         + overhead_rows(overhead, steps)
         + offload_rows(read_json(detail / "offload_gpu.json"), steps)
+        + nvme_rows(read_json(detail / "nvme" / "bench.json"), steps)
     )
     return {
         "dry_run": dry_run,

@@ -147,7 +147,12 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
     on_disk = sizing.recommend(estimates, 10 * GB, host_memory=100 * GB)
     assert on_disk.choice.layout.label == "zero3 + offload optimizer (nvme)"
     assert "60.419 GB of host memory per node (60 GB of it pinned), and 60 GB of NVMe per node" in on_disk.message
-    assert sizing.recommend(estimates, 10 * GB, host_memory=60 * GB).choice is None
+    # with 60 GB only the master chunks' move to NVMe as well fits: the host keeps the gradient
+    # chunks (4 B per parameter, 30 GB) and a few buckets of masters and moments
+    everything_on_disk = sizing.recommend(estimates, 10 * GB, host_memory=60 * GB)
+    assert everything_on_disk.choice.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
+    assert everything_on_disk.choice.disk == 90 * GB  # 12 B per parameter: the moments and the masters
+    assert sizing.recommend(estimates, 10 * GB, host_memory=30 * GB).choice is None
     enough = sizing.recommend(estimates, 10 * GB, host_memory=128 * GB)
     assert enough.choice.layout.label == "zero3 + offload optimizer"
     assert "120 GB of host memory per node (60 GB of it pinned)" in enough.message
@@ -180,11 +185,30 @@ def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
     assert all(e.disk == 0 for e in by_label.values() if not e.layout.state_on_disk)
     # Mixed precision: the bucket holds 4,000 half-precision parameters (1,000 per rank); the host
     # also keeps the fp32 master chunk as optimizer state; 2 nodes of 2 devices: per node, 2 ranks.
-    mixed = est.estimate(psi, est.LAYOUTS[-2], MIXED, est.Topology(2, 2), staging)
+    mixed = est.estimate(psi, est.LAYOUTS[-3], MIXED, est.Topology(2, 2), staging)
     assert mixed.layout.label == "zero3 + offload optimizer (nvme)"
     assert mixed.device == est.StateBytes(parameters=2 * 4_000)
     assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=16_000 + 3 * 8 * 1_000)
     assert (mixed.disk_per_rank, mixed.disk) == (32_000, 64_000)
+
+
+def test_nvme_parameters_move_the_master_chunks_to_disk_too():
+    # 16,000 fp32 parameters on 4 ranks, buckets of 2,000 parameters (500 per rank), 3 buffers: the
+    # host keeps the gradient chunk (4 x 4,000 B) and 3 buckets of masters (3 x 4 x 500 B) and of
+    # moments (3 x 8 x 500 B); the disk the moments and the masters, 12 B x 4,000.
+    staging = est.NvmeStaging(bucket_bytes=8_000, buffer_count=3)
+    everything = est.estimate(16_000, est.LAYOUTS[-1], FP32, est.Topology(4), staging)
+    assert everything.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
+    assert everything.device == est.StateBytes()
+    assert everything.host_per_rank == est.StateBytes(parameters=6_000, gradients=16_000, optimizer_state=12_000)
+    assert (everything.pinned_per_rank, everything.disk_per_rank) == (16_000 + 6_000, 48_000)
+    # Mixed precision: the device keeps the half chunk it gathers from, the fp32 masters go to disk.
+    mixed = est.estimate(16_000, est.LAYOUTS[-1], MIXED, est.Topology(4), staging)
+    assert mixed.device == est.StateBytes(parameters=2 * 4_000)
+    assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=3 * 4 * 1_000 + 3 * 8 * 1_000)
+    assert mixed.disk_per_rank == 12 * 4_000
+    with pytest.raises(ValueError, match="needs offload_optimizer='nvme'"):
+        est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params="nvme")
 
 
 def test_nvme_staging_never_exceeds_the_buckets_there_are():
@@ -197,7 +221,7 @@ def test_nvme_staging_never_exceeds_the_buckets_there_are():
     # Two buckets: two buffers, each of the largest.
     assert est.NvmeStaging(bucket_bytes=4 * 600).host_bytes(1_000, FP32, 1) == 2 * 8 * 600
     # So a small model gains nothing from NVMe: one buffer holds what the optimizer held.
-    small = est.estimate(1_000, est.LAYOUTS[-1], FP32, fp32_rank)
+    small = est.estimate(1_000, est.LAYOUTS[-2], FP32, fp32_rank)
     assert small.host_per_rank.total == est.estimate(1_000, est.LAYOUTS[7], FP32, fp32_rank).host_per_rank.total
     with pytest.raises(ValueError, match="at least 2"):
         est.NvmeStaging(buffer_count=1)
@@ -262,11 +286,18 @@ def test_largest_model_exact_on_small_numbers():
     assert sizing.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
     # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
     small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
-    on_disk = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
+    masters_in_host = [layout for layout in est.LAYOUTS if not layout.params_on_disk]
+    on_disk = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, layouts=masters_in_host, nvme=small_buckets)
     assert on_disk.num_params == 105  # 8 x 105 + 160 = 1000
     assert on_disk.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
     assert (on_disk.estimate.host.total, on_disk.estimate.disk) == (1000, 840)
     assert "840 B of NVMe per node" in on_disk.message
+    # The master chunks on disk too: 4 B per parameter (the gradient chunk) + 2 buffers of masters
+    # (80 B) and of moments (160 B) on the host: 4 x 190 + 240 = 1000; 12 B per parameter on disk.
+    everything = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
+    assert everything.num_params == 190
+    assert everything.estimate.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
+    assert (everything.estimate.host.total, everything.estimate.disk) == (1000, 12 * 190)
 
 
 @pytest.mark.parametrize("scheme", [MIXED, FP32, HALF], ids=lambda s: s.name)
@@ -366,11 +397,15 @@ def test_cli_states_host_and_pinned_memory(capsys):
     # NVMe: the chunks stay, the moments go to disk, 4 buffers of 6,553,600 x 8 B (0.21 GB) stay too.
     on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "9.600", "yes"]
     assert rows["zero3 + offload optimizer (nvme), params"] == on_disk
+    # The master chunks on disk too: the host keeps the gradient chunk (4 B) and 4 buckets of
+    # masters (0.105 GB) and of moments (0.21 GB); 12 B per parameter on disk.
+    everything = ["0.000", "0.000", "0.000", "0.000", "0.000", "5.115", "4.905", "14.400", "yes"]
+    assert rows["zero3 + offload optimizer (nvme), params (nvme)"] == everything
     # The host holds 16 B per parameter with CPU offload and the device 141 GB / 16 = 8.8B; with
-    # NVMe the host holds 8 B per parameter (and 0.21 GB of buffers): (128 GB - 0.21 GB) / 8. The
-    # first layout that holds it keeps the full weights and gradients on the device (8 B each).
-    assert "128 GB of host memory per node: 15,973,785,600 parameters (16B), as zero1 + offload optimizer (nvme):" in out
-    assert "and 127.79 GB of NVMe per node" in out
+    # the moments on NVMe 8 B per parameter, with the masters too 4 B (and 0.31 GB of buffers):
+    # (128 GB - 0.31 GB) / 4, all of it on the host.
+    assert "128 GB of host memory per node: 31,921,356,800 parameters (31.9B), as zero3 + offload optimizer (nvme), params (nvme):" in out
+    assert "and 383.056 GB of NVMe per node" in out
     # Smaller buckets and fewer buffers: 2 x 8 B x 2,621,440 (10 MiB of fp32 weights) = 0.042 GB.
     assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB", "--bucket-size-mb", "10", "--nvme-buffer-count", "2"]) == 0
     rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in capsys.readouterr().out.splitlines()}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DRY_STEPS = ["cuda-tier", "overhead-fp32", "offload", "capacity"]
+DRY_STEPS = ["cuda-tier", "overhead-fp32", "offload", "nvme", "capacity"]
 """The dry run's steps: on the GPU the tier is three steps and the overhead two (see gpu_check.sh)."""
 
 
@@ -32,7 +32,7 @@ def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--pack"], capture_output=True, text=True, env=env, timeout=300  # above the dry run's step limits (4 x 60 s): a slow step is named in its summary
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--pack"], capture_output=True, text=True, env=env, timeout=360  # above the dry run's step limits (5 x 60 s): a slow step is named in its summary
     )
     return done, out
 
@@ -56,13 +56,15 @@ def test_dry_run_runs_every_step_and_packs_its_output(dry_run):
     assert "no CUDA device" in targets.pop("CUDA tier (tests/test_cuda_*.py)")
     not_run = {check for check in targets if check.endswith("bf16-mixed")}
     assert {targets.pop(check) for check in not_run} == {"NOT MEASURED: step overhead-bf16-mixed did not run"}
-    assert len(targets) == 6 and all(verdict in ("PASS", "FAIL") for verdict in targets.values()), targets
+    # the dry run's NVMe step runs zero3_offload_nvme_params only: zero3_offload_nvme's row has no figure
+    assert targets.pop("zero3_offload_nvme step time").startswith("NOT MEASURED")
+    assert len(targets) == 7 and all(verdict in ("PASS", "FAIL") for verdict in targets.values()), targets
     assert "| `zero3` |" in "\n".join(summary["capacity"])
     assert "**Dry run**" in (tmp_path / "summary.md").read_text()
 
     with tarfile.open(tmp_path / "detail.tar.gz") as packed:
         names = set(packed.getnames())
-    for name in ("steps.tsv", "versions.json", "offload_gpu.json", "overhead/fp32/bench.json", "capacity/bench.json"):
+    for name in ("steps.tsv", "versions.json", "offload_gpu.json", "overhead/fp32/bench.json", "nvme/bench.json", "capacity/bench.json"):
         assert f"detail/{name}" in names, name
     assert {f"detail/logs/{step}.log" for step in DRY_STEPS} <= names
 
@@ -157,7 +159,8 @@ def test_summary_gives_each_target_its_figure_and_verdict(figures):
     assert summary["capacity"] == ["NOT MEASURED: step capacity did not run"]
 
     text = gpu_summary.markdown(summary)
-    assert "## Targets: 4 passed, 3 failed, 4 not measured" in text
+    assert rows["zero3_offload_nvme step time"]["verdict"] == "NOT MEASURED: step nvme did not run"
+    assert "## Targets: 4 passed, 3 failed, 6 not measured" in text
     assert "jsonargparse: MISSING" in text and "Dry run" not in text
     assert "| overhead-bf16-mixed | timed out after 45 s | 45 (45) |" in text
 
@@ -166,4 +169,19 @@ def test_summary_of_a_check_that_left_nothing(tmp_path):
     gpu_summary = load_summary_module()
     summary = gpu_summary.summarize(tmp_path, dry_run=False)
     assert all(row["verdict"].startswith("NOT MEASURED") for row in summary["targets"])
-    assert "## Targets: 0 passed, 0 failed, 11 not measured" in gpu_summary.markdown(summary)
+    assert "## Targets: 0 passed, 0 failed, 13 not measured" in gpu_summary.markdown(summary)
+
+
+def test_nvme_rows_judge_each_tier_against_cpu_offload_in_the_same_run():
+    gpu_summary = load_summary_module()
+    disk = {"read_gbps": 2.5, "write_gbps": 1.25, "waits_per_step": 3.0}
+    report = {"variants": [
+        {"name": "zero3_offload", "step_time_s": 0.2},
+        {"name": "zero3_offload_nvme", "step_time_s": 0.25, "disk": disk},
+        {"name": "zero3_offload_nvme_params", "step_time_s": 0.32, "disk": disk},
+    ]}  # fmt: skip
+    rows = {row.check: row for row in gpu_summary.nvme_rows(report, {})}
+    on_disk = rows["zero3_offload_nvme step time"]
+    assert (on_disk.target, on_disk.verdict) == ("≤ 1.50× zero3_offload", "PASS")
+    assert on_disk.measured == "1.25× (250.0 ms vs 200.0 ms; read / write 2.50 / 1.25 GB/s, 3.0 waits per step)"
+    assert rows["zero3_offload_nvme_params step time"].verdict == "FAIL"  # 1.6x

@@ -58,8 +58,11 @@ size of the largest bucket's state. So, per rank, with S = Ψ/N (the shard):
 P is `NvmeStaging.bucket_bytes`: the engine's `bucket_size_mb` (25 MiB) at stages 1-2, where a
 parameter larger than that is a bucket of its own; at stage 3 a bucket is a unit's parameters (one
 transformer block, or the root unit with the embeddings), so give the largest unit's size there.
-DeepSpeed's ZeRO-Infinity also puts the fp32 master weights on NVMe (12 B/parameter/N); this engine
-does not, and the estimate says what it does.
+With `offload_params="nvme"` too (stage 3, ZeRO-Infinity's layout) the master chunk moves to the
+files as well (NVMe: + `offload_chunk_bytes`·S, so 12 B/parameter/N with Adam), and the host keeps of
+it only the buckets read in at a time: min(buffer_count, buckets) · `offload_chunk_bytes` · ⌈P/N⌉
+(the optimizer's stream; the gathers read `prefetch_units` + 1 units ahead). The gradient chunk stays
+in host memory.
 """
 
 from __future__ import annotations
@@ -178,18 +181,29 @@ class Layout:
     """True: the optimizer term (master copy and moments) lives in host memory; the step runs on the
     CPU. "nvme": as True, but the moments live in files on a local disk ([Note: optimizer state on
     NVMe]). The engine's option of the same name (its "cpu" is True here)."""
-    offload_params: bool = False
-    """Stage 3 only: the weight shard also lives in host memory and is copied in to be gathered."""
+    offload_params: Union[bool, Literal["nvme"]] = False
+    """Stage 3 only: True: the weight shard also lives in host memory and is copied in to be
+    gathered. "nvme" (with the moments on NVMe): the master chunk lives in files too, and the host
+    keeps only the few buckets of it read in at a time."""
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.offload_optimizer, bool) or self.offload_optimizer == "nvme"):
-            raise ValueError(f"offload_optimizer must be False, True or 'nvme', got {self.offload_optimizer!r}")
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "nvme"):
+                raise ValueError(f"{name} must be False, True or 'nvme', got {value!r}")
         check_offload(self.stage, self.offload_optimizer, self.offload_params)
+        if self.params_on_disk and not self.state_on_disk:
+            raise ValueError("offload_params='nvme' needs offload_optimizer='nvme' (the engine's rule)")
 
     @property
     def state_on_disk(self) -> bool:
         """The optimizer's moments live on NVMe."""
         return self.offload_optimizer == "nvme"
+
+    @property
+    def params_on_disk(self) -> bool:
+        """The master chunk (the weight shard) lives on NVMe too."""
+        return self.offload_params == "nvme"
 
     @property
     def label(self) -> str:
@@ -198,7 +212,7 @@ class Layout:
         name = "ddp" if self.stage is ZeroStage.NOTHING else f"zero{int(self.stage)}"
         optimizer = "offload optimizer (nvme)" if self.state_on_disk else "offload optimizer"
         if self.offload_params:
-            return f"{name} + {optimizer}, params"
+            return f"{name} + {optimizer}, params{' (nvme)' if self.params_on_disk else ''}"
         if self.offload_optimizer:
             return f"{name} + {optimizer}"
         return name
@@ -230,6 +244,14 @@ class NvmeStaging:
         buckets = -(-num_params // bucket_params)
         return min(self.buffer_count, buckets) * scheme.moment_bytes * shard_numel(bucket_params, sharding_ranks)
 
+    def chunk_window_bytes(self, num_params: int, scheme: "PrecisionScheme", sharding_ranks: int) -> int:
+        """With the master chunks on NVMe too: the most of them one rank holds at once, the buckets
+        the optimizer steps while reading ahead, min(buffer_count, buckets) · master bytes · ⌈P/N⌉
+        (the gathers read fewer ahead: ``prefetch_units`` + 1 units)."""
+        bucket_params = min(num_params, max(1, self.bucket_bytes // scheme.weight_bytes))
+        buckets = -(-num_params // bucket_params)
+        return min(self.buffer_count, buckets) * scheme.offload_chunk_bytes * shard_numel(bucket_params, sharding_ranks)
+
 
 LAYOUTS: tuple[Layout, ...] = (
     Layout(ZeroStage.NOTHING),
@@ -244,6 +266,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout(ZeroStage.GRADIENTS, offload_optimizer="nvme"),
     Layout(ZeroStage.PARAMETERS, offload_optimizer="nvme"),
     Layout(ZeroStage.PARAMETERS, offload_optimizer="nvme", offload_params=True),
+    Layout(ZeroStage.PARAMETERS, offload_optimizer="nvme", offload_params="nvme"),
 )
 """Every layout, in order of preference: on the device before offloading (the host step and PCIe
 copies cost more than sharding), lower stages first (fewer collectives, stage 3 moves 1.5x the bytes),
@@ -356,18 +379,20 @@ def estimate(
     )
     moments = scheme.moment_bytes * shard
     in_host = nvme.host_bytes(num_params, scheme, topology.sharding_ranks) if layout.state_on_disk else moments
+    # the master chunk: all of it in host memory, or with the parameters on NVMe the buckets read in
+    master = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else chunk
     host = StateBytes(
-        parameters=chunk if host_only_weights else 0,
+        parameters=master if host_only_weights else 0,
         gradients=chunk,
-        optimizer_state=(0 if host_only_weights else chunk) + in_host,
+        optimizer_state=(0 if host_only_weights else master) + in_host,
     )
     return MemoryEstimate(
         layout=layout,
         device=device,
         host_per_rank=host,
         devices_per_node=topology.devices,
-        pinned_per_rank=2 * chunk,
-        disk_per_rank=moments if layout.state_on_disk else 0,
+        pinned_per_rank=chunk + master,
+        disk_per_rank=(moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
     )
 
 

@@ -292,17 +292,19 @@ def run_notes(rows: Sequence[CapacityRow], options: BenchOptions) -> tuple[str, 
     zero3 = by_name.get("zero3")
     if options.capacity == "model" and zero3 is not None:
         notes += _targets(zero3, ddp, by_name.get("fsdp2_z3"))
-    nvme, offload = by_name.get("zero3_offload_nvme"), by_name.get("zero3_offload")
-    if options.capacity == "model" and nvme is not None and offload is not None and offload.capacity.largest:
-        ratio = nvme.capacity.largest / offload.capacity.largest
-        host = options.budget_scope == "host"
-        scope = "host memory (the whole process)" if host else "device memory (host state uncharged)"
-        notes.append(
-            f"NVMe offload (issue 28): under a {options.memory_budget / 1e6:,.0f} MB budget of {scope},"
-            f" zero3_offload_nvme trains {nvme.capacity.largest:,} parameters, {ratio:.2f}x zero3_offload's"
-            f" {offload.capacity.largest:,}"
-            + ("" if host else "; use --budget-scope host to charge the host memory it saves")
-        )
+    offload = by_name.get("zero3_offload")
+    for name in ("zero3_offload_nvme", "zero3_offload_nvme_params"):
+        nvme = by_name.get(name)
+        if options.capacity == "model" and nvme is not None and offload is not None and offload.capacity.largest:
+            ratio = nvme.capacity.largest / offload.capacity.largest
+            host = options.budget_scope == "host"
+            scope = "host memory (the whole process)" if host else "device memory (host state uncharged)"
+            notes.append(
+                f"NVMe offload (issue 28): under a {options.memory_budget / 1e6:,.0f} MB budget of {scope},"
+                f" {name} trains {nvme.capacity.largest:,} parameters, {ratio:.2f}x zero3_offload's"
+                f" {offload.capacity.largest:,}"
+                + ("" if host else "; use --budget-scope host to charge the host memory it saves")
+            )
     return tuple(notes)
 
 

@@ -78,15 +78,20 @@ def model_state_floor(
     nvme: est.NvmeStaging = est.NvmeStaging(),
 ) -> StateFloor:
     """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP);
-    `offload_optimizer` may be "nvme" (its host buffers sized by `nvme`)."""
+    `offload_optimizer` may be "nvme" (its host buffers sized by `nvme`), and so may `offload_params`:
+    the estimator then prices the master chunks read in while the optimizer streams, but the bench
+    measures between uses (after a phase of the step), where none is in memory, so they are left out."""
     layout = est.Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
-    estimate = est.estimate(num_params, layout, scheme, est.Topology(devices=world_size), nvme)
+    topology = est.Topology(devices=world_size)
+    estimate = est.estimate(num_params, layout, scheme, topology, nvme)
     device, host = estimate.device, estimate.host_per_rank
+    window = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else 0
+    in_parameters = window if host.parameters else 0  # fp32: the master is the weight's only copy
     return StateFloor(
-        parameters=device.parameters + host.parameters,
+        parameters=device.parameters + host.parameters - in_parameters,
         gradients=device.gradients + host.gradients,
-        optimizer_state=device.optimizer_state + host.optimizer_state,
-        offloaded=host.total,
+        optimizer_state=device.optimizer_state + host.optimizer_state - (window - in_parameters),
+        offloaded=host.total - window,
         on_disk=estimate.disk_per_rank,
     )
 

@@ -34,8 +34,8 @@ class VariantSpec:
     offload_optimizer: Union[bool, Literal["nvme"]] = False
     """Ours: optimizer state (and its step) in host memory; "nvme": its moments in files under the
     run's `--nvme-path`, stepped through a few host buffers."""
-    offload_params: bool = False
-    """Ours, stage 3: parameter shards in host memory too."""
+    offload_params: Union[bool, Literal["nvme"]] = False
+    """Ours, stage 3: parameter shards in host memory too; "nvme": in NVMe files too."""
 
     @property
     def is_ours(self) -> bool:
@@ -71,6 +71,14 @@ VARIANTS: tuple[VariantSpec, ...] = (
         "ZeroEngine stage 3, as zero3_offload with Adam's moments in NVMe files (--nvme-path)",
         offload_optimizer="nvme",
         offload_params=True,
+    ),
+    VariantSpec(
+        "zero3_offload_nvme_params",
+        Family.OURS,
+        3,
+        "ZeroEngine stage 3, as zero3_offload_nvme with the parameter shards in NVMe files too",
+        offload_optimizer="nvme",
+        offload_params="nvme",
     ),
     VariantSpec("ds_zero1", Family.DEEPSPEED, 1, "DeepSpeed ZeRO stage 1, gradient_clipping=0"),
     VariantSpec("ds_zero2", Family.DEEPSPEED, 2, "DeepSpeed ZeRO stage 2, gradient_clipping=0"),
