@@ -36,7 +36,8 @@ if [ "$dry_run" = 1 ]; then
   overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
-  nvme_args=(--device cpu --variants zero3_offload,zero3_offload_nvme_params --n-layer 2 --n-embd 64 --n-head 4 --block-size 16
+  # one variant (the one that reads and writes the most): the pipeline, not a ratio (test_gpu_check_script.py judges those)
+  nvme_args=(--device cpu --variants zero3_offload_nvme_params --n-layer 2 --n-embd 64 --n-head 4 --block-size 16
              --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   # the CPU budget is the whole process (~300 MB of Python and torch): one try, over it, ends the search
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
