@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -93,6 +95,29 @@ def test_registered_names_and_reimport_is_harmless():
         assert name in StrategyRegistry
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, lightning_zero.ZeroStrategy) and strategy.stage == stage
+
+
+def test_the_names_are_registered_whichever_comes_first_and_the_console_tools_start_without_lightning():
+    """In a fresh interpreter: ``import lightning_zero`` and the console tools' and benchmark ranks'
+    modules leave Lightning unimported (they need the engine alone); importing Lightning afterwards
+    registers every name in both registries, as importing it first does (the tests' processes)."""
+    code = """
+import sys
+import lightning_zero
+import lightning_zero.cli, lightning_zero.bench.worker, lightning_zero.estimate
+assert "lightning" not in sys.modules, sorted(m for m in sys.modules if m.startswith("lightning."))
+import lightning
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_zero.engine.config import STRATEGY_NAMES
+missing = [n for n in STRATEGY_NAMES if n not in StrategyRegistry or n not in STRATEGY_REGISTRY]
+assert not missing, missing
+print(type(lightning.Trainer(strategy="zero3_offload_nvme_params", accelerator="cpu", devices=1, logger=False).strategy).__name__)
+"""
+    env = {**os.environ, "LIGHTNING_ZERO_NVME_PATH": "/tmp"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ZeroStrategy"]
 
 
 def test_trainer_accepts_the_names():

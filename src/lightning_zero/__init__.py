@@ -2,7 +2,8 @@
 
 ``import lightning_zero`` registers the strategy names (``zero1``, ``zero2``, ...) in Lightning's
 ``StrategyRegistry`` and in Fabric's, so ``Trainer(strategy="zero2")`` and ``Fabric(strategy="zero2")``
-work.
+work: at once where Lightning is imported, else as soon as the program imports it
+(``registration.py``), so that the console tools, which need only the engine, start without it.
 
 The packages, with dependencies pointing one way (``cli`` → ``bench``, ``checkpoint``,
 ``lightning``, ``fabric`` → ``engine``; nothing imports ``cli``):
@@ -16,10 +17,32 @@ The packages, with dependencies pointing one way (``cli`` → ``bench``, ``check
 - ``models``: the GPT the example, the bench and the tests train.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_zero.checkpoint import checkpoint_file, convert_checkpoint
 from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage
-from lightning_zero.fabric import ZeroFabricStrategy
-from lightning_zero.lightning import ZeroMemoryMonitor, ZeroStrategy
+from lightning_zero.registration import register_with_lightning
+
+if TYPE_CHECKING:  # for type checkers and the API reference; at run time `__getattr__` imports them
+    from lightning_zero.fabric import ZeroFabricStrategy
+    from lightning_zero.lightning import ZeroMemoryMonitor, ZeroStrategy
+
+_ADAPTER_OF = {
+    "ZeroFabricStrategy": "lightning_zero.fabric",
+    "ZeroMemoryMonitor": "lightning_zero.lightning",
+    "ZeroStrategy": "lightning_zero.lightning",
+}
+"""The names that live in the Lightning adapters, imported on first use (see ``registration.py``)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ADAPTER_OF:
+        return getattr(importlib.import_module(_ADAPTER_OF[name]), name)
+    raise AttributeError(f"module 'lightning_zero' has no attribute {name!r}")
+
+
+register_with_lightning()
 
 __all__ = [
     "MemoryReport",
