@@ -94,6 +94,12 @@ class _Task:
         return self.log_dir / f"{self.spec.name}-rank{rank}.log"
 
 
+_PRELOAD = [__name__, "torch._dynamo", "lightning_zero.bench.capacity"]
+"""Imported once by the forkserver and inherited by every rank. `torch._dynamo` is imported by
+the first `Optimizer.add_param_group` of each process (torch wraps it in `_disable_dynamo`):
+0.5 CPU-s per rank if left to the ranks."""
+
+
 def run_variant(
     spec: VariantSpec,
     options: BenchOptions,
@@ -108,7 +114,7 @@ def run_variant(
     task = _Task(spec, options, config, _free_port(), log_dir, body or measure_rank)
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])  # imported once by the server, inherited by every rank
+        context.set_forkserver_preload(_PRELOAD)
     else:  # Windows: every rank imports everything itself
         context = multiprocessing.get_context("spawn")
     reports = context.Queue()
