@@ -99,13 +99,18 @@ def test_registered_names_and_reimport_is_harmless():
 
 def test_the_names_are_registered_whichever_comes_first_and_the_console_tools_start_without_lightning():
     """In a fresh interpreter: ``import lightning_zero`` and the console tools' and benchmark ranks'
-    modules leave Lightning unimported (they need the engine alone); importing Lightning afterwards
-    registers every name in both registries, as importing it first does (the tests' processes)."""
+    modules leave Lightning and torch.distributed.checkpoint unimported (they need the engine
+    alone); the package's checkpoint functions import it on first use; importing Lightning
+    afterwards registers every name in both registries, as importing it first does (the tests'
+    processes)."""
     code = """
 import sys
 import lightning_zero
 import lightning_zero.cli, lightning_zero.bench.worker, lightning_zero.estimate
 assert "lightning" not in sys.modules, sorted(m for m in sys.modules if m.startswith("lightning."))
+assert "torch.distributed.checkpoint" not in sys.modules and "lightning_zero.checkpoint" not in sys.modules
+from lightning_zero import checkpoint_file, convert_checkpoint
+assert convert_checkpoint is sys.modules["lightning_zero.checkpoint"].convert_checkpoint
 import lightning
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry

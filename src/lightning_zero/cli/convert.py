@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint
 from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
 
 
@@ -25,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint  # DCP and DTensor: imported by this subcommand alone
     try:
         out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only)
     except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_zero.checkpoint import CorruptCheckpointError, UntrustedCheckpointError, verify_checkpoint
 from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
 
 
@@ -22,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lightning_zero.checkpoint import CorruptCheckpointError, UntrustedCheckpointError, verify_checkpoint  # DCP and DTensor: imported by this subcommand alone
     try:
         summary = verify_checkpoint(args.path, weights_only=args.weights_only is not False)
     except (CorruptCheckpointError, UntrustedCheckpointError) as err:
