@@ -8,10 +8,10 @@ starts, ~90 of its ~520 CPU-seconds on the 2-core CI machine.
 
 **Bytecode is cached, even under ``PYTHONDONTWRITEBYTECODE``.** The test command installs with
 ``pip install --no-compile``: pip would byte-compile every file of torch and the test dependencies
-(~11,800, a minute of one core), where the suite imports ~3,500 of them. Python compiles those on
-first import, ~15 CPU-seconds once, and caches them, here even where the environment says not to
-(as this machine's does): otherwise each of the suite's processes would compile what it imports from
-source again, ~15 CPU-seconds each.
+(~11,800, a minute of one core), where the suite imports ~4,600 of them. Python compiles those on
+first import (~25 CPU-seconds, more where two processes import a module at once) and caches them,
+here even where the environment says not to (as this machine's does): otherwise each of the
+suite's processes would compile what it imports from source again, ~15 CPU-seconds each.
 
 **The longest test files start first** when the suite runs on several workers
 (``-n 2 --dist loadfile``).
