@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint  # DCP and DTensor: imported by this subcommand alone
+    # torch.distributed.checkpoint and DTensor (~0.9 s): imported by this subcommand alone
+    from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint
     try:
         out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only)
     except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk

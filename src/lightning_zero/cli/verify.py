@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from lightning_zero.checkpoint import CorruptCheckpointError, UntrustedCheckpointError, verify_checkpoint  # DCP and DTensor: imported by this subcommand alone
+    # torch.distributed.checkpoint and DTensor (~0.9 s): imported by this subcommand alone
+    from lightning_zero.checkpoint import CorruptCheckpointError, UntrustedCheckpointError, verify_checkpoint
     try:
         summary = verify_checkpoint(args.path, weights_only=args.weights_only is not False)
     except (CorruptCheckpointError, UntrustedCheckpointError) as err:
