@@ -1,5 +1,5 @@
 """How often a finished two-rank CPU run exits non-zero: the check behind
-``collectives.let_workers_finish_at_exit`` ([Note: gloo at exit] in ``engine/collectives.py``).
+``collectives.let_workers_finish_at_exit`` ([Note: gloo at exit] in ``engine/comm/collectives.py``).
 
     PYTHONPATH=src python scripts/exit_codes.py --runs 30 --strategy zero3
 

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import estimate as est
-
 from lightning_zero import sizing
 from lightning_zero.engine import ZeroConfig, ZeroEngine, ZeroStage
+from lightning_zero.estimate_schemes import SCHEMES, Layout
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,8 +53,8 @@ from offload_one_device import VARIANTS, timed_step  # noqa: E402  (shared with 
 RATIO_TARGET = 1.25
 """zero3_offload step <= 1.25 x (zero3 step + CPU optimizer step alone)."""
 
-OFFLOAD_LAYOUT = est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
-SCHEME = est.SCHEMES["fp32"]
+OFFLOAD_LAYOUT = Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
+SCHEME = SCHEMES["fp32"]
 """bf16-mixed keeps fp32 model states (autocast casts activations), and so does 32-true."""
 
 START = time.perf_counter()

@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import pytest
 import torch
-
 from case_groups import RankContext
 
 STEPS = 4
@@ -21,9 +20,9 @@ def fabric_for(strategy: str, precision: str = "32-true", accelerator: str = "cp
 
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy
+    from multiprocess import ranks_started
 
     from lightning_zero import ZeroFabricStrategy
-    from multiprocess import ranks_started
 
     timeout = timedelta(seconds=60)  # a hang becomes an error
     if strategy == "ddp":
@@ -103,7 +102,7 @@ def train(
                 norms.append(fabric.clip_gradients(wrapped, optimizer, max_norm=0.05).item())
             elif clip == "value":
                 fabric.clip_gradients(wrapped, optimizer, clip_val=1e-3)
-            elif clip == "raw_norm":  # torch's own, on `.grad` (engine/sharded_grad.py)
+            elif clip == "raw_norm":  # torch's own, on `.grad` (engine/gradients/sharded_grad.py)
                 norms.append(torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_norm=0.05).item())
             optimizer.step()
             optimizer.zero_grad()

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from case_groups import CaseGroup, GroupResults, RankContext
 
 GROUP = CaseGroup(world_size=2)
@@ -68,7 +67,8 @@ def dropped_after_fit(ctx: RankContext) -> dict:
     import weakref
 
     from lightning_helpers import fit_gpt
-    from lightning_zero.engine.module_link import linked_engine
+
+    from lightning_zero.engine.engine import linked_engine
 
     module, _, trainer = fit_gpt("zero3", 2)
     alive = [weakref.ref(o) for o in (module, trainer, linked_engine(module))]
@@ -82,10 +82,10 @@ def dropped_after_fit(ctx: RankContext) -> dict:
 def after_fit(ctx: RankContext) -> dict:
     import lightning as L
     import torch
-
     from lightning_helpers import fit_gpt, full_weights, make_trainer, max_abs_diff, token_data
-    from lightning_zero.engine.at_rest import ParameterAtRest
-    from lightning_zero.engine.module_link import linked_engine
+
+    from lightning_zero.engine.engine import linked_engine
+    from lightning_zero.engine.shards.at_rest import ParameterAtRest
 
     ref, _, ref_trainer = fit_gpt("ddp", STEPS)
     module, _, trainer = fit_gpt("zero3", STEPS)

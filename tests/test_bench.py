@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.bench import BenchOptions, BenchResult, VariantResult, run_bench
-from lightning_zero.bench import memory, theory, variants, wrappers
+from lightning_zero.bench import BenchOptions, BenchResult, VariantResult, memory, run_bench, theory, variants, wrappers
 from lightning_zero.bench.options import model_config, num_parameters
 from lightning_zero.bench.results import OK, UNAVAILABLE
 from lightning_zero.cli import main
@@ -203,7 +202,7 @@ def test_activation_checkpointing_wraps_every_block_and_computes_the_same() -> N
 
     import torch
 
-    from lightning_zero.bench.worker import checkpoint_every_block
+    from lightning_zero.bench.rank import checkpoint_every_block
     from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
     torch.manual_seed(0)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from case_groups import CaseGroup, GroupResults, RankContext
 from example_runs import EXAMPLES, REPO, run_example_in_rank
 
@@ -63,7 +62,7 @@ def fit_example(ctx: RankContext, strategy, model_options: dict) -> dict:
     from stdlib_corpus import StdlibCorpus
     from torch._dynamo.utils import counters
 
-    from lightning_zero.engine.collectives import COLLECTIVE_STATS
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
     class Recorder(WeightRecorder):
         memory = None
@@ -210,7 +209,7 @@ def test_init_per_layer_draws_gpt2s_distributions_in_reset_parameters():
         meta = GPT(config)
     on_meta = [m for m in meta.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
     torch.manual_seed(0)
-    for module in on_meta:  # as engine/materialize.py does it
+    for module in on_meta:  # as engine/parameters/materialize.py does it
         kept = {}
         for p in module.parameters(recurse=False):
             if p.is_meta:  # swapped in place, so the tied head keeps sharing it

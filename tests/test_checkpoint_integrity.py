@@ -28,9 +28,8 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
 from lightning_helpers import RegressionModule
 
 import lightning_zero  # noqa: F401
@@ -354,14 +353,14 @@ def _full_file_save(checkpointing: Any, path: Path, checkpoint: dict, write: Opt
 
 
 def _full_file_load(path: Path) -> dict:
-    from lightning_zero.lightning.checkpointing import ZeroCheckpointing
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
 
     return ZeroCheckpointing("full").load(path, None, None, [], True, read_file=lambda p: torch.load(p, weights_only=False))
 
 
 def test_full_disk_in_the_full_format_and_in_convert(saved, tmp_path):
     from lightning_zero.checkpoint import CheckpointWriteError, convert_checkpoint
-    from lightning_zero.lightning.checkpointing import ZeroCheckpointing
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
 
     path = tmp_path / "full.ckpt"
     _full_file_save(ZeroCheckpointing("full"), path, {"global_step": 1})

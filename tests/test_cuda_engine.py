@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-
 from case_groups import CaseGroup, GroupResults, RankContext
 from cuda_tier import MARKS, START_METHOD, copy_overlap, setup_rank
 
@@ -117,7 +116,7 @@ def host_syncs(ctx: RankContext, variant: str, precision: str) -> list[dict]:
     counted: per counted step, where ``finish_backward`` + ``end_step`` and where the step synced."""
     import torch
 
-    from lightning_zero.engine.norms import clip_grads_by_global_norm_
+    from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 
     setup_rank(deterministic=False)
     model, optimizer, engine, tokens = _engine_run(variant, SYNC_SHAPE)
@@ -179,15 +178,16 @@ def device_model_state(ctx: RankContext, variant: str) -> dict:
 
     from lightning_zero import estimate as est
     from lightning_zero.engine.config import STRATEGY_NAMES, ZeroStage
+    from lightning_zero.estimate_schemes import SCHEMES, Layout
 
     setup_rank(deterministic=False)
     model, optimizer, engine, tokens = _engine_run(variant, MEMORY_SHAPE)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the full model's
     options = STRATEGY_NAMES[variant]
-    layout = est.Layout(
+    layout = Layout(
         ZeroStage(options["stage"]), options.get("offload_optimizer", False), options.get("offload_params", False)
     )
-    floor = est.estimate(num_params, layout, est.SCHEMES["fp32"], est.Topology(devices=1)).device.total
+    floor = est.estimate(num_params, layout, SCHEMES["fp32"], est.Topology(devices=1)).device.total
     for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
         engine.begin_step()

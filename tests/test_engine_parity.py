@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from case_groups import CaseGroup, GroupResults, RankContext
 from models import OddShapes, batches
+from torch import nn
 
 STEPS = 5
 OPTIMIZERS = {
@@ -31,8 +30,8 @@ def _train_ddp(rank: int, optimizer_name: str, unused: bool) -> dict[str, torch.
 
 def _train_zero(rank: int, optimizer_name: str, unused: bool, stage: int, bucket_size_mb: float):
     from lightning_zero.engine import ZeroConfig, ZeroEngine
-    from lightning_zero.engine.collectives import COLLECTIVE_STATS
-    from lightning_zero.engine.sharded_grad import ShardedGradient
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
+    from lightning_zero.engine.gradients.sharded_grad import ShardedGradient
 
     torch.manual_seed(0)
     model = OddShapes(with_unused_branch=unused)
@@ -45,7 +44,7 @@ def _train_zero(rank: int, optimizer_name: str, unused: bool, stage: int, bucket
         opt.zero_grad()
         loss.backward()
         engine.finish_backward()
-        # `.grad` shows a view of the shards until the step (engine/grad_window.py), never a full tensor
+        # `.grad` shows a view of the shards until the step (engine/gradients/grad_window.py), never a full tensor
         full_grads_left = [n for n, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
         opt.step()
         engine.after_optimizer_step(opt)

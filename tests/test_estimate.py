@@ -10,20 +10,19 @@ import pytest
 import torch
 
 from lightning_zero import estimate as est
-
 from lightning_zero import sizing
-from lightning_zero.engine import ZeroStage
-from lightning_zero.cli import model_spec
-from lightning_zero.cli import main
+from lightning_zero.cli import main, model_spec
 from lightning_zero.cli.arguments import parse_count, parse_memory
+from lightning_zero.engine import ZeroStage
+from lightning_zero.estimate_schemes import LAYOUTS, Layout, PrecisionScheme, precision_scheme
 
 REPO = Path(__file__).resolve().parents[1]
 GPT_FILE = REPO / "src" / "lightning_zero" / "models" / "gpt.py"
 GB = 10**9
-MIXED, FP32, HALF = (est.precision_scheme(name) for name in ("mixed", "fp32", "half"))
+MIXED, FP32, HALF = (precision_scheme(name) for name in ("mixed", "fp32", "half"))
 
 
-def device_totals(num_params: int, scheme: est.PrecisionScheme, devices: int, nodes: int = 1) -> dict:
+def device_totals(num_params: int, scheme: PrecisionScheme, devices: int, nodes: int = 1) -> dict:
     estimates = est.estimate_all(num_params, scheme, est.Topology(devices, nodes))
     return {e.layout.label: e.device.total for e in estimates}
 
@@ -106,13 +105,13 @@ def test_schemes_split_the_master_copy_from_the_moments():
     # No master copy in the scheme, but the engine steps half weights through an fp32 chunk when offloading.
     assert (HALF.master_bytes, HALF.moment_bytes, HALF.offload_chunk_bytes) == (0, 8, 4)
     with pytest.raises(ValueError, match="master_bytes"):
-        est.PrecisionScheme("bad", 2, 2, 4, "master as large as the optimizer term", master_bytes=4)
+        PrecisionScheme("bad", 2, 2, 4, "master as large as the optimizer term", master_bytes=4)
 
 
 def test_uneven_shards_round_up():
     # 10 parameters on 4 ranks: chunks of 3, 3, 3, 1 padded to 3; the estimate is the largest rank's.
     assert est.shard_numel(10, 4) == 3
-    zero3 = est.estimate(10, est.Layout(ZeroStage.PARAMETERS), FP32, est.Topology(4))
+    zero3 = est.estimate(10, Layout(ZeroStage.PARAMETERS), FP32, est.Topology(4))
     assert zero3.device.total == 3 * FP32.total_bytes
 
 
@@ -185,7 +184,7 @@ def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
     assert all(e.disk == 0 for e in by_label.values() if not e.layout.state_on_disk)
     # Mixed precision: the bucket holds 4,000 half-precision parameters (1,000 per rank); the host
     # also keeps the fp32 master chunk as optimizer state; 2 nodes of 2 devices: per node, 2 ranks.
-    mixed = est.estimate(psi, est.LAYOUTS[-3], MIXED, est.Topology(2, 2), staging)
+    mixed = est.estimate(psi, LAYOUTS[-3], MIXED, est.Topology(2, 2), staging)
     assert mixed.layout.label == "zero3 + offload optimizer (nvme)"
     assert mixed.device == est.StateBytes(parameters=2 * 4_000)
     assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=16_000 + 3 * 8 * 1_000)
@@ -197,18 +196,18 @@ def test_nvme_parameters_move_the_master_chunks_to_disk_too():
     # host keeps the gradient chunk (4 x 4,000 B) and 3 buckets of masters (3 x 4 x 500 B) and of
     # moments (3 x 8 x 500 B); the disk the moments and the masters, 12 B x 4,000.
     staging = est.NvmeStaging(bucket_bytes=8_000, buffer_count=3)
-    everything = est.estimate(16_000, est.LAYOUTS[-1], FP32, est.Topology(4), staging)
+    everything = est.estimate(16_000, LAYOUTS[-1], FP32, est.Topology(4), staging)
     assert everything.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
     assert everything.device == est.StateBytes()
     assert everything.host_per_rank == est.StateBytes(parameters=6_000, gradients=16_000, optimizer_state=12_000)
     assert (everything.pinned_per_rank, everything.disk_per_rank) == (16_000 + 6_000, 48_000)
     # Mixed precision: the device keeps the half chunk it gathers from, the fp32 masters go to disk.
-    mixed = est.estimate(16_000, est.LAYOUTS[-1], MIXED, est.Topology(4), staging)
+    mixed = est.estimate(16_000, LAYOUTS[-1], MIXED, est.Topology(4), staging)
     assert mixed.device == est.StateBytes(parameters=2 * 4_000)
     assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=3 * 4 * 1_000 + 3 * 8 * 1_000)
     assert mixed.disk_per_rank == 12 * 4_000
     with pytest.raises(ValueError, match="needs offload_optimizer='nvme'"):
-        est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params="nvme")
+        Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params="nvme")
 
 
 def test_nvme_staging_never_exceeds_the_buckets_there_are():
@@ -221,25 +220,25 @@ def test_nvme_staging_never_exceeds_the_buckets_there_are():
     # Two buckets: two buffers, each of the largest.
     assert est.NvmeStaging(bucket_bytes=4 * 600).host_bytes(1_000, FP32, 1) == 2 * 8 * 600
     # So a small model gains nothing from NVMe: one buffer holds what the optimizer held.
-    small = est.estimate(1_000, est.LAYOUTS[-2], FP32, fp32_rank)
-    assert small.host_per_rank.total == est.estimate(1_000, est.LAYOUTS[7], FP32, fp32_rank).host_per_rank.total
+    small = est.estimate(1_000, LAYOUTS[-2], FP32, fp32_rank)
+    assert small.host_per_rank.total == est.estimate(1_000, LAYOUTS[7], FP32, fp32_rank).host_per_rank.total
     with pytest.raises(ValueError, match="at least 2"):
         est.NvmeStaging(buffer_count=1)
     with pytest.raises(ValueError, match="'cpu'|False, True or 'nvme'"):
-        est.Layout(ZeroStage.PARAMETERS, offload_optimizer="cpu")
+        Layout(ZeroStage.PARAMETERS, offload_optimizer="cpu")
     with pytest.raises(ValueError, match="DDP has no offload"):
-        est.Layout(ZeroStage.NOTHING, offload_optimizer="nvme")
+        Layout(ZeroStage.NOTHING, offload_optimizer="nvme")
 
 
 def test_invalid_configurations_are_refused():
     with pytest.raises(ValueError, match="DDP has no offload"):
-        est.Layout(ZeroStage.NOTHING, offload_optimizer=True)
+        Layout(ZeroStage.NOTHING, offload_optimizer=True)
     with pytest.raises(ValueError, match="needs stage 3"):
-        est.Layout(ZeroStage.GRADIENTS, offload_optimizer=True, offload_params=True)
+        Layout(ZeroStage.GRADIENTS, offload_optimizer=True, offload_params=True)
     with pytest.raises(ValueError, match="offload_optimizer=True"):
-        est.Layout(ZeroStage.PARAMETERS, offload_params=True)
+        Layout(ZeroStage.PARAMETERS, offload_params=True)
     with pytest.raises(ValueError, match="mixed, fp32, half"):
-        est.precision_scheme("fp16")
+        precision_scheme("fp16")
     with pytest.raises(ValueError, match="at least 1"):
         est.Topology(devices=0)
 
@@ -286,7 +285,7 @@ def test_largest_model_exact_on_small_numbers():
     assert sizing.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
     # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
     small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
-    masters_in_host = [layout for layout in est.LAYOUTS if not layout.params_on_disk]
+    masters_in_host = [layout for layout in LAYOUTS if not layout.params_on_disk]
     on_disk = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, layouts=masters_in_host, nvme=small_buckets)
     assert on_disk.num_params == 105  # 8 x 105 + 160 = 1000
     assert on_disk.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
@@ -311,7 +310,7 @@ def test_largest_model_fits_and_one_more_parameter_does_not(scheme, devices, gpu
     assert largest.num_params > 10**8
     assert sizing.fits(largest.estimate, gpu_memory, host_memory)
     assert largest.estimate == est.estimate(largest.num_params, largest.estimate.layout, scheme, topology)
-    for layout in est.LAYOUTS:
+    for layout in LAYOUTS:
         if layout.offload_optimizer and host_memory is None:
             continue
         for more in (largest.num_params + 1, int(largest.num_params * 1.01)):

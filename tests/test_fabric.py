@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from case_groups import CaseGroup, GroupResults, RankContext
 from fabric_loop import assert_same, batches_for, fabric_for, full_weights, small_gpt, train
 
@@ -349,9 +348,9 @@ def _on_one_rank(rank: int, world_size: int, fabric_path: str, trainer_path: str
 
 
 def test_checkpoints_cross_between_fabric_and_trainer_at_another_world_size(results: GroupResults) -> None:
-    from lightning_zero.checkpoint import full_checkpoint
-
     from multiprocess import run_on_ranks
+
+    from lightning_zero.checkpoint import full_checkpoint
 
     saved = results["fabric_checkpoint_for_trainer"][0]
     trainer_path = results["trainer_checkpoint_into_fabric"][0]["path"]
@@ -418,7 +417,7 @@ def test_16_mixed_gets_a_scaler_that_decides_across_ranks() -> None:
     from lightning.fabric.plugins.precision import MixedPrecision
 
     from lightning_zero import ZeroFabricStrategy
-    from lightning_zero.engine.grad_scaler import ZeroGradScaler
+    from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a CUDA scaler built on a CPU machine warns

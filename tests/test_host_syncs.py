@@ -2,7 +2,7 @@
 (`lightning_zero.bench.overhead`): none in forward and backward at any stage and one per step (the
 used-parameter flags of every bucket and stage 3's unit tags, read together); with
 `check_units_every_gather` one per all-gather instead. Also: after warm-up the communication
-buffers are reused, not allocated (`engine/buffers.py`)."""
+buffers are reused, not allocated (`engine/comm/buffers.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Optional
 
 import pytest
 import torch
-
 from case_groups import CaseGroup, GroupResults, RankContext
 
 GROUP = CaseGroup(world_size=2, init_process_group=True)
@@ -22,7 +21,7 @@ def host_syncs_of_a_step(ctx: RankContext, stage: int, every_gather: Optional[bo
     backward, and the number of all-gathers issued in forward and backward."""
     from lightning_zero.bench.overhead import HostSyncCounter
     from lightning_zero.engine import ZeroConfig, ZeroEngine
-    from lightning_zero.engine.collectives import COLLECTIVE_STATS
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
     from lightning_zero.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

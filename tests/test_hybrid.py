@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from case_groups import CaseGroup, GroupResults, RankContext
 from multiprocess import run_on_ranks
 
@@ -40,7 +39,7 @@ class _StepProbe:
     def __new__(cls):
         import lightning as L
 
-        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+        from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
         class Probe(L.Callback):
             def __init__(self) -> None:
@@ -120,9 +119,8 @@ def save_at_step_2(ctx: RankContext, strategy: str, name: str, **options: Any) -
 
 def resume(ctx: RankContext, strategy: str, name: str, **options: Any) -> dict[str, Any]:
     """Resume the checkpoint ``name`` for 2 more steps: the weights and step restored."""
-    from test_checkpoint import _StateAtStart
-
     from lightning_helpers import fit_gpt
+    from test_checkpoint import _StateAtStart
 
     probe = _StateAtStart()
     _, history, trainer = fit_gpt(
@@ -218,12 +216,13 @@ def test_bytes_per_rank_are_the_estimators(results: GroupResults, stage: int) ->
     from lightning_zero import estimate as est
     from lightning_zero.cli import model_spec
     from lightning_zero.engine import ZeroStage
+    from lightning_zero.estimate_schemes import SCHEMES, Layout
 
     num_params = model_spec.count_parameters(
         "lightning_zero.models.gpt:GPT", '{"config": {"block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 16}}'
     )
     topology = est.Topology(devices=WORLD_SIZE, shard_group_size=GROUP_SIZE)
-    predicted = est.estimate(num_params, est.Layout(ZeroStage(stage)), est.SCHEMES["fp32"], topology).device
+    predicted = est.estimate(num_params, Layout(ZeroStage(stage)), SCHEMES["fp32"], topology).device
     for rank in results[f"hybrid_zero{stage}"]:
         # chunks are padded per parameter and Adam's step counters are unpriced: under 3% here
         assert rank["memory"]["parameters"] == pytest.approx(predicted.parameters, rel=0.03)

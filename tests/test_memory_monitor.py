@@ -10,14 +10,15 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from case_groups import CaseGroup, GroupResults, RankContext
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero
-from case_groups import CaseGroup, GroupResults, RankContext
 from lightning_zero import estimate as est
-from lightning_zero.engine import ZeroStage
 from lightning_zero.cli import model_spec
+from lightning_zero.engine import ZeroStage
+from lightning_zero.estimate_schemes import SCHEMES, Layout
 from lightning_zero.lightning.memory_monitor import PRECISION_SCHEMES, ZeroMemoryMonitor, estimate_per_rank
 from lightning_zero.models.gpt import GPT, GPTConfig
 
@@ -92,13 +93,13 @@ def results(log_dir) -> GroupResults:
     return GROUP.run(log_dir)
 
 
-def _predicted(layout: est.Layout) -> est.MemoryEstimate:
+def _predicted(layout: Layout) -> est.MemoryEstimate:
     num_params = model_spec.count_parameters("lightning_zero.models.gpt:GPT", {"config": GPT_SHAPE})
-    return est.estimate(num_params, layout, est.SCHEMES["fp32"], est.Topology(devices=WORLD_SIZE))
+    return est.estimate(num_params, layout, SCHEMES["fp32"], est.Topology(devices=WORLD_SIZE))
 
 
 def test_stage3_parameter_bytes_match_the_estimator(results):
-    predicted = _predicted(est.Layout(ZeroStage.PARAMETERS)).device
+    predicted = _predicted(Layout(ZeroStage.PARAMETERS)).device
     for metrics in results["zero3"]:  # every rank holds every rank's values
         for rank in range(WORLD_SIZE):
             # Chunks are padded per parameter, and Adam's step counters are unpriced: a fraction of a percent here.
@@ -112,7 +113,7 @@ def test_stage3_parameter_bytes_match_the_estimator(results):
 
 
 def test_offloaded_run_logs_optimizer_state_on_host_only(results):
-    layout = est.Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
+    layout = Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params=True)
     host_share = _predicted(layout).host.optimizer_state // WORLD_SIZE  # the estimator's host bytes are per node
     metrics = results["zero3_offload"][0]
     for rank in range(WORLD_SIZE):

@@ -28,9 +28,8 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch import nn
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from torch import nn
 
 STEPS = 3
 FIT = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
@@ -177,9 +176,8 @@ def save_params_nvme(ctx: RankContext) -> dict[str, Any]:
 
 def resume(ctx: RankContext, tier: Any, **options: Any) -> dict[str, Any]:
     """Resume the checkpoint for 2 more steps: the state restored, and the weights after."""
-    from test_checkpoint import _StateAtStart
-
     from lightning_helpers import fit_gpt
+    from test_checkpoint import _StateAtStart
 
     probe = _StateAtStart()
     strategy = _strategy(ctx, tier, 3, f"resume{tier}{options}", **options)
@@ -224,7 +222,7 @@ def disk_full(ctx: RankContext) -> dict[str, Any]:
 
     from lightning_helpers import RegressionModule
 
-    from lightning_zero.engine import disk_tier
+    from lightning_zero.engine.offload import disk_tier
 
     real = shutil.disk_usage
     shutil.disk_usage = lambda path: real(path)._replace(free=1000)  # this rank's process only
@@ -244,7 +242,7 @@ def disk_full_params(ctx: RankContext) -> dict[str, Any]:
 
     from lightning_helpers import RegressionModule
 
-    from lightning_zero.engine.masters_on_disk import master_bytes_needed
+    from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
 
     real = shutil.disk_usage
     shutil.disk_usage = lambda path: real(path)._replace(free=1000)
@@ -260,7 +258,6 @@ def fault_mid_run(ctx: RankContext, fault: str, prefix: str = "", **options: Any
     ModelCheckpoint saves every step."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_helpers import fit_and_record
 
     from lightning_zero.checkpoint.verify import verify_checkpoint
@@ -459,7 +456,7 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     the staging buffers' size."""
     from lightning_zero.engine.config import ZeroConfig
     from lightning_zero.engine.engine import ZeroEngine
-    from lightning_zero.engine.staging import return_freed_memory
+    from lightning_zero.engine.offload.staging import return_freed_memory
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])
@@ -544,9 +541,9 @@ def test_the_host_holds_a_few_buckets_of_parameter_chunks(tmp_path, monkeypatch)
     """offload_params="nvme", one process, a meta-built model of 16 units: between steps no chunk
     is in host memory, and while stepping at most ``nvme_buffer_count`` buckets' chunks are (their
     storage, sampled at every read the engine starts)."""
-    from lightning_zero.engine import masters_on_disk
     from lightning_zero.engine.config import ZeroConfig
     from lightning_zero.engine.engine import ZeroEngine
+    from lightning_zero.engine.offload import masters_on_disk
 
     torch.manual_seed(0)
     with torch.device("meta"):

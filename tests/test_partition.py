@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine.bucket import assign_buckets
-from lightning_zero.engine.partition import (
+from lightning_zero.engine.buckets.assignment import assign_buckets
+from lightning_zero.engine.shards.partition import (
     ChunkLayout,
     copy_flat_into_rows,
     copy_rows_into_flat,
@@ -15,7 +15,7 @@ from lightning_zero.engine.partition import (
     pack_rows,
     unpack_rows,
 )
-from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
 @pytest.mark.parametrize("numel", [0, 1, 2, 3, 5, 7, 8, 91, 1000])

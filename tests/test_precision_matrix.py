@@ -8,7 +8,6 @@ from typing import Optional
 
 import pytest
 import torch
-
 from case_groups import CaseGroup, GroupResults, RankContext
 
 STEPS = 3
@@ -44,8 +43,9 @@ def _frozen():
 def _run(strategy, precision: str, feature: str) -> list:
     """The weights after each step of one training-loop feature's fit."""
     import lightning as L
-    import lightning_zero  # noqa: F401
     from lightning_helpers import TwoOptimizerModule, WeightRecorder, fit_and_record, make_trainer, regression_data
+
+    import lightning_zero  # noqa: F401
 
     kwargs = dict(FEATURES[feature])
     if kwargs.pop("manual", False):
@@ -108,7 +108,7 @@ SCALER = CaseGroup(world_size=2, init_process_group=True)
 def scaler_skips(ctx: RankContext) -> dict:
     """Three scaled steps where only rank 1's shard overflows in the second: scales, which steps
     moved the weights, and the scaler's final state."""
-    from lightning_zero.lightning.precision import ZeroGradScaler
+    from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
 
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([param], lr=0.1)
@@ -144,7 +144,8 @@ def test_loss_scaling_skips_the_same_steps_on_every_rank(scaler):
 def test_16_mixed_gets_the_sharded_scaler():
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_zero.lightning.precision import ZeroGradScaler, check_precision_supported, to_zero_precision
+    from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
+    from lightning_zero.lightning.precision import check_precision_supported, to_zero_precision
 
     plugin = to_zero_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0)))
     assert isinstance(plugin.scaler, ZeroGradScaler) and plugin.scaler.get_scale() == 8.0

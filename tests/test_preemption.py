@@ -23,10 +23,9 @@ from unittest import mock
 import lightning as L
 import pytest
 import torch
+from case_groups import CaseGroup, GroupResults, RankContext
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
-
-from case_groups import CaseGroup, GroupResults, RankContext
 from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
 
 from lightning_zero import ZeroStrategy
@@ -265,8 +264,8 @@ def test_ranks_signalled_apart_stop_at_one_step_save_once_and_resume_exactly(res
 def test_one_rank_counts_its_own_votes(offload: bool) -> None:
     """A world of one rank has no collective to carry the vote (or, offloaded, a packed row of its own)."""
     from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.comm.stop_vote import StopReason
     from lightning_zero.engine.config import ZeroConfig
-    from lightning_zero.engine.stop_vote import StopReason
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -13,9 +13,8 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
 from multiprocess import run_on_ranks
 
 STEPS = 3
@@ -395,7 +394,7 @@ def test_a_backward_that_skips_units_on_one_rank_trains_like_ddp(results, label)
 def _assert_skipping_run_like_ddp(results: GroupResults, run: str, label: str) -> None:
     from lightning_helpers import max_abs_diff
 
-    from lightning_zero.engine.residency import IN_FLIGHT
+    from lightning_zero.engine.parameters.residency import IN_FLIGHT
 
     for ddp, zero in zip(results[f"{run}_ddp"], results[f"{run}_{label}"]):
         assert zero["buckets"] > IN_FLIGHT + 1  # more buckets become ready than may be in flight

@@ -1,5 +1,5 @@
 """Lightning's weight-averaging callbacks under ZeRO keep their average as shards beside the
-optimizer's (``lightning/sharded_averaging.py``, ``engine/averaged_shards.py``), and behave as the
+optimizer's (``lightning/sharded_averaging.py``, ``engine/optimizer/averaged_shards.py``), and behave as the
 same callbacks under DDP, bitwise in fp32: the training weights after every step, the average
 swapped in for validation, the validation losses, the weights after ``fit`` (the average), a fit
 resumed from a checkpoint (sharded directory, or one file), ``validate(ckpt_path="best")`` and
@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from case_groups import CaseGroup, GroupResults, RankContext
 
 GROUP = CaseGroup(world_size=2, timeout=240)

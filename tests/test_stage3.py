@@ -9,9 +9,8 @@ from typing import Optional
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
 
 STEPS = 4
 
@@ -46,12 +45,12 @@ class _Probe(Callback):
             self._handles.append(unit.module.register_forward_hook(sample))
 
     def on_train_batch_start(self, *args) -> None:
-        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+        from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
         COLLECTIVE_STATS.reset()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+        from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
         self.calls.append(dict(COLLECTIVE_STATS.calls))  # forward + backward of this step
         self.bytes.append(dict(COLLECTIVE_STATS.bytes))
@@ -185,7 +184,6 @@ GROUP.case(error_message, name="error_swapped_read_per_step", divergent=_swapped
 def _summon_checks(module) -> dict:
     """Looks inside a running fit from a callback."""
     import lightning as L
-
     from lightning_helpers import token_data
 
     results = {}

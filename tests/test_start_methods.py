@@ -13,7 +13,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 
 class DDPForked(DDPStrategy):

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
 from lightning_helpers import fit_and_record
 
 STEPS = 4
@@ -44,19 +43,19 @@ class _StepProbe(Callback):
         self.calls_per_step: list[dict] = []
 
     def on_train_batch_start(self, *args) -> None:
-        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+        from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
         COLLECTIVE_STATS.reset()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        from lightning_zero.engine.sharded_grad import ShardedGradient  # a view of the shards: holds nothing
+        from lightning_zero.engine.gradients.sharded_grad import ShardedGradient  # a view of the shards: holds nothing
 
         self.full_grads_before_step.append(
             [n for n, p in pl_module.named_parameters() if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
         )
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        from lightning_zero.engine.collectives import COLLECTIVE_STATS
+        from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
         self.calls_per_step.append(dict(COLLECTIVE_STATS.calls))
         self.reports.append(trainer.strategy.memory_report())
@@ -77,8 +76,9 @@ def _ddp_history(ctx: RankContext, key: str, strategy, module_kwargs: dict) -> l
 
 def parity(ctx: RankContext, optimizer: str, stage: int, bucket_size_mb: float) -> list[float]:
     """max |zero - ddp| after every step, for one optimizer, stage and bucket size."""
-    import lightning_zero
     from lightning_helpers import max_abs_diff
+
+    import lightning_zero
 
     ddp_history = _ddp_history(ctx, f"ddp_{optimizer}", "ddp", {"optimizer": optimizer})
     strategy = lightning_zero.ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb)

@@ -9,9 +9,8 @@ from typing import Optional
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
 from lightning_helpers import fit_and_record
 
 STEPS = 4
@@ -113,7 +112,7 @@ for _strategy in ZERO:
 def zero1_accumulate_calls(ctx: RankContext) -> dict:
     """Stage 1 communicates nothing on micro-batches that only accumulate: collectives in a whole
     fit of 2 steps of 2 micro-batches."""
-    from lightning_zero.engine.collectives import COLLECTIVE_STATS
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
     COLLECTIVE_STATS.reset()
     fit_and_record("zero1", 2, accumulate_grad_batches=2)
@@ -125,8 +124,9 @@ def zero1_accumulate_calls(ctx: RankContext) -> dict:
 def _checkpointed_run(ctx: RankContext, label: str) -> tuple[list, str]:
     """Fit 6 steps saving every epoch under the strategy ``label`` names (once per rank): the
     weights after every step and the checkpoint after the first epoch."""
-    import lightning_zero
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_zero
 
     strategies = {
         "ddp": lambda: "ddp",

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Callable, Optional, Sequence
 
-from lightning_zero.estimate import LAYOUTS, LEFT_OUT, Layout, MemoryEstimate, NvmeStaging, PrecisionScheme, Topology, estimate
+from lightning_zero.estimate import LEFT_OUT, MemoryEstimate, NvmeStaging, Topology, estimate
+from lightning_zero.estimate_schemes import LAYOUTS, Layout, PrecisionScheme
 
 _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1))
 """Decimal units, largest first: GPU spec sheets ("80 GB") and the ZeRO paper's figures use 1e9."""

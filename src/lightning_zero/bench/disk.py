@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from lightning_zero.engine.scratch_files import gbps
+from lightning_zero.engine.offload.scratch_files import gbps
 
 RAW_BYTES = 256 * 2**20
 """Size of the raw throughput file: larger than any drive's write cache that matters here, small

@@ -33,6 +33,7 @@ from lightning_zero.bench.theory import BENCH_SCHEME
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import autocast_for
 from lightning_zero.engine import ZeroStage
+from lightning_zero.estimate_schemes import Layout
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 
@@ -122,7 +123,7 @@ def model_states(
 ) -> est.MemoryEstimate:
     """`estimate.estimate` for `spec`'s layout, in the benchmark's fp32 scheme, on `devices` ranks."""
     offload = {"offload_optimizer": spec.offload_optimizer, "offload_params": spec.offload_params}
-    layout = est.Layout(ZeroStage(spec.stage), **offload)
+    layout = Layout(ZeroStage(spec.stage), **offload)
     return est.estimate(num_params, layout, BENCH_SCHEME, est.Topology(devices), nvme)
 
 

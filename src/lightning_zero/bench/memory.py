@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.sharded_grad import ShardedGradient
+from lightning_zero.engine.gradients.sharded_grad import ShardedGradient
 
 KINDS = ("parameters", "gradients", "optimizer_state")
 """The three model-state terms of the ZeRO paper, in the order a shared storage is attributed."""

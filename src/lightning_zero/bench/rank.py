@@ -34,7 +34,7 @@ from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, 
 from lightning_zero.bench.results import RankMeasurement
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import OursWrapped, Setup, Wrapped, autocast_for, build, no_probe
-from lightning_zero.engine.collectives import COLLECTIVE_STATS
+from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -31,6 +31,7 @@ from torch import nn
 from lightning_zero import estimate as est
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.engine import ZeroStage
+from lightning_zero.estimate_schemes import SCHEMES, Layout, PrecisionScheme
 
 MODEL_STATE_RELATIVE_TOLERANCE = 0.05
 """Issue 8's target: measured model-state bytes within 5% of the floor, plus one unit (below)."""
@@ -39,11 +40,11 @@ COMM_RELATIVE_TOLERANCE = 0.01
 """Issue 8's target: measured communication bytes within 1% of the floor. What is left over is
 per-parameter padding of shards (at most N-1 elements each) and small control tensors."""
 
-BENCH_SCHEME = est.SCHEMES["fp32"]
+BENCH_SCHEME = SCHEMES["fp32"]
 """Bytes per parameter of what the benchmark holds: fp32 weights and gradients and Adam's two fp32
 moments, for `fp32` and for `bf16-mixed` alike (autocast casts activations, not model states)."""
 
-PAPER_SCHEME = est.SCHEMES["mixed"]
+PAPER_SCHEME = SCHEMES["mixed"]
 """The paper's mixed-precision Adam (2 + 2 + 12 bytes), reported for reference only."""
 
 
@@ -74,14 +75,14 @@ def model_state_floor(
     stage: int,
     offload_optimizer: bool = False,
     offload_params: bool = False,
-    scheme: est.PrecisionScheme = BENCH_SCHEME,
+    scheme: PrecisionScheme = BENCH_SCHEME,
     nvme: est.NvmeStaging = est.NvmeStaging(),
 ) -> StateFloor:
     """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP);
     `offload_optimizer` may be "nvme" (its host buffers sized by `nvme`), and so may `offload_params`:
     the estimator then prices the master chunks read in while the optimizer streams, but the bench
     measures between uses (after a phase of the step), where none is in memory, so they are left out."""
-    layout = est.Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
+    layout = Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
     topology = est.Topology(devices=world_size)
     estimate = est.estimate(num_params, layout, scheme, topology, nvme)
     device, host = estimate.device, estimate.host_per_rank
@@ -96,7 +97,7 @@ def model_state_floor(
     )
 
 
-def nvme_staging(stage: int, unit_bytes: int, scheme: est.PrecisionScheme = BENCH_SCHEME) -> est.NvmeStaging:
+def nvme_staging(stage: int, unit_bytes: int, scheme: PrecisionScheme = BENCH_SCHEME) -> est.NvmeStaging:
     """The engine's NVMe buffers for the benchmark's GPT: at stage 3 a bucket is a unit, so the
     largest one (`largest_unit_bytes`, fp32) sizes them, in `scheme`'s weight bytes; at stages 1-2
     the engine's default bucket."""

@@ -34,14 +34,13 @@ import torch.distributed as dist
 from lightning_zero.bench.budget import OverBudget, Watchdog
 from lightning_zero.bench.memory import MMAP_THRESHOLD_BYTES
 from lightning_zero.bench.options import BenchOptions
-from lightning_zero.bench.rank import checkpoint_every_block, measure_rank
+from lightning_zero.bench.rank import measure_rank
 from lightning_zero.bench.results import FAILED, OK, OVER_BUDGET, UNAVAILABLE
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import VariantUnavailable
 from lightning_zero.models.gpt import GPTConfig
 
-__all__ = ["CHILD_ENVIRONMENT", "RankBody", "VariantRun", "checkpoint_every_block", "run_variant"]
-"""`checkpoint_every_block` lives in `rank.py`; it is still importable from here, where it was."""
+__all__ = ["CHILD_ENVIRONMENT", "RankBody", "VariantRun", "run_variant"]
 
 CHILD_ENVIRONMENT = {
     # glibc: allocations of 128 KiB and more are mmap'ed and unmapped on free, so peak RSS shows

@@ -192,7 +192,8 @@ class OursWrapped(Wrapped):
 
     def __init__(self, model: nn.Module, setup: Setup, spec: VariantSpec) -> None:
         super().__init__(model, setup)
-        from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
+        from lightning_zero.engine import ZeroConfig, ZeroEngine
+        from lightning_zero.engine.comm import collectives
 
         config = _zero_config(ZeroConfig, spec, setup)
         self.optimizer = setup.make_optimizer(model.parameters())

@@ -1,7 +1,7 @@
 """Checkpoints: sharded directories (torch.distributed.checkpoint), checksums, atomic saves,
 conversion and verification.
 
-Like ``engine/collectives.py`` for communication, this package is the one place that talks to
+Like ``engine/comm/collectives.py`` for communication, this package is the one place that talks to
 ``torch.distributed.checkpoint`` and DTensor.
 """
 

@@ -23,11 +23,11 @@ from lightning_zero.checkpoint.directory import load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint.pickles import checkpoint_globals, save_torch_file, untrusted, weights_only_refusal
+from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
 from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.engine.averaged_shards import AveragedShards
+from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
 
 StateDictType = Literal["sharded", "full"]
 
@@ -151,26 +151,6 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
-
-
-def file_writer(checkpoint_io: Any) -> Callable[[dict[str, Any], Path], None]:
-    """How a ``state_dict_type="full"`` file is written with the strategy's ``checkpoint_io``.
-
-    Lightning's ``TorchCheckpointIO`` serializes the whole checkpoint into memory before writing it
-    (for atomicity), a second copy of the checkpoint on rank 0. ``ZeroCheckpointing.save`` already
-    writes a temporary sibling and moves it into place once complete, so with that IO ``torch.save``
-    streams the same bytes straight to the file: rank 0 holds the checkpoint once. Any other IO
-    (a user's, a remote filesystem's) writes as it always does."""
-    from lightning.fabric.plugins import TorchCheckpointIO  # the adapters' dependency, not this package's
-
-    if type(checkpoint_io) is TorchCheckpointIO:
-        return _stream_to_file
-    return lambda checkpoint, path: checkpoint_io.save_checkpoint(checkpoint, path)
-
-
-def _stream_to_file(checkpoint: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_torch_file(checkpoint, path)
 
 
 def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:

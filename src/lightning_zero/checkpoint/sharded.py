@@ -49,9 +49,9 @@ from lightning_zero.checkpoint.errors import CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.engine.averaged_shards import AveragedShards
-from lightning_zero.engine.partition import ChunkLayout
-from lightning_zero.engine.sharded_optimizer import STEP_KEY
+from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
+from lightning_zero.engine.optimizer.sharded_optimizer import STEP_KEY
+from lightning_zero.engine.shards.partition import ChunkLayout
 
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
 SHARD_KEY_PREFIXES = ("model/", "buffer/")

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from lightning_zero import estimate as est
-
 from lightning_zero import sizing
 from lightning_zero.cli import model_spec
 from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_float, positive_int
 from lightning_zero.engine.config import resolve_shard_group_size
+from lightning_zero.estimate_schemes import SCHEMES, PrecisionScheme, precision_scheme
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=list(est.SCHEMES),
+        choices=list(SCHEMES),
         default="mixed",
         help="bytes per parameter: "
-        + "; ".join(f"{s.name} = {s.weight_bytes}+{s.gradient_bytes}+{s.optimizer_bytes}" for s in est.SCHEMES.values())
+        + "; ".join(f"{s.name} = {s.weight_bytes}+{s.gradient_bytes}+{s.optimizer_bytes}" for s in SCHEMES.values())
         + " (weights+gradients+optimizer; default: mixed)",
     )
     parser.add_argument(
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.host_memory is not None and args.gpu_memory is None:
         parser.error("--host-memory needs --gpu-memory")
     num_params = args.params if args.model is None else _count_model(args.model, args.init_args, parser)
-    scheme = est.precision_scheme(args.precision)
+    scheme = precision_scheme(args.precision)
     try:
         shard_group_size = resolve_shard_group_size(args.shard_group_size, args.devices * args.nodes, args.devices)
     except ValueError as error:
@@ -133,7 +133,7 @@ def _count_model(spec: str, init_args: Optional[str], parser: argparse.ArgumentP
 @dataclass(frozen=True)
 class _EstimateReport:
     num_params: int
-    scheme: est.PrecisionScheme
+    scheme: PrecisionScheme
     topology: est.Topology
     estimates: tuple[est.MemoryEstimate, ...]
     recommendation: Optional[sizing.Recommendation]

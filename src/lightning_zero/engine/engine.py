@@ -26,36 +26,34 @@ then frees the root unit, so ``after_optimizer_step`` has nothing gathered to re
 from __future__ import annotations
 
 import weakref
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.engine import collectives, module_link
-from lightning_zero.engine.averaged_shards import AveragedShards, Buffers
+from lightning_zero.engine import module_link
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
-from lightning_zero.engine.disk_tier import DiskTier
-from lightning_zero.engine.masters_on_disk import master_bytes_needed
-from lightning_zero.engine.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
-from lightning_zero.engine.grad_window import GradientWindow, full_gradients
-from lightning_zero.engine.host_reads import HostReads
-from lightning_zero.engine.host_step import FusedHostStep, fuse_host_steps
+from lightning_zero.engine.full_weights import FullWeights
+from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.gradients.grad_window import GradientWindow
+from lightning_zero.engine.gradients.norms import norms_by_name
 from lightning_zero.engine.memory import MemoryReport, measure
-from lightning_zero.engine.norms import global_norms
-from lightning_zero.engine.param_guard import ParameterReplacementGuard
-from lightning_zero.engine.residency import HOST, FullCopies, ParameterResidency, ReplicatedParameters, ShardedParameters
-from lightning_zero.engine.sharded_optimizer import (
-    gather_full_state_dict,
-    load_full_state_dict,
-    optimizer_index_of_params,
-    rebind_param_groups,
-)
-from lightning_zero.engine.sharded_param import ShardedParam
-from lightning_zero.engine.stop_vote import StopVote
+from lightning_zero.engine.offload.disk_tier import DiskTier
+from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
+from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
+from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, load_full_state_dict, optimizer_index_of_params
+from lightning_zero.engine.optimizers import ShardedOptimizers
+from lightning_zero.engine.parameters.param_guard import ParameterReplacementGuard
+from lightning_zero.engine.parameters.replicated_parameters import ReplicatedParameters
+from lightning_zero.engine.parameters.residency import ParameterResidency
+from lightning_zero.engine.parameters.sharded_parameters import ShardedParameters
+from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
 class ZeroEngine:
@@ -86,8 +84,7 @@ class ZeroEngine:
         self.group = group
         self.replicate_group = replicate_group
         self.module = module
-        self.optimizers = list(optimizers)
-        optimizer_of = optimizer_index_of_params(module, self.optimizers)
+        optimizer_of = optimizer_index_of_params(module, optimizers)
         self._host_reads = HostReads()
         self.disk: Optional[DiskTier] = None
         """``offload_optimizer="nvme"``: the scratch files of the optimizers' state, and with
@@ -109,11 +106,11 @@ class ZeroEngine:
         self.params: list[ShardedParam] = self.residency.params
         self.buckets = self.residency.grad_buckets
 
-        self._params_of_optimizer: list[list[ShardedParam]] = []
-        self._step_hooks: list[RemovableHandle] = []
-        self._fused_host_steps: list[FusedHostStep] = []
-        for optimizer in self.optimizers:
-            self._shard_optimizer(optimizer)
+        self._optimizers = ShardedOptimizers(
+            self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets
+        )
+        for optimizer in optimizers:
+            self._optimizers.add(optimizer)
 
         self.stop_vote = StopVote()
         """Requests to stop (a preemption signal), agreed on by the ranks at a gradient reduction
@@ -131,6 +128,7 @@ class ZeroEngine:
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
         self.gradients = GradientWindow(self.params, group)
         """What ``param.grad`` shows between backward and the optimizer step (see ``grad_window.py``)."""
+        self._full_weights = FullWeights(self.residency, self.params, self.gradients, group, config.bucket_bytes)
         self._replacement_guard = ParameterReplacementGuard(module, self.params)
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
         self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
@@ -148,33 +146,26 @@ class ZeroEngine:
                 " (its buckets group parameters by optimizer); this one was built without"
                 f" {type(optimizer).__name__}."
             )
-        if any(opt is optimizer for opt in self.optimizers):
+        if optimizer in self._optimizers:
             return
         optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
-        self.optimizers.append(optimizer)
-        self._shard_optimizer(optimizer)
+        self._optimizers.add(optimizer)
 
     def use_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
         finished run's (whose state is dropped), as a new engine would have been built with them."""
-        self._close_fused_host_steps()
-        self._remove_step_hooks()
-        if self.disk is not None:
-            self.disk.detach_all()
-        self.optimizers, self._params_of_optimizer = [], []
+        self._optimizers.clear()
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
 
-    def _shard_optimizer(self, optimizer: Optimizer) -> None:
-        """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step);
-        gradients assigned to ``param.grad`` reach the shards before it steps."""
-        sharded = {id(sp.param): sp for sp in self.params}
-        self._params_of_optimizer.append(rebind_param_groups(optimizer, sharded))
-        self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.gradients.take_assignments()))
-        if self.config.offload_optimizer and self.config.fused_host_step:
-            self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
-        if self.disk is not None:
-            self.disk.attach(optimizer, self._params_of_optimizer[-1], self.buckets)
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers this engine shards, in the order they were given."""
+        return self._optimizers.optimizers
+
+    def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
+        """The sharded parameters `optimizer` steps, in its `state_dict` order."""
+        return self._optimizers.params_of(optimizer)
 
     @property
     def shards_parameters(self) -> bool:
@@ -294,52 +285,13 @@ class ZeroEngine:
         change nothing. ``with_grads``: each parameter's ``.grad`` is its full gradient too (a copy,
         where the parameters are, gathered a bucket at a time; edits to it are not kept), or None
         where it has none."""
-        if writeback and rank0_only:  # on every rank alike, before any gather
-            raise ValueError(
-                "summon_full_params(writeback=True) needs the full parameters on every rank, so it cannot be"
-                " combined with rank0_only=True: the other ranks would have nothing to write back."
-            )
-        full_copies = None
-        if rank0_only or offload_to_cpu:
-            full_copies = FullCopies(
-                device=HOST if offload_to_cpu else self.residency.compute_device,
-                keep=not rank0_only or collectives.rank() == 0,
-            )
-        parameters = self.residency.gathered(writeback, full_copies)
-        if not with_grads:
-            return parameters
-        return self._with_full_gradients(parameters, full_copies)
-
-    @contextmanager
-    def _with_full_gradients(self, parameters: AbstractContextManager[None], full_copies: Optional[FullCopies]) -> Iterator[None]:
-        keep = full_copies is None or full_copies.keep
-        device = full_copies.device if full_copies is not None else None
-        shown: list[ShardedParam] = []
-        self.gradients.take_assignments()  # the full gradients show what was assigned to `.grad`
-        with parameters:
-            for p, grad in zip(self.params, full_gradients(self.params, self.group, self.config.bucket_bytes, device, keep)):
-                if keep:
-                    p.param.grad = grad
-                    shown.append(p)
-            try:
-                yield
-            finally:
-                for p in shown:
-                    p.param.grad = None
-        self.gradients.show_again()
+        return self._full_weights.gathered(writeback, rank0_only, offload_to_cpu, with_grads)
 
     def full_state_dict(self, module: nn.Module, keep: bool = True, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` with full parameters copied to ``device``, gathering one unit at a
         time (a collective). ``keep=False`` (e.g. on ranks that will not save) still takes part in
         the collectives but returns an empty dict, so no rank holds more than it needs."""
-        entries = module.state_dict(keep_vars=True)  # on every rank: its hooks may communicate
-        values: dict[int, torch.Tensor] = {}
-        for p, value in self.residency.full_values(device):
-            if keep:
-                values[id(p.param)] = value
-        if not keep:
-            return {}
-        return {key: values[id(t)] if id(t) in values else t.detach().to(device, copy=True) for key, t in entries.items()}
+        return self._full_weights.state_dict(module, keep, device)
 
     def load_full_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load unsharded weights (a plain ``state_dict``, e.g. from a DDP checkpoint) into the
@@ -348,33 +300,15 @@ class ZeroEngine:
             module.load_state_dict(state_dict, strict=strict)
             self.sync_master_weights()
             return
-        by_id = {id(p.param): p for p in self.params}
-        expected = module.state_dict(keep_vars=True)
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise KeyError(
-                f"The state dict does not match the model: missing keys {missing[:10]}, unexpected keys"
-                f" {unexpected[:10]}{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}."
-            )
-        with torch.no_grad(), self.residency.chunks_in_memory(writing=True):
-            for key, target in expected.items():
-                if key not in state_dict:
-                    continue
-                if id(target) in by_id:
-                    by_id[id(target)].load_full_value(state_dict[key].to(target.device))
-                else:
-                    if target.shape != state_dict[key].shape:
-                        raise ValueError(f"buffer {key!r} has shape {tuple(target.shape)}, the value has {tuple(state_dict[key].shape)}")
-                    target.copy_(state_dict[key])
+        self._full_weights.load_into_chunks(module, state_dict, strict)
 
     def release_parameters(self, device: torch.device) -> None:
         """Leave the module with plain full parameters on ``device`` and remove every hook (stage 3
         gathers one unit at a time; every rank then holds the whole model)."""
         self.gradients.close()
-        self._remove_step_hooks()
+        self._optimizers.remove_step_hooks()
         self.grad_sync.close()
-        self._close_fused_host_steps()
+        self._optimizers.close_fused_host_steps()
         self._replacement_guard.close()
         self.residency.release_to(device)
         module_link.unlink(self.module, self)
@@ -408,27 +342,18 @@ class ZeroEngine:
         of all of them (key ``"total"``), computed from the shards with one all-reduce. The numbers
         ``lightning.pytorch.utilities.grad_norm`` gives under DDP; call it on every rank, between
         backward and the optimizer step."""
-        with_grad = [p for p in self.params if p.shard.grad is not None]  # the same on every rank
-        if not with_grad:
-            return {}
-        per_param, total = global_norms([p.shard.grad.detach() for p in with_grad], float(norm_type), self.group)
-        norms = {p.name: norm for p, norm in zip(with_grad, per_param)}
-        norms["total"] = total
-        return norms
+        return norms_by_name(self.params, float(norm_type), self.group)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state and buffers this rank holds now, and of
         the communication buffers kept for reuse."""
+        host_gradient_rows = [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows]
+        averages = [held for average in self.averages for held in average.held()]
         return measure(
-            self.module,
-            self.params,
-            list(zip(self.optimizers, self._params_of_optimizer)),
-            self.residency.pool.kept_bytes,
-            [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows],
-            [held for average in self.averages for held in average.held()],
-            staging_bytes=self.disk.staging.held_bytes if self.disk is not None else 0,
+            self.module, self.params, self._optimizers.with_params(), self.residency.pool.kept_bytes, host_gradient_rows,
+            averages, staging_bytes=self.disk.staging.held_bytes if self.disk is not None else 0,
             disk_bytes=self.disk.disk_bytes if self.disk is not None else 0,
-        )
+        )  # fmt: skip
 
     @property
     def host_allocations(self) -> int:
@@ -438,24 +363,14 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove every hook (the optimizers step with their configured kernels again)."""
         self.gradients.close()
-        self._remove_step_hooks()
+        self._optimizers.remove_step_hooks()
         self.grad_sync.close()
         self.residency.close()
-        self._close_fused_host_steps()
+        self._optimizers.close_fused_host_steps()
         if self.disk is not None:
             self.disk.close()
         self._replacement_guard.close()
         module_link.unlink(self.module, self)
-
-    def _remove_step_hooks(self) -> None:
-        for handle in self._step_hooks:
-            handle.remove()
-        self._step_hooks = []
-
-    def _close_fused_host_steps(self) -> None:
-        for step in self._fused_host_steps:
-            step.close()
-        self._fused_host_steps = []
 
     def average_weights(self, device: Optional[torch.device] = None, buffers: Buffers = Buffers.AVERAGED) -> AveragedShards:
         """A running average of the module's weights kept as this rank's chunks beside the
@@ -468,13 +383,6 @@ class ZeroEngine:
         self.averages.add(average)
         return average
 
-    # ---- helpers ---------------------------------------------------------------------------
-    def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
-        """The sharded parameters `optimizer` steps, in its `state_dict` order."""
-        for opt, params in zip(self.optimizers, self._params_of_optimizer):
-            if opt is optimizer:
-                return params
-        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -482,3 +390,10 @@ def _device_of(module: nn.Module) -> torch.device:
         if not t.is_meta:
             return t.device
     raise ValueError("The module lives on the meta device; pass `device=` to say where to materialize it.")
+
+
+def linked_engine(module: nn.Module) -> Optional[ZeroEngine]:
+    """The engine holding ``module``'s parameters sharded, if one does (see [Note: after fit] in
+    ``module_link.py``)."""
+    held = module_link.linked(module)
+    return held if isinstance(held, ZeroEngine) else None

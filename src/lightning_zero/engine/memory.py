@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.sharded_grad import ShardedGradient
-from lightning_zero.engine.sharded_param import ShardedParam
+from lightning_zero.engine.gradients.sharded_grad import ShardedGradient
+from lightning_zero.engine.shards.sharded_param import ShardedParam, place_of
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,6 @@ class MemoryReport:
     @property
     def total(self) -> int:
         return self.device.total + self.host.total
-
-
-def place_of(t: torch.Tensor, offloaded: bool, compute_device: torch.device) -> str:
-    """Where ``measure`` counts ``t``: "host" when it is a CPU tensor and either what it belongs to
-    is offloaded or computes on an accelerator, else "device". So offloaded state that something
-    moved to the device counts as device memory, and on a CPU-only machine offload stays visible."""
-    on_host = t.device.type == "cpu" and (offloaded or compute_device.type != "cpu")
-    return "host" if on_host else "device"
 
 
 def measure(

@@ -1,5 +1,8 @@
 """Which engine holds a module's parameters sharded, found from the module itself.
 
+The link holds any object: ``engine.linked_engine`` gives it its type, so this module needs no
+import of the engine.
+
 [Note: after fit]
 ZeRO-3 exists so that no rank ever holds the whole model, so a stage-3 module stays sharded at rest
 when ``fit`` (or ``validate``/``test``/``predict``) ends, as under FSDP: its weights are then the
@@ -19,12 +22,9 @@ is a plain module with full weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import nn
-
-if TYPE_CHECKING:
-    from lightning_zero.engine.engine import ZeroEngine
 
 _ATTRIBUTE = "_lightning_zero_engine"
 
@@ -32,7 +32,7 @@ _ATTRIBUTE = "_lightning_zero_engine"
 class _Link:
     """Holds the engine; copies and pickles of the module get an empty link."""
 
-    def __init__(self, engine: Optional["ZeroEngine"]) -> None:
+    def __init__(self, engine: Optional[object]) -> None:
         self.engine = engine
 
     def __reduce__(self) -> Any:
@@ -42,18 +42,18 @@ class _Link:
         return _Link(None)
 
 
-def link(module: nn.Module, engine: "ZeroEngine") -> None:
+def link(module: nn.Module, engine: object) -> None:
     """``engine`` holds ``module``'s parameters sharded from now on."""
     object.__setattr__(module, _ATTRIBUTE, _Link(engine))
 
 
-def unlink(module: nn.Module, engine: "ZeroEngine") -> None:
+def unlink(module: nn.Module, engine: object) -> None:
     """``engine`` no longer holds ``module`` (it released or dropped the parameters)."""
-    if linked_engine(module) is engine:
+    if linked(module) is engine:
         object.__delattr__(module, _ATTRIBUTE)
 
 
-def linked_engine(module: nn.Module) -> Optional["ZeroEngine"]:
+def linked(module: nn.Module) -> Optional[object]:
     """The engine holding ``module``'s parameters sharded, if one does."""
     held = module.__dict__.get(_ATTRIBUTE)
     return held.engine if held is not None else None

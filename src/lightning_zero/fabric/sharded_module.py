@@ -38,7 +38,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroStage
 
 

@@ -7,7 +7,8 @@ Fabric calls the strategy from the user's own loop; this class connects those ca
 - ``fabric.backward``: the gradient shards are finished after it;
 - ``optimizer.step()``: after the step, the module sees the updated shards;
 - ``fabric.clip_gradients``: by the norm of the full gradients, computed from the shards;
-- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint formats (``checkpoint_state.py``).
+- ``fabric.save`` / ``fabric.load``: the Trainer's checkpoint formats (``checkpointing.py``);
+- the precision plugins it accepts: ``precision.py``.
 """
 
 from __future__ import annotations
@@ -17,39 +18,25 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
-import lightning
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.atomic import recover
-from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, file_writer
-from lightning_zero.checkpoint.convert import full_checkpoint
-from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
-from lightning_zero.checkpoint.pickles import checkpoint_globals
-from lightning_zero.engine import MemoryReport, ZeroStage, collectives
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.engine import MemoryReport, ZeroStage
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
-from lightning_zero.engine.grad_scaler import ZeroGradScaler
-from lightning_zero.engine.norms import clip_grads_by_global_norm_
-from lightning_zero.engine.sharded_optimizer import check_optimizer_type
-from lightning_zero.fabric.checkpoint_state import (
-    INTERNAL_KEYS,
-    plain_values,
-    remainder,
-    restore_plain_values,
-    split_state,
-)
+from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
+from lightning_zero.engine.optimizer.sharded_optimizer import check_optimizer_type
+from lightning_zero.fabric.checkpointing import FabricCheckpointing
+from lightning_zero.fabric.precision import checked_precision
 from lightning_zero.fabric.sharded_module import AccumulateWithoutSync, ShardedModule, ShardedModules
-
-SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision, MixedPrecision)
-"""Fabric's precision plugins this strategy trains correctly with (exactly these classes)."""
 
 
 class ZeroFabricStrategy(DDPStrategy):
@@ -95,6 +82,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
         self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
         self._modules = ShardedModules()
+        self._checkpoints = FabricCheckpointing(self._modules, self._checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -126,22 +114,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
-        if precision is not None and type(precision) not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"lightning-zero does not support Fabric's {type(precision).__name__}: it trains with"
-                " precision='32-true', '64-true', '16-true', 'bf16-true', '16-mixed' or 'bf16-mixed'."
-            )
-        scaler = getattr(precision, "scaler", None)
-        if scaler is not None and not isinstance(scaler, ZeroGradScaler):
-            # each rank sees only its gradient shard: the skip decision must be taken together
-            precision.scaler = ZeroGradScaler.like(scaler)  # type: ignore[union-attr]
-        self._precision = precision
+        self._precision = checked_precision(precision)
 
     # ---- setup -------------------------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """At stage 3, ``fabric.init_module()`` builds on the meta device and ``setup`` materializes
-        one unit at a time (see ``engine/materialize.py``); ``empty_init=False`` builds eagerly."""
+        one unit at a time (see ``engine/parameters/materialize.py``); ``empty_init=False`` builds eagerly."""
         if not self.shards_parameters or empty_init is False:
             return super().module_init_context(empty_init)
         stack = ExitStack()
@@ -262,7 +241,7 @@ class ZeroFabricStrategy(DDPStrategy):
     def finish_evaluation(self, module: Optional[nn.Module] = None) -> None:
         """After this rank's last evaluation forward (on every rank): at stage 3, ranks may then run
         different numbers of evaluation forwards, as under DDP — a rank that is done takes part in
-        its peers' all-gathers until they are done too (see ``engine/evaluation_join.py``)."""
+        its peers' all-gathers until they are done too (see ``engine/comm/evaluation_join.py``)."""
         for sharded in self._modules.selected(module):
             if sharded.engine is not None:
                 sharded.engine.finish_evaluation()
@@ -280,29 +259,20 @@ class ZeroFabricStrategy(DDPStrategy):
         self._modules.release()
         super().teardown()
 
-    # ---- state dicts and checkpoints ---------------------------------------------------------------------
+    # ---- state dicts and checkpoints (see ``checkpointing.py``) ------------------------------------------
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The full weights on every rank (at stage 3 gathered one unit at a time), on the CPU."""
-        sharded = self._modules.of(module)
-        engine = sharded.engine if sharded is not None else None
-        return engine.full_state_dict(module) if engine is not None else module.state_dict()
+        return self._checkpoints.module_state_dict(module)
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        sharded = self._modules.of(module)
-        engine = sharded.ensure_engine() if sharded is not None else None
-        if engine is None:
-            module.load_state_dict(state_dict, strict=strict)
-        else:
-            engine.load_full_state_dict(module, state_dict, strict=strict)
+        self._checkpoints.load_module_state_dict(module, state_dict, strict=strict)
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as if unsharded (DDP's format), on every rank."""
-        sharded = self._modules.owner_of(optimizer)
-        engine = sharded.ensure_engine() if sharded is not None else None
-        return engine.full_optimizer_state_dict(optimizer) if engine is not None else optimizer.state_dict()
+        return self._checkpoints.optimizer_state(optimizer)
 
     @override
     def save_checkpoint(
@@ -316,39 +286,7 @@ class ZeroFabricStrategy(DDPStrategy):
         file in Fabric's usual layout, written by rank 0; either appears only once complete."""
         if storage_options is not None:
             raise TypeError("ZeroFabricStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
-        if filter:
-            raise ValueError(
-                "lightning-zero's checkpoints take no `filter`: they hold the whole module. Save a filtered"
-                " copy yourself from `fabric.strategy.get_module_state_dict(model)`."
-            )
-        clashing = [key for key in state if key in INTERNAL_KEYS]
-        if clashing:
-            raise ValueError(f"Checkpoint state keys {clashing} are reserved by lightning-zero; rename them.")
-        self._modules.close_steps()
-        split = split_state(state, self._modules.is_set_up, self._modules.owner_module)
-        sharded = self._modules.of(split.module) if split.module is not None else None
-        engine = sharded.ensure_engine() if sharded is not None else None
-        checkpoint = plain_values(split.others)
-        if self._checkpointing.saves_directory(engine):
-            assert engine is not None and split.module is not None
-            checkpoint[MODULE_KEY] = self._checkpointing.module_shards(split.module, engine)
-            checkpoint[OPTIMIZERS_KEY] = [
-                self._checkpointing.optimizer_shards(engine, split.optimizers, opt) for opt in split.optimizers
-            ]
-        else:
-            keep = self.is_global_zero
-            if split.module_key is not None:
-                assert split.module is not None
-                module_state = engine.full_state_dict(split.module, keep=keep) if engine is not None else split.module.state_dict()
-                checkpoint[split.module_key] = module_state
-            for key, opt in zip(split.optimizer_keys, split.optimizers):
-                checkpoint[key] = engine.full_optimizer_state_dict(opt, keep=keep) if engine is not None else opt.state_dict()
-        checkpoint[FABRIC_NAMES] = {"module": split.module_key, "optimizers": split.optimizer_keys}
-        checkpoint[LIGHTNING_VERSION_KEY] = lightning.__version__
-        self._checkpointing.save(
-            self, checkpoint, path, split.module or nn.Module(), engine,
-            write_file=file_writer(self.checkpoint_io),
-        )  # fmt: skip
+        self._checkpoints.save(self, self.checkpoint_io, path, state, filter)
 
     @override
     def load_checkpoint(
@@ -361,72 +299,7 @@ class ZeroFabricStrategy(DDPStrategy):
         """Restore ``state`` from a checkpoint saved by this strategy (either format) or by the Trainer
         under ``ZeroStrategy`` or DDP, at any world size and stage; returns what was not restored.
         ``state=None``: the whole checkpoint as plain full tensors."""
-        self._modules.close_steps()
-        path = Path(path)
-        recover(path)
-
-        def read_file(file: Path) -> Any:
-            with checkpoint_globals():  # a file loads as a directory's meta.pt does
-                return self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)
-
-        if not state:
-            return full_checkpoint(path, include_optimizer=True, weights_only=weights_only) if path.is_dir() else read_file(path)
-        if isinstance(state, nn.Module):  # `fabric.load_raw(path, module)`
-            self._load_module(path, state, strict, read_file, weights_only)
-            return {}
-        if isinstance(state, Optimizer):  # `fabric.load_raw(path, optimizer)`
-            self._load_full_optimizer_state(state, read_file(path))
-            return {}
-        split = split_state(state, self._modules.is_set_up, self._modules.owner_module)
-        if split.module is None:
-            if path.is_dir():
-                raise ValueError(f"{str(path)!r} is a lightning-zero checkpoint: its state must include the module it holds.")
-            return super().load_checkpoint(path, state, strict, weights_only)
-        sharded = self._modules.of(split.module)
-        assert sharded is not None
-        engine = sharded.ensure_engine()
-        checkpoint = self._checkpointing.load(
-            path, split.module, engine, split.optimizers if engine is not None else [], strict, read_file, weights_only
-        )
-        if not self._checkpointing.restored_from_directory:
-            self._load_from_file(checkpoint, split, strict)
-        restore_plain_values(state, split.others, checkpoint, strict)
-        return remainder(checkpoint)
-
-    def _load_module(
-        self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any], weights_only: Optional[bool]
-    ) -> None:
-        """Full weights (a raw ``state_dict`` file, or a checkpoint of either layout) into ``module``."""
-        sharded = self._modules.of(module)
-        engine = sharded.ensure_engine() if sharded is not None else None
-        loaded = self._checkpointing.load(path, module, engine, [], strict, read_file, weights_only)
-        if self._checkpointing.restored_from_directory:
-            return
-        module_key, _ = fabric_names(loaded)
-        weights = loaded.get(module_key) if module_key else loaded.get(MODULE_KEY, loaded)
-        self.load_module_state_dict(module, weights, strict=strict)
-
-    def _load_from_file(self, checkpoint: dict[str, Any], split: Any, strict: bool) -> None:
-        """A full file: Fabric's layout (the module under its key) or the Trainer's (``state_dict``)."""
-        key = split.module_key if split.module_key in checkpoint else MODULE_KEY
-        if key not in checkpoint:
-            raise KeyError(f"The checkpoint holds no weights under {split.module_key!r} or {MODULE_KEY!r}.")
-        self.load_module_state_dict(split.module, checkpoint.pop(key), strict=strict)
-        for index, (key, optimizer) in enumerate(zip(split.optimizer_keys, split.optimizers)):
-            if key in checkpoint:
-                self._load_full_optimizer_state(optimizer, checkpoint.pop(key))
-            elif index < len(checkpoint.get(OPTIMIZERS_KEY, [])):
-                self._load_full_optimizer_state(optimizer, checkpoint[OPTIMIZERS_KEY][index])
-            elif strict:
-                raise KeyError(f"The checkpoint holds no state for the optimizer under {key!r}.")
-
-    def _load_full_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        sharded = self._modules.owner_of(optimizer)
-        engine = sharded.ensure_engine() if sharded is not None else None
-        if engine is None:
-            optimizer.load_state_dict(state)
-        else:
-            engine.load_full_optimizer_state_dict(optimizer, state)
+        return self._checkpoints.load(self.checkpoint_io, path, state, strict, weights_only, load_plain=super().load_checkpoint)
 
     @classmethod
     @override

@@ -9,9 +9,10 @@ sharded checkpoint directories (``load_from_checkpoint.py``).
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
 from lightning_zero.lightning import load_from_checkpoint
 from lightning_zero.lightning.memory_monitor import ZeroMemoryMonitor
-from lightning_zero.lightning.precision import ZeroGradScaler, ZeroPrecision
+from lightning_zero.lightning.precision import ZeroPrecision
 from lightning_zero.lightning.strategy import STRATEGY_NAMES, ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)

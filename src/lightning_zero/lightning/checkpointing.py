@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.checkpoint.checkpointing import StateDictType
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -19,8 +19,6 @@ except ImportError:  # Lightning before 2.6 has no weight-averaging callbacks of
     WeightAveraging = None
 
 __all__ = [
-    "StateDictType",
-    "ZeroCheckpointing",
     "check_callbacks_can_save",
     "has_weight_averaging",
     "unwrap_optimizer",

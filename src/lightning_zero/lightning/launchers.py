@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_zero.checkpoint.atomic import discard_leftovers, recover_folder
-from lightning_zero.engine.module_link import linked_engine
+from lightning_zero.engine.engine import linked_engine
 
 __all__ = ["RecoveringLauncher", "RecoveringMultiProcessingLauncher", "StartMethod", "check_start_method", "checkpoint_folders"]
 

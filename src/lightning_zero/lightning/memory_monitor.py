@@ -13,8 +13,8 @@ one small integer tensor per logging step, and rank 0 writes every rank's values
 than through ``self.log``, whose values wait for the Trainer's ``log_every_n_steps``.
 
 [Note: the estimator's scheme for each Lightning precision]
-The estimator prices a parameter as weights + gradients + optimizer state (``estimate.SCHEMES``). What
-the engine holds under each Lightning precision:
+The estimator prices a parameter as weights + gradients + optimizer state (``estimate_schemes.SCHEMES``).
+What the engine holds under each Lightning precision:
 - ``32-true``: fp32 weights and gradients, Adam's two fp32 moments: the "fp32" scheme (4 + 4 + 8).
 - ``bf16-mixed`` / ``16-mixed``: autocast casts activations, not model states; the weights stay fp32,
   so this is the "fp32" scheme too, not the paper's "mixed".
@@ -26,7 +26,7 @@ Any other precision is logged without an estimate.
 Where measurement and estimate differ by design:
 - With offload, the engine keeps each offloaded bucket's gradient row on the host for good (the CPU
   optimizer steps them there), and so does the estimator; during accumulation a second row (the
-  landing buffer, see ``engine/host_chunks.py``) is not in the estimate.
+  landing buffer, see ``engine/offload/host_chunks.py``) is not in the estimate.
 - The estimator has no buffers term; the engine's ``buffers`` are logged, not estimated.
 - The estimator rounds Ψ/N up once; the engine pads each parameter's chunk, so the first ranks hold
   up to N-1 elements per parameter more, the last ones less (a fraction of a percent for real models).
@@ -47,6 +47,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_zero import estimate as est
 from lightning_zero.engine import MemoryReport, StateBytes
 from lightning_zero.engine.config import resolve_shard_group_size
+from lightning_zero.estimate_schemes import SCHEMES, Layout, PrecisionScheme
 from lightning_zero.lightning.strategy import ZeroStrategy
 
 ByteUnit = Literal["bytes", "KB", "MB", "GB"]
@@ -59,13 +60,13 @@ KINDS = ("parameters", "gradients", "optimizer_state", "buffers")
 
 PLACES = ("device", "host")
 
-PRECISION_SCHEMES: dict[str, est.PrecisionScheme] = {
-    "32-true": est.SCHEMES["fp32"],
-    "bf16-mixed": est.SCHEMES["fp32"],
-    "16-mixed": est.SCHEMES["fp32"],
-    "bf16-true": est.SCHEMES["mixed"],
-    "16-true": est.SCHEMES["mixed"],
-    "64-true": est.PrecisionScheme(
+PRECISION_SCHEMES: dict[str, PrecisionScheme] = {
+    "32-true": SCHEMES["fp32"],
+    "bf16-mixed": SCHEMES["fp32"],
+    "16-mixed": SCHEMES["fp32"],
+    "bf16-true": SCHEMES["mixed"],
+    "16-true": SCHEMES["mixed"],
+    "64-true": PrecisionScheme(
         "fp64",
         weight_bytes=8,
         gradient_bytes=8,
@@ -87,7 +88,7 @@ def estimate_per_rank(
     if scheme is None:
         return None
     config = strategy.zero_config
-    layout = est.Layout(config.zero_stage, config.offload_optimizer, config.offload_params)
+    layout = Layout(config.zero_stage, config.offload_optimizer, config.offload_params)
     shard_group_size = resolve_shard_group_size(strategy.shard_group_size, devices * nodes, devices)
     # NVMe's host buffers are sized by the largest bucket (at stage 3 a unit): the engine's own, where it exists
     buckets = strategy.engine.buckets if strategy.engine is not None else ()

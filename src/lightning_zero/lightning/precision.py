@@ -19,9 +19,9 @@ from typing import Any, Union
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from lightning_zero.engine.collectives import ProcessGroup
-from lightning_zero.engine.grad_scaler import ZeroGradScaler
-from lightning_zero.engine.norms import clip_grads_by_global_norm_
+from lightning_zero.engine.comm.collectives import ProcessGroup
+from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
+from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 
 
 class _ShardedNormClipping:
@@ -37,7 +37,7 @@ class _ShardedNormClipping:
     def _clip_gradients(self, model: Any, *args: Any, **kwargs: Any) -> None:
         # Lightning runs this right after `on_before_optimizer_step`, inside the optimizer's closure:
         # gradients assigned to `param.grad` there reach the shards before they are clipped and
-        # stepped (see engine/grad_window.py)
+        # stepped (see engine/gradients/grad_window.py)
         engine = getattr(getattr(getattr(model, "_trainer", None), "strategy", None), "engine", None)
         if engine is not None:
             engine.gradients.take_assignments()

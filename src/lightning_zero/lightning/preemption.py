@@ -6,7 +6,7 @@ its handler for SLURM's requeue signal (SIGUSR1) saves a checkpoint right there 
 each rank enters at a different point of its step — and its SIGTERM handler broadcasts from the
 handler. Ranks signalled apart then pair different collectives and hang (under DDP as well).
 
-Under ``ZeroStrategy`` instead (see [Note: stop votes] in ``engine/stop_vote.py``):
+Under ``ZeroStrategy`` instead (see [Note: stop votes] in ``engine/comm/stop_vote.py``):
 
 1. ``PreemptionSignals``, the Trainer's signal connector from the strategy's setup on, only records
    the request in the engine's stop vote (SIGTERM: exit; the requeue signal: requeue);
@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_zero.engine.stop_vote import StopReason
+from lightning_zero.engine.comm.stop_vote import StopReason
 
 log = logging.getLogger(__name__)
 

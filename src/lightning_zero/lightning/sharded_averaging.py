@@ -2,7 +2,7 @@
 
 ``EMAWeightAveraging`` / ``WeightAveraging`` keep an ``AveragedModel`` (a full copy of the module),
 ``StochasticWeightAveraging`` a copy of the module. Under ZeRO the copy is a ``ShardedAverage``:
-this rank's chunks of the average, beside the optimizer's (``engine/averaged_shards.py``), so 4 B
+this rank's chunks of the average, beside the optimizer's (``engine/optimizer/averaged_shards.py``), so 4 B
 per fp32 parameter / N per rank at every stage, and an update reads only this rank's chunks (no
 gather at stage 3). What Lightning wrote about *when* and *how* to average runs as it wrote it
 (``should_update``, ``_latest_update_step``, SWA's epochs, its LR schedule and BatchNorm epoch, the
@@ -37,7 +37,7 @@ from torch import Tensor
 from lightning_zero.checkpoint.directory import CURRENT_MODEL_STATE
 from lightning_zero.checkpoint.sharded import SHARD_KEY_PREFIXES
 from lightning_zero.engine import ZeroEngine
-from lightning_zero.engine.averaged_shards import AveragedShards, AvgFn, Buffers, MultiAvgFn
+from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, AvgFn, Buffers, MultiAvgFn
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging

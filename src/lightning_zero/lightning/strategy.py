@@ -1,14 +1,13 @@
-"""``ZeroStrategy``: the thin Lightning adapter around the engine.
+"""``ZeroStrategy``: the thin Lightning adapter around the engine, and its options.
 
 The Trainer keeps launching processes, running loops and calling precision plugins and callbacks;
 this class only connects Lightning's hooks to the engine (``lightning_zero.engine``):
 
-- ``setup``: broadcast rank 0's weights (as DDP does), build the optimizers, shard them;
-- ``post_backward``: finish the gradient reduce-scatters;
-- ``optimizer_step``: after the step, all-gather the updated shards into the parameters;
+- ``setup``: broadcast rank 0's weights (as DDP does), build the optimizers, shard them (``engine_setup.py``);
+- each step: the hooks of its base class, ``ZeroStepHooks`` (``step_hooks.py``);
 - checkpoints: sharded directories by default (``lightning_zero.checkpoint``), or one file in
-  DDP's format with ``state_dict_type="full"``; both load at any stage and world size. The hooks
-  delegate to ``ZeroCheckpointing`` (``checkpointing.py``);
+  DDP's format with ``state_dict_type="full"``; both load at any stage and world size
+  (``checkpoint_hooks.py``);
 - preemption: a SIGTERM or SLURM's requeue signal ends ``fit`` at one step on every rank, however
   apart the ranks receive it (``preemption.py``).
 """
@@ -17,43 +16,36 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Generator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.checkpointing import check_state_dict_type, file_writer
-from lightning_zero.checkpoint.layout import as_trainer_checkpoint
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage, collectives
+from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
-from lightning_zero.engine.module_link import linked_engine
-from lightning_zero.engine.sharded_optimizer import check_optimizer_type
-from lightning_zero.lightning.checkpointing import (
-    StateDictType,
-    ZeroCheckpointing,
-    check_callbacks_can_save,
-    has_weight_averaging,
-    unwrap_optimizer,
-)
+from lightning_zero.fabric.checkpoint_io import file_writer
+from lightning_zero.lightning import checkpoint_hooks
+from lightning_zero.lightning.checkpointing import check_callbacks_can_save
+from lightning_zero.lightning.engine_setup import check_optimizer_types, start_engine, teardown_keeping_shards
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
-from lightning_zero.lightning.model_summary import use_true_sizes_in_model_summary
+from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 from lightning_zero.lightning.preemption import PreemptedExit, handle_preemption
 from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
-from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, set_norm_group, to_zero_precision
-from lightning_zero.lightning.uneven_evaluation import run_first
+from lightning_zero.lightning.step_hooks import ZeroStepHooks, grad_norms
 
-class ZeroStrategy(DDPStrategy):
+
+class ZeroStrategy(ZeroStepHooks):
     """ZeRO data parallelism: each of the N ranks keeps 1/N of the optimizer state (stage 1), of
     the gradients too (stage 2), of the parameters too (stage 3), and trains to the same weights
     as DDP.
@@ -142,15 +134,10 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         self.zero_config = config_from_options(locals())  # validates before anything else happens
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=check_start_method(start_method),
-        )
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timeout, start_method=check_start_method(start_method),
+        )  # fmt: skip
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
@@ -225,65 +212,14 @@ class ZeroStrategy(DDPStrategy):
         self._end_engine()
         if fitting:  # evaluation leaves the optimizers' state as the finished run left it
             self._finished = None
-        shard_group, replicate_group = self._data_parallel_groups()
-        set_norm_group(self.precision_plugin, shard_group)
-        kept = self._engine_to_resume(shard_group)
-        if kept is None:  # a module kept sharded has its dtypes already
-            self.precision_plugin.convert_module(self.model)
-        if self.shards_parameters:
-            if fitting:  # before sharding, so that `configure_optimizers` sees the true shapes
-                self.setup_optimizers(trainer)
-            if kept is not None:  # the module stayed sharded after an earlier run (see [Note: after fit])
-                kept.resume_training(self.optimizers if fitting else None)
-                self._engine = kept
-            else:
-                self._engine = ZeroEngine(
-                    self.lightning_module,
-                    self.optimizers if fitting else [],
-                    self.zero_config,
-                    group=shard_group,
-                    device=self.root_device,
-                    timeout=self._timeout,  # also for the all-gathers' own process group
-                    replicate_group=replicate_group,
-                )
-            use_true_sizes_in_model_summary(trainer, self._engine)
-            run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)
-        else:
-            self.model_to_device()
-            # every replica starts from rank 0's weights and buffers, as under DDP
-            collectives.broadcast_tensors_(_module_tensors(self.model), src=0, group=None)
-            if fitting:
-                self.setup_optimizers(trainer)
-                self._engine = ZeroEngine(
-                    self.lightning_module, self.optimizers, self.zero_config, group=shard_group,
-                    timeout=self._timeout, replicate_group=replicate_group,
-                )  # fmt: skip
+        self._engine = start_engine(self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups())
         self.setup_precision_plugin()
-
-    def _engine_to_resume(self, shard_group: collectives.ProcessGroup) -> Optional[ZeroEngine]:
-        """The engine an earlier run left holding the module sharded (see [Note: after fit] in
-        ``engine/module_link.py``), if this run can go on with it: the same configuration over as
-        many ranks. Any other engine first gives the module its full weights back (on every rank)."""
-        held = linked_engine(self.lightning_module)
-        if held is None:
-            return None
-        if (
-            self.shards_parameters
-            and held.config == self.zero_config
-            and collectives.world_size(held.group) == collectives.world_size(shard_group)
-            and held.shard_group_size == self.shard_group_size
-        ):
-            return held
-        held.release_parameters(self.root_device)
-        return None
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group): (None, None) when every rank shards; with hybrid
         sharding created once, on every rank (see ``shard_group_size``)."""
         if self._groups is None:
-            self._groups = collectives.data_parallel_groups(
-                self.shard_group_size, self.world_size, self.num_processes, self._timeout
-            )
+            self._groups = collectives.data_parallel_groups(self.shard_group_size, self.world_size, self.num_processes, self._timeout)
         return self._groups
 
     @override
@@ -306,7 +242,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """At stage 3, ``configure_model`` and ``trainer.init_module()`` build on the meta device;
-        setup then materializes one unit at a time (see ``engine/materialize.py``)."""
+        setup then materializes one unit at a time (see ``engine/parameters/materialize.py``)."""
         if not self.shards_parameters or empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
@@ -341,12 +277,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        try:
-            for optimizer in self.optimizers:
-                check_optimizer_type(optimizer)
-        except TypeError:
-            self.optimizers, self.lr_scheduler_configs = [], []  # nothing half-built to tear down
-            raise
+        check_optimizer_types(self)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -365,16 +296,10 @@ class ZeroStrategy(DDPStrategy):
                 kept_sharded = self._engine.shards_parameters
                 self._end_engine()
         self._failed = False
-        if not kept_sharded:
+        if kept_sharded:
+            teardown_keeping_shards(self)
+        else:
             super().teardown()
-            return
-        # stage 3: the module stays sharded where its chunks are, as under Lightning's FSDPStrategy
-        # (Lightning's teardown would move it to the CPU, reading every parameter at rest)
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
 
     def _end_engine(self) -> None:
         """The run's engine becomes the finished one: stage 3 keeps the module sharded at rest (see
@@ -382,93 +307,6 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.end_training()
             self._finished, self._engine = self._engine, None
-
-    # ---- the training step ---------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.model is not None:
-            # DDP re-broadcasts rank 0's buffers (e.g. BatchNorm statistics) before each forward
-            collectives.broadcast_tensors_(list(self.model.buffers()), src=0, group=None)
-        if self._engine is not None:
-            self._engine.begin_step()
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def post_training_step(self) -> None:
-        # manual optimization ran its backward passes inside training_step
-        if self._engine is not None and not self.lightning_module.automatic_optimization:
-            self._engine.end_step()
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().validation_step, *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().test_step, *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._engine is None:
-            return step(*args, **kwargs)
-        self._engine.begin_evaluation_step()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            self._engine.end_step()
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Micro-batches that accumulate without stepping (``accumulate_grad_batches``)."""
-        engine = self._engine
-        if engine is None:
-            yield None
-            return
-        engine.sync_gradients = False
-        try:
-            yield None
-        finally:
-            engine.sync_gradients = True
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """As Lightning's, but the gradients are reduced before ``on_after_backward`` runs (in the
-        precision plugin's ``post_backward``), so that hook sees them whole, as under DDP."""
-        engine, module = self._engine, self.lightning_module
-        if engine is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        engine.before_backward()
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        engine.finish_backward()
-        if module.automatic_optimization:
-            engine.end_step()
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # no DDP reducer to prepare
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # the engine finished the backward before `on_after_backward` (see `backward`)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._engine is not None:
-            self._engine.after_optimizer_step(unwrap_optimizer(optimizer))
-        return output
 
     # ---- introspection -----------------------------------------------------------------------
     def grad_norm(self, norm_type: Union[float, int, str] = 2.0) -> dict[str, torch.Tensor]:
@@ -482,13 +320,7 @@ class ZeroStrategy(DDPStrategy):
         """
         if self._engine is None:
             raise RuntimeError("grad_norm() is available while `trainer.fit` runs (after setup).")
-        norm_type = float(norm_type)
-        norms = self._engine.grad_norms(norm_type)
-        total = norms.pop("total", None)
-        out = {f"grad_{norm_type}_norm/{name}": value for name, value in norms.items()}
-        if total is not None:
-            out[f"grad_{norm_type}_norm_total"] = total
-        return out
+        return grad_norms(self._engine, float(norm_type))
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now (during ``fit``,
@@ -498,7 +330,7 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError("memory_report() is available once `trainer.fit` has set up the strategy.")
         return engine.memory_report()
 
-    # ---- checkpoints: see checkpointing.py --------------------------------------------------------
+    # ---- checkpoints: see checkpoint_hooks.py ----------------------------------------------------
     @property
     def _state_engine(self) -> Optional[ZeroEngine]:
         """The engine holding the optimizer's shards: the running one, or the finished run's."""
@@ -506,24 +338,15 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's chunks. Full: the whole weights, at stage 3 gathered one unit at a
-        time and kept on rank 0 only (the rank that writes the file)."""
-        engine = self._state_engine
-        if self._checkpointing.saves_directory(engine):
-            return self._checkpointing.module_shards(self.lightning_module, engine)
-        if engine is not None and engine.shards_parameters:
-            return engine.full_state_dict(self.lightning_module, keep=self.is_global_zero)
-        return super().lightning_module_state_dict()  # full parameters on every rank
+        return checkpoint_hooks.module_state_dict(
+            self._checkpointing, self.lightning_module, self._state_engine, self.is_global_zero,
+            replicated=super().lightning_module_state_dict,
+        )  # fmt: skip
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> Any:
-        """Sharded: this rank's chunks of the state. Full: the state in DDP's format, on rank 0."""
-        optimizer, engine = unwrap_optimizer(optimizer), self._state_engine
-        if engine is None:
-            return optimizer.state_dict()
-        if self._checkpointing.saves_directory(engine):
-            return self._checkpointing.optimizer_shards(engine, self.optimizers, optimizer)
-        return engine.full_optimizer_state_dict(optimizer, keep=self.is_global_zero)
+        engine = self._state_engine
+        return checkpoint_hooks.optimizer_state(self._checkpointing, engine, self.optimizers, optimizer, self.is_global_zero)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
@@ -535,16 +358,12 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        module = self.lightning_module
-        trainer = module._trainer  # None in the calling process after spawned ranks finished
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        checkpoint = self._checkpointing.load(
-            checkpoint_path, module, self._engine, self.optimizers if fitting else [], module.strict_loading,
+        return checkpoint_hooks.load_checkpoint(
+            self._checkpointing, checkpoint_path, self.lightning_module, self._engine, self.optimizers,
+            has_schedulers=bool(self.lr_scheduler_configs),
             read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
             weights_only=weights_only,
-            averaging_states=fitting and has_weight_averaging(trainer),
         )  # fmt: skip
-        return as_trainer_checkpoint(checkpoint, has_schedulers=bool(self.lr_scheduler_configs))  # one saved by Fabric
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -570,10 +389,5 @@ class ZeroStrategy(DDPStrategy):
             for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_notebook", "fork")):
                 name, init_params = base_name + suffix, {**base_params, "start_method": start_method}
                 if name not in strategy_registry:  # importing twice is harmless
-                    strategy_registry.register(
-                        name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params
-                    )
+                    strategy_registry.register(name, cls, description=f"ZeRO {init_params} ({cls.__name__})", **init_params)
 
-
-def _module_tensors(module: Module) -> list[torch.Tensor]:
-    return [p.data for p in module.parameters()] + list(module.buffers())

@@ -1,5 +1,5 @@
 """Where a rank's evaluation loop ends: the callback that lets ranks run uneven evaluation inputs
-at stage 3 (see ``engine/evaluation_join.py``).
+at stage 3 (see ``engine/comm/evaluation_join.py``).
 
 The strategy puts it first among the Trainer's callbacks: at the end of a validation, test or
 predict loop it runs before any other callback, and so before their collectives (e.g.

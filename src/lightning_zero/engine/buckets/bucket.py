@@ -1,0 +1,369 @@
+"""Buckets: parameters that communicate together, in one collective per direction.
+
+See [Note: chunk layout] in ``partition.py`` for the buffer layout.
+
+[Note: used flags]
+A gradient reduce-scatter carries, after the S gradient columns, one extra column per parameter:
+1 where this rank produced a gradient for it in this backward, 0 where it did not (an unused
+branch). Summed by the same collective, every rank learns which parameters got a gradient on *some*
+rank: those get a gradient shard (zeros from the ranks that had none, as DDP does); those unused
+everywhere keep ``grad=None`` so the optimizer skips them, again as DDP does. This costs no extra
+collective and k elements per rank. After the k used flags come ``StopVote.WIDTH`` columns of stop
+votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.buffers import BufferPool
+from lightning_zero.engine.comm.copy_stream import CopyStream, Event
+from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.stop_vote import StopVote
+from lightning_zero.engine.offload.host_chunks import HostChunks
+from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.shards.partition import interleaved_sizes, pack_rows, unpack_rows
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class GatherTags(Protocol):
+    """What a stage-3 all-gather carries besides the chunks: the tag of what this rank gathers,
+    checked against every rank's once gathered (``parameters.unit.UnitTags``, see [Note: unit tags]
+    in ``unit.py``)."""
+
+    tag: int
+
+    def check(self, gathered: Tensor) -> None:
+        """``gathered`` (N,): the tag every rank sent with this gather, on the device."""
+        ...
+
+
+class ReductionState(enum.Enum):
+    """Lifecycle of a bucket's gradients within one backward pass."""
+
+    COLLECTING = "collecting"  # waiting for its parameters' gradients
+    REDUCING = "reducing"  # reduce-scatter issued, not yet finished
+
+
+class Bucket:
+    """A group of same-dtype parameters, reduced and gathered in one collective per direction.
+
+    ``group`` carries the gradient reduce-scatters, ``gather_group`` (default: ``group``) the
+    parameter all-gathers; ``pool`` lends the communication buffers (see ``buffers.py``). With
+    ``copies``, offloaded parameters keep their chunks in the bucket's ``host`` buffers (see
+    [Note: offloaded bucket] in ``host_chunks.py``), and with ``param_files`` those chunks live in a
+    file named ``name`` there between uses (see [Note: parameters on disk] in ``masters_on_disk.py``).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[ShardedParam],
+        group: collectives.ProcessGroup,
+        pool: Optional[BufferPool] = None,
+        gather_group: collectives.ProcessGroup = None,
+        copies: Optional[CopyStream] = None,
+        replicate_group: collectives.ProcessGroup = None,
+        param_files: Optional[ScratchDirectory] = None,
+        name: str = "bucket",
+    ) -> None:
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index = index
+        self.params = list(params)
+        self.group = group
+        self.gather_group = gather_group if gather_group is not None else group
+        self.pool = pool if pool is not None else BufferPool(capacity_bytes=0, slots=0)
+        self.world_size = collectives.world_size(group)
+        self.replicate_group = replicate_group
+        """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
+        which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
+        self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
+        self.dtype = params[0].param.dtype
+        self.device = params[0].param.device
+        self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
+        self.shard_numel = sum(self._widths)  # S: elements per rank, padding included
+        self._row_sizes = interleaved_sizes([p.owned_numel for p in self.params], self._widths)
+        self.flag_count = len(self.params) + StopVote.WIDTH
+        """F: the columns after the gradient chunks in a reduce-scatter: used flags, then stop votes."""
+        self.state = ReductionState.COLLECTING
+        self._ready: set[int] = set()
+        self.host: Optional[HostChunks] = None
+        if copies is not None and self.params[0].offloaded:
+            self.host = HostChunks(
+                self.params, self._row_sizes, self.flag_count, copies, trainable=self.params[0].param.requires_grad,
+                files=param_files, name=name,
+            )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, params={len(self.params)}, shard_numel={self.shard_numel}, dtype={self.dtype})"
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.layout.numel for p in self.params) * self.params[0].param.element_size()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of this bucket's largest communication buffer: the reduce-scatter's input
+        (N, S + F), which is also at least the all-gather's output (N, S + 1); offloaded half
+        weights also cast a row (S + F) to fp32 on the device."""
+        row = self.shard_numel + self.flag_count
+        staged = row * self.params[0].master_dtype.itemsize if self.host is not None else 0
+        return max(self.world_size * row * self.params[0].param.element_size(), staged)
+
+    # ---- gradients -------------------------------------------------------------------------
+    def mark_ready(self, param: ShardedParam) -> bool:
+        """Record that ``param``'s gradient is accumulated; True once every parameter is."""
+        if self.state is not ReductionState.COLLECTING:
+            raise RuntimeError(
+                f"Parameter {param.name!r} received a gradient after its bucket was already reduced in"
+                " this backward pass. lightning-zero reduces each gradient once per backward: a"
+                " parameter may not receive gradients from two separate `backward()` calls between"
+                " optimizer synchronisations (use one backward over the summed losses)."
+            )
+        self._ready.add(id(param))
+        return self.is_ready
+
+    @property
+    def is_ready(self) -> bool:
+        """Every parameter's gradient for this backward has been accumulated."""
+        return len(self._ready) == len(self.params)
+
+    def start_gradient_reduction(self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH) -> "PendingGradientReduction":
+        """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
+        free them, and start the reduce-scatter (with hybrid sharding, ``finish`` all-reduces the
+        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
+        ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``)."""
+        if self.state is not ReductionState.COLLECTING:
+            raise RuntimeError(f"{self} is already being reduced")
+        if self.world_size == 1 and self.host is None and self.replicate_group is None:
+            return self._take_local_gradients()
+        n, s, f = self.world_size, self.shard_numel, self.flag_count
+        if n == 1 and self.host is None:
+            # one-rank shard groups (hybrid): the packed row is the reduced row, whose chunks become
+            # the gradient shards as they are, so it is the bucket's own and never lent
+            send = torch.empty(s + f, dtype=self.dtype, device=self.device).view(1, s + f)
+        else:
+            send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
+        flats, flags = [], torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
+        for i, p in enumerate(self.params):
+            if _contributes(p):
+                flats.append(p.param.grad.view(-1))
+            else:
+                flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
+                flags[:, i] = 0
+            p.param.grad = None  # the full-size gradient is released once copied in
+        _mark_ballot(flags[:, len(self.params) :], ballot)
+        pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
+        del flats
+        self.state = ReductionState.REDUCING
+        if n == 1:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
+            lent = [send] if self.host is not None else []
+            return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent)
+        if self.host is not None:  # copied to the host once reduced, so lent for the collective only
+            received = self.pool.take(s + f, self.dtype, self.device)
+            lent = [send, received]
+        else:  # its chunks become the gradient shards as they are
+            received, lent = torch.empty(s + f, dtype=self.dtype, device=self.device), [send]
+        work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
+        return PendingGradientReduction(self, work, received, lent=lent)
+
+    def _take_local_gradients(self) -> "PendingGradientReduction":
+        """World size 1: the reduced gradient is the local one and the chunk is the whole
+        parameter, so each gradient becomes its shard's as it is (a view where dtype and device
+        agree), with no buffer, copy or collective; nothing is left to hand out."""
+        for p in self.params:
+            if _contributes(p):
+                p.accumulate_grad(p.param.grad.view(-1))
+            p.param.grad = None
+        return PendingGradientReduction(self, collectives.PendingCollective(), received=None)
+
+    def accept_gradients(self, received: Optional[Tensor], used_anywhere: Sequence[float]) -> None:
+        """Hand each parameter its chunk of the reduced gradients in ``received`` (S + F,), skipping
+        those no rank used (see [Note: used flags]); ``used_anywhere`` is the used flags read on the host.
+        ``received`` None: the gradients were taken locally already (world size 1)."""
+        if self.host is not None:
+            self.host.accept(received, used_anywhere)
+        elif received is not None:
+            pieces = torch.split_with_sizes(received, [*self._row_sizes, self.flag_count])
+            for i, p in enumerate(self.params):
+                if used_anywhere[i] > 0:
+                    p.accumulate_grad(pieces[2 * i])
+        self._ready.clear()
+        self.state = ReductionState.COLLECTING
+
+    # ---- parameters ------------------------------------------------------------------------
+    def start_param_gather(self, tags: Optional["GatherTags"] = None) -> "PendingParamGather":
+        """All-gather every rank's updated chunks (cast to the parameter dtype).
+
+        With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
+        finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
+        """
+        if self.world_size == 1:
+            tags = None  # one rank cannot disagree with itself
+            if self.params[0].keeps_full:
+                return self._write_back_locally()
+        n, s = self.world_size, self.shard_numel
+        row = s + (tags is not None)
+        send = torch.empty(row, dtype=self.dtype, device=self.device)  # (S [+ 1],); padding is never read
+        if self._sends_from_host:
+            self.host.copy_master_to(send[:s])
+        else:
+            pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
+            with torch.no_grad():  # the shards are parameters (of the optimizer)
+                torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
+        if tags is not None:
+            send[s] = tags.tag
+        gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
+        work = collectives.start_all_gather(gathered, send, self.gather_group)
+        return PendingParamGather(self, work, gathered, tags, lent=[gathered])
+
+    @property
+    def _sends_from_host(self) -> bool:
+        """Whether the all-gather's send row comes from the host chunks (offloaded, and the device
+        keeps no copy of them)."""
+        return self.host is not None and not self.host.device_chunks
+
+    def _write_back_locally(self) -> "PendingParamGather":
+        """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the
+        only work is copying the shards that do not alias their parameter (fp32 masters of half
+        parameters, offloaded chunks) back into it; nothing is left to finish."""
+        with torch.no_grad():
+            if self.host is not None:  # one copy of the bucket to the device, then into the parameters
+                row = self.host.copies.to_device(self.host.master)
+                unpack_rows(row.view(1, -1), [p.gather_target() for p in self.params], self._widths)
+            else:
+                for p in self.params:
+                    if not p.aliases_param:
+                        p.write_chunk_to(p.gather_target())
+        return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
+
+    def _finish_param_gather(self, gathered: Optional[Tensor], tags: Optional["GatherTags"]) -> None:
+        if gathered is None:
+            return
+        rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
+        if tags is not None:
+            tags.check(rows[:, self.shard_numel])
+        with torch.no_grad():
+            targets = [p.gather_target() for p in self.params]
+            unpack_rows(rows, targets, self._widths, [p.gather_target_rows() for p in self.params])
+
+
+def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:
+    """Fill the stop-vote columns (N, StopVote.WIDTH) of a reduce-scatter's flags with ``ballot``
+    (one kernel when nothing is requested, the usual case)."""
+    columns.zero_()
+    for column, requested in enumerate(ballot):
+        if requested:
+            columns[:, column] = 1
+
+
+def _contributes(p: ShardedParam) -> bool:
+    """Whether ``p`` has a gradient to reduce in this backward. A shard switched off by
+    ``LightningModule.toggle_optimizer`` (which sees the shards) contributes none, as its parameter
+    would not under DDP."""
+    return p.param.grad is not None and p.shard.requires_grad
+
+
+@dataclass
+class PendingGradientReduction:
+    bucket: Bucket
+    work: collectives.PendingCollective
+    received: Optional[Tensor]
+    """(S + F,): this rank's reduced chunks, used flags and stop votes; None where nothing is left to hand
+    out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
+    lent: list[Tensor] = field(default_factory=list)
+    """Pool buffers the collective reads, given back once it is finished."""
+    _flags: Optional[Tensor] = None
+    _across_replicas: Optional[collectives.PendingCollective] = None
+
+    def done(self) -> bool:
+        """Whether ``finish`` would return without the host waiting for a peer; never blocks. With
+        hybrid sharding, a finished reduce-scatter starts the all-reduce across the replicas here,
+        so call it on the reductions in the order they were started (as ``finish``)."""
+        if not self.work.done():
+            return False
+        across = self._reduce_across_replicas()
+        return across is None or across.done()
+
+    def finish(self) -> None:
+        """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks. An
+        offloaded bucket's row starts its copy to the host here, during backward."""
+        self.work.wait()
+        across = self._reduce_across_replicas()
+        if across is not None:
+            across.wait()
+        copy = None
+        host = self.bucket.host
+        if host is not None and self.received is not None:
+            self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
+            self.received, copy = host.receive(self.received, self.bucket.pool)
+        _give_back(self.bucket.pool, self.lent, copy)
+
+    def _reduce_across_replicas(self) -> Optional[collectives.PendingCollective]:
+        """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
+        started once the reduce-scatter is done (None without replicas)."""
+        if self.bucket.replicate_group is None or self.received is None:
+            return None
+        if self._across_replicas is None:
+            self.work.wait()
+            self._across_replicas = collectives.start_all_reduce(self.received, self.bucket.replicate_group)
+        return self._across_replicas
+
+    @property
+    def flags(self) -> Tensor:
+        """(F,): per parameter, how many ranks produced a gradient (see [Note: used flags]), then the
+        summed stop votes; on the device, also for an offloaded bucket, so reading them waits for no copy."""
+        return self._flags if self._flags is not None else self.received[self.bucket.shard_numel :]
+
+    def hand_out(self, votes: Optional[StopVote], flags: Sequence[float]) -> None:
+        """With the flags read on the host: give out the gradient chunks, count the stop votes."""
+        k = len(self.bucket.params)
+        self.bucket.accept_gradients(self.received, flags[:k])
+        if votes is not None:
+            votes.count(flags[k:])
+
+
+def hand_out_gradients(
+    reductions: Sequence[PendingGradientReduction], reads: HostReads, votes: Optional[StopVote] = None
+) -> None:
+    """At ``reads``' next read, give every parameter of the finished ``reductions`` its reduced
+    gradient chunk (the used flags decide which; see [Note: deferred verdicts] in ``host_reads.py``)
+    and count the stop votes they carried into ``votes`` (one rank: its own ballot)."""
+    for reduction in reductions:
+        if reduction.received is None:
+            reduction.bucket.accept_gradients(None, ())
+            if votes is not None:
+                votes.count(votes.ballot())
+        else:
+            reads.add(reduction.flags, functools.partial(reduction.hand_out, votes))
+
+
+@dataclass
+class PendingParamGather:
+    bucket: Bucket
+    work: collectives.PendingCollective
+    gathered: Optional[Tensor]
+    """(N * (S [+ 1]),): every rank's chunks; None where nothing is left to copy (world size 1)."""
+    tags: Optional["GatherTags"] = None
+    lent: list[Tensor] = field(default_factory=list)
+    """Pool buffers the collective reads or fills, given back once their contents are copied out."""
+
+    def finish(self) -> None:
+        """Wait for the all-gather and copy every rank's chunk into the full parameters."""
+        self.work.wait()
+        self.bucket._finish_param_gather(self.gathered, self.tags)
+        _give_back(self.bucket.pool, self.lent)
+
+
+def _give_back(pool: BufferPool, lent: list[Tensor], copy: Event = None) -> None:
+    for buffer in lent:
+        pool.give_back(buffer, copy)
+    lent.clear()

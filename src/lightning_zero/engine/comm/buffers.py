@@ -1,0 +1,80 @@
+"""Communication buffers, allocated once and reused step after step.
+
+Every bucket collective needs a flat buffer the size of the whole bucket: the reduce-scatter's
+input (N, S + F) and the all-gather's output (N * S). Allocating them per collective costs an
+allocation, and on the host fresh pages, every time; keeping one per bucket for good would cost a
+full copy of the gradients at stage 2. So buffers come from one pool per engine that keeps a few
+byte buffers the size of the largest regular bucket (stage 3: unit) and lends views of them: after
+the first step, every bucket's collective reuses them. A larger request (a parameter bigger than a
+bucket, stage 3's root unit) gets a buffer of its own for that collective, freed after.
+
+A buffer is lent with :meth:`BufferPool.take` and comes back with :meth:`BufferPool.give_back` once
+its collective has finished and its contents were copied out; the bucket's ``Pending*`` result
+carries it until then, so a buffer is never written while a collective still reads or fills it.
+On CUDA the copies that fill it and read it run on the current stream after ``wait()``, so reuse
+is ordered by the stream, not by a host sync; a buffer a copy on another stream still reads comes
+back with that copy's event, which its next borrower's stream waits for (``copy_stream.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine.comm.copy_stream import Event
+
+
+class BufferPool:
+    """Lends flat buffers of up to ``capacity_bytes`` from at most ``slots`` kept byte buffers.
+
+    Any dtype is served from the same byte buffers (a view of the first ``numel`` elements), so
+    buckets of different sizes share them. A request larger than ``capacity_bytes`` gets a buffer
+    allocated for it alone, freed when given back.
+    """
+
+    def __init__(self, capacity_bytes: int, slots: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.slots = slots
+        self._free: dict[torch.device, list[tuple[Tensor, Event]]] = {}  # byte buffer, copy to wait for
+        self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
+        self.allocations = 0
+        """Byte buffers the pool has allocated: flat after the first step."""
+        self.oversized = 0
+        """Requests larger than ``capacity_bytes`` served by a buffer of their own (each one counts)."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A 1D ``dtype`` buffer of ``numel`` elements on ``device``, contents undefined."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.capacity_bytes:
+            self.oversized += 1
+            return torch.empty(numel, dtype=dtype, device=device)
+        free = self._free.setdefault(torch.device(device), [])
+        if free:
+            base, copy = free.pop()
+            if copy is not None:
+                torch.cuda.current_stream(base.device).wait_event(copy)
+        else:
+            self.allocations += 1
+            base = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
+        view = base[:nbytes].view(dtype)
+        self._lent[view.data_ptr()] = base
+        return view
+
+    def give_back(self, buffer: Tensor, after: Event = None) -> None:
+        """Return a buffer from :meth:`take` once nothing on the compute stream reads or fills it
+        any more; ``after``: the event of a copy on another stream that still may."""
+        base = self._lent.pop(buffer.data_ptr(), None)
+        if base is None:
+            return  # allocated for one oversized request: freed with its last reference
+        free = self._free.setdefault(base.device, [])
+        if len(free) < self.slots:
+            free.append((base, after))
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the byte buffers the pool keeps (free now or lent out)."""
+        return self.capacity_bytes * (sum(len(f) for f in self._free.values()) + len(self._lent))
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._lent.clear()

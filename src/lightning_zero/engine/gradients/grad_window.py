@@ -1,0 +1,154 @@
+"""When ``param.grad`` shows the reduced gradients, and how edits to it reach the optimizer.
+
+The window opens when a backward's gradients are reduced (``ZeroEngine.finish_backward``) and
+closes at the optimizer step, or before the next backward. While it is open every trainable
+parameter with a gradient has a :class:`ShardedGradient` in ``.grad`` (see [Note: gradients where
+users look] in ``sharded_grad.py``):
+
+- in-place edits through it edit ``shard.grad`` itself, so they need no further step;
+- an assignment (``p.grad = None``, ``p.grad = p.grad * mask``, ``p.grad = tensor``) is taken by
+  ``take_assignments`` right before the optimizer steps: None drops that gradient, as under DDP
+  (the optimizer skips the parameter), a tensor becomes it (this rank keeps its chunk);
+- on a micro-batch that only accumulates (stages 2-3), DDP would show this rank's own unreduced
+  gradient, which no rank holds here: reading it fails and says to read gradients after the last
+  micro-batch. (Stage 1 keeps full unreduced gradients until the last micro-batch, as DDP does.)
+
+Installing a view is one attribute assignment per parameter; nothing is computed until user code
+reads ``.grad``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.chunk_gather import all_gather_chunks
+from lightning_zero.engine.gradients.sharded_grad import ShardedGradient
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class WindowState(enum.Enum):
+    CLOSED = "closed"
+    REDUCED = "reduced"
+    """After the backward of a micro-batch that steps: the gradients are whole."""
+    ACCUMULATING = "accumulating"
+    """After the backward of a micro-batch that only accumulates (stages 2-3)."""
+
+
+class GradientWindow:
+    """Shows ``params``' gradient shards as their full gradients in ``param.grad``."""
+
+    def __init__(self, params: Sequence[ShardedParam], group: collectives.ProcessGroup) -> None:
+        self._params = [p for p in params if p.shard.requires_grad]
+        self._group = group
+        self._views: dict[int, ShardedGradient] = {}
+        self._shown: list[ShardedParam] = []
+        self.state = WindowState.CLOSED
+
+    def open(self, reduced: bool) -> None:
+        """After a backward: ``reduced`` when its gradients were reduced into the shards."""
+        self.close()
+        self.state = WindowState.REDUCED if reduced else WindowState.ACCUMULATING
+        for p in self._params:
+            if p.shard.grad is not None:
+                p.show_grad(self._view_of(p))
+                self._shown.append(p)
+
+    def show_again(self) -> None:
+        """After something else held ``param.grad`` for a while (``summon_full_params(with_grads=True)``
+        inside the window): the views again."""
+        for p in self._shown:
+            p.show_grad(self._views[id(p)] if p.shard.grad is not None else None)
+
+    def close(self) -> None:
+        """Before the next backward, and after the optimizer step: ``.grad`` is None again."""
+        for p in self._shown:
+            if p.param.grad is self._views[id(p)]:  # not what a backward accumulated since (sharded_grad.py)
+                p.show_grad(None)
+        self._shown.clear()
+        self.state = WindowState.CLOSED
+
+    def take_assignments(self) -> None:
+        """Right before the optimizer steps: gradients assigned while the window was open replace
+        (or, assigned None, drop) the shards' gradients."""
+        if self.state is not WindowState.REDUCED:
+            return
+        for p in self._shown:
+            view = self._views[id(p)]
+            shown = p.param.grad
+            if shown is view:
+                continue
+            if shown is None:
+                p.shard.grad = None
+            else:
+                p.shard.grad = _chunk_of_assigned(p, shown)
+                p.show_grad(view)
+
+    def _view_of(self, p: ShardedParam) -> ShardedGradient:
+        view = self._views.get(id(p))
+        if view is None:
+            view = ShardedGradient(
+                p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name, p.param
+            )
+            self._views[id(p)] = view
+        return view
+
+    def _chunk(self, p: ShardedParam) -> Tensor:
+        if self.state is WindowState.ACCUMULATING:
+            raise RuntimeError(
+                f"The gradient of parameter {p.name!r} was read after the backward of a micro-batch that only"
+                " accumulates (`accumulate_grad_batches`, `no_backward_sync`). There DDP shows this rank's own"
+                " unreduced gradient, which ZeRO stages 2-3 never hold: each micro-batch is reduced into the"
+                " shards. HINT: read gradients after the last micro-batch's backward (e.g. in"
+                " `on_before_optimizer_step`), where they are whole."
+            )
+        grad = p.shard.grad
+        if grad is None:
+            raise RuntimeError(
+                f"The gradient of parameter {p.name!r} was read after it was released (`optimizer.zero_grad()`"
+                " ran after the backward). Read gradients between the backward and the optimizer step."
+            )
+        return grad.detach().view(-1)
+
+
+def _chunk_of_assigned(p: ShardedParam, assigned: Tensor) -> Tensor:
+    """This rank's chunk of a gradient assigned to ``p.param.grad``, in the shard's dtype and device."""
+    if isinstance(assigned, ShardedGradient):
+        if assigned.shape != p.shape or assigned._range != p.layout.owned_range(p.rank):
+            raise RuntimeError(
+                f"Parameter {p.name!r} was assigned the gradient of {assigned._name!r} (shape"
+                f" {tuple(assigned.shape)}); a gradient must have the parameter's shape {tuple(p.shape)}."
+            )
+        chunk: Tensor = assigned._local()
+    else:
+        if assigned.shape != p.shape:
+            raise RuntimeError(
+                f"Parameter {p.name!r} of shape {tuple(p.shape)} was assigned a gradient of shape"
+                f" {tuple(assigned.shape)}; assign a tensor of the parameter's shape, or None."
+            )
+        start, end = p.layout.owned_range(p.rank)
+        chunk = assigned.detach().reshape(-1)[start:end]
+    return chunk.to(p.shard.device, p.shard.dtype, copy=True)
+
+
+def full_gradients(
+    params: Sequence[ShardedParam], group: collectives.ProcessGroup, max_bytes: int, device: Optional[torch.device] = None, keep: bool = True
+) -> list[Optional[Tensor]]:
+    """Each parameter's full gradient (None where it has none), in its dtype and on ``device``
+    (default: its own), gathered from every rank's chunk one piece of at most ``max_bytes`` at a time.
+    A collective: call it on every rank with the same ``params``; ``keep=False``: take part only."""
+    with_grad = [p for p in params if p.shard.grad is not None]  # the same on every rank
+    if not with_grad:
+        return [None] * len(params)
+    targets = {
+        id(p): torch.empty(p.layout.numel, dtype=p.shard.grad.dtype, device=device or p.device) if keep else None
+        for p in with_grad
+    }
+    # staged on the compute device, where the group communicates (offloaded chunks live on the host)
+    all_gather_chunks([(p.shard.grad.detach().view(-1), p.layout, targets[id(p)]) for p in with_grad], group, with_grad[0].device, max_bytes)
+    full = {key: flat for key, flat in targets.items() if flat is not None}
+    return [full[id(p)].view(p.shape).to(p.param.dtype) if id(p) in full else None for p in params]

@@ -1,0 +1,101 @@
+"""Gradient norms over shards: foreach kernels per dtype and device, one all-reduce.
+
+Each rank holds a disjoint piece of every gradient (its chunk), so a global p-norm is the p-th root
+of the all-reduced sum of the local p-th powers; a max-norm all-reduces the local maxima.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+def group_by_dtype_and_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` in lists of one dtype and device each (what one foreach kernel takes)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """Each tensor's fp32 ``norm_type``-norm, in ``tensors``' order: one foreach kernel per dtype and
+    device where torch has it (torch 2.4's ``_foreach_norm`` may lack ``dtype``). An empty tensor's
+    norm is 0, also for the max-norm."""
+    norms: dict[int, Tensor] = {}
+    for same_kind in group_by_dtype_and_device([t for t in tensors if t.numel()]):
+        try:
+            computed = torch._foreach_norm(same_kind, norm_type, dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            computed = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in same_kind]
+        norms.update((id(t), n) for t, n in zip(same_kind, computed))
+    zero = torch.zeros((), dtype=torch.float32, device=tensors[0].device) if tensors else None
+    return [norms.get(id(t), zero) for t in tensors]
+
+
+def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGroup = None, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all gradients across ranks, when each rank holds a disjoint shard of
+    them (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else (parameters[0].device if parameters else "cpu")
+    norm_type = float(norm_type)
+    local = torch.stack(norms_of(grads, norm_type)) if grads else torch.zeros(1, device=device)
+    if norm_type == float("inf"):
+        return collectives.all_reduce(local.max().reshape(1), group, op="max").reshape(())
+    if norm_type == 2.0:
+        local_norm = torch.linalg.vector_norm(local)
+        powered = (local_norm * local_norm).reshape(1)
+    else:
+        powered = local.pow(norm_type).sum().reshape(1)
+    return collectives.all_reduce(powered, group, op="sum").pow(1.0 / norm_type).reshape(())
+
+
+def clip_grads_by_global_norm_(
+    parameters: Sequence[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    group: collectives.ProcessGroup = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradient shards: the same formula, over the norm of the
+    full gradients (one all-reduce). Returns that norm, before clipping."""
+    total_norm = global_grad_norm(parameters, group, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total_norm):  # a host sync, as in torch's
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite,"
+            " so it cannot be clipped. To disable this error and scale the gradients by the non-finite"
+            " norm anyway, set `error_if_nonfinite=False`."
+        )
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)  # non-finite norms propagate as in torch's
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    for same_kind in group_by_dtype_and_device(grads):  # one multiply kernel per dtype and device
+        torch._foreach_mul_(same_kind, clip_coef.to(same_kind[0].device, same_kind[0].dtype))
+    return total_norm
+
+
+def global_norms(shards: Sequence[Tensor], norm_type: float, group: collectives.ProcessGroup) -> tuple[Tensor, Tensor]:
+    """Each full tensor's ``norm_type``-norm and the norm of all of them, from every rank's
+    ``shards`` (the same list of tensors on every rank, each a disjoint chunk): one all-reduce."""
+    local = torch.stack(norms_of(shards, norm_type))
+    if norm_type == float("inf"):
+        per_tensor = collectives.all_reduce(local, group, op="max")
+        return per_tensor, per_tensor.max()
+    powered = collectives.all_reduce(local.pow(norm_type), group, op="sum")
+    return powered.pow(1.0 / norm_type), powered.sum().pow(1.0 / norm_type)
+
+
+def norms_by_name(params: Sequence[ShardedParam], norm_type: float, group: collectives.ProcessGroup) -> dict[str, Tensor]:
+    """``ZeroEngine.grad_norms``: each parameter's full-gradient norm by name, and ``"total"``, from
+    the gradient chunks ``params`` hold (the same parameters have one on every rank)."""
+    with_grad = [p for p in params if p.shard.grad is not None]  # the same on every rank
+    if not with_grad:
+        return {}
+    per_param, total = global_norms([p.shard.grad.detach() for p in with_grad], norm_type, group)
+    norms = {p.name: norm for p, norm in zip(with_grad, per_param)}
+    norms["total"] = total
+    return norms

@@ -1,0 +1,10 @@
+"""Offload: chunks and optimizer state in host memory and on NVMe.
+
+``host_chunks`` keeps an offloaded bucket's chunks in host memory; the NVMe tier is ``disk_tier``
+(one engine's scratch directory and staging), built on ``scratch_files`` (files read and written by
+a thread pool), ``masters_on_disk`` (stage-3 parameter chunks in files between uses),
+``state_on_disk`` with ``state_layout`` and ``staging`` (an optimizer's state stepped bucket by
+bucket through a few host buffers).
+
+May import ``optimizer``, ``comm``, ``shards`` and ``engine.config``.
+"""

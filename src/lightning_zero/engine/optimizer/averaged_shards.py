@@ -1,0 +1,326 @@
+"""A running average of a module's weights (EMA, SWA) kept as this rank's chunks: ``AveragedShards``.
+
+[Note: averaged chunks]
+torch's ``AveragedModel``, and Lightning's weight-averaging callbacks built on it, keep a full copy
+of the module and average every parameter in place. Here each rank keeps only its chunk of each
+parameter's average ([Note: chunk layout] in ``partition.py``), in the dtype of the chunk the
+optimizer steps (fp32 where the weights are half precision) and, unless told otherwise, where that
+chunk lives (host memory with offload): 1/N of a full copy per rank, at every stage. An update
+reads this rank's chunks of the training weights (the optimizer's, so no communication, at stage 3
+neither) and applies the averaging function to them.
+
+The averaging functions torch and Lightning provide (EMA's ``get_ema_avg_fn`` /
+``get_ema_multi_avg_fn``, SWA's equal average) are elementwise, so on chunks they give every element
+the bits they give it on the whole tensor (checked against DDP in ``tests/test_sharded_averaging.py``).
+A user's function is applied the same way and must be elementwise too: it sees flat chunks, and an
+``avg_fn`` is called once for all the chunks of one dtype and device laid end to end.
+
+Buffers are small and replicated: their averages (or copies) are kept whole, as torch keeps them.
+Putting the average into the training weights (a swap around validation, the copy at the end)
+writes this rank's chunks of the optimizer's weights; at stages 1-2, where every rank keeps the
+parameters whole, an all-gather per piece of at most a bucket's size then refreshes them (the
+optimizer's own gathers cover its trainable buckets only). At stage 3 the chunks are the weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.chunk_gather import all_gather_chunks
+from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.shards.partition import ChunkLayout
+from lightning_zero.engine.shards.sharded_param import ShardedParam, place_of
+
+AvgFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``avg_fn(average, current, n_averaged) -> new average`` (torch's ``AveragedModel``)."""
+MultiAvgFn = Callable[[list[Tensor], list[Tensor], Tensor], None]
+"""``multi_avg_fn(averages, currents, n_averaged)``, updating ``averages`` in place."""
+
+
+class Buffers(enum.Enum):
+    """What the average keeps of the module's buffers."""
+
+    AVERAGED = "averaged"
+    """Averaged with the parameters (``AveragedModel(use_buffers=True)``, Lightning's default)."""
+    COPIED = "copied"
+    """Kept equal to the module's at each update (``use_buffers=False``) and swapped in with the average."""
+    NOT_KEPT = "not kept"
+    """The average covers the parameters only (Lightning's ``StochasticWeightAveraging``)."""
+
+
+@dataclass
+class AveragedChunk:
+    """One parameter's place in the average: its layout, where this rank's training chunk is, and
+    this rank's chunk of the average."""
+
+    name: str
+    param: nn.Parameter
+    sharded: Optional[ShardedParam]
+    """The engine's record of the parameter; None where the engine keeps it whole and steps no
+    chunk of it (stages 1-2: a parameter in no optimizer)."""
+    shape: torch.Size
+    """The parameter's full shape (at stage 3 the parameter at rest is an empty placeholder)."""
+    layout: ChunkLayout
+    rank: int
+    average: Tensor = field(default_factory=lambda: torch.empty(0))
+    """(owned numel,): a view into its group's flat tensor."""
+
+    @property
+    def whole(self) -> bool:
+        """The parameter is a full tensor on every rank (stages 1-2)."""
+        return self.sharded is None or self.sharded.keeps_full
+
+    def training_chunk(self) -> Tensor:
+        """This rank's chunk of the training weight, the optimizer's (fp32 master where kept)."""
+        if self.sharded is not None:
+            return self.sharded.shard.detach()
+        start, end = self.layout.owned_range(self.rank)
+        return self.param.detach().view(-1)[start:end]
+
+    def write_training_chunk(self, value: Tensor) -> None:
+        if self.sharded is not None:
+            self.sharded.load_chunk(value)
+        else:
+            self.training_chunk().copy_(value)
+
+    def chunk_to_send(self) -> Tensor:
+        return self.sharded.chunk_to_send() if self.sharded is not None else self.training_chunk()
+
+    def full_flat(self) -> Tensor:
+        """Stages 1-2: the whole parameter, flat, which gathers fill."""
+        return self.sharded.gather_target() if self.sharded is not None else self.param.detach().view(-1)
+
+
+@dataclass
+class _ChunkGroup:
+    """Chunks of one dtype on one device, whose averages are views of one flat tensor (1D)."""
+
+    chunks: list[AveragedChunk]
+    flat: Tensor
+    place: str
+    """Where ``memory_report`` counts it: "device" or "host"."""
+
+    def training(self) -> Tensor:
+        """A copy of this rank's training chunks, end to end, on the average's device."""
+        return torch.cat([c.training_chunk().to(self.flat.device) for c in self.chunks])
+
+
+class AveragedShards:
+    """A running average of ``module``'s weights: this rank's chunk of each parameter's average
+    (``params``: the engine's sharded parameters; others are chunked here the same way over
+    ``group``) and the buffers per ``buffers``. Starts as the current weights, as a copy of the
+    module would. See [Note: averaged chunks].
+
+    ``device``: where the averages live (None: beside each chunk the optimizer steps).
+    ``comm_device``: where the all-gathers of stages 1-2 and of ``full_state_dict`` stage their
+    chunks; ``piece_bytes``: the most bytes of whole parameters one such gather moves;
+    ``copies``: the engine's host copies (offload), synchronized before host chunks are written;
+    ``chunks_in_memory``: the engine's, around every read or write of the training chunks (with
+    ``offload_params="nvme"`` they are read in from disk for it).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: Sequence[ShardedParam],
+        group: collectives.ProcessGroup,
+        comm_device: torch.device,
+        piece_bytes: int,
+        device: Optional[torch.device] = None,
+        buffers: Buffers = Buffers.AVERAGED,
+        copies: Optional[CopyStream] = None,
+        chunks_in_memory: Optional[Callable[[bool], AbstractContextManager]] = None,
+    ) -> None:
+        self.module = module
+        self._in_memory = chunks_in_memory or (lambda writing: nullcontext())
+        self.buffers = buffers
+        self._group, self._comm_device, self._piece_bytes, self._copies = group, comm_device, piece_bytes, copies
+        rank, world_size = collectives.rank(group), collectives.world_size(group)
+        sharded = {id(sp.param): sp for sp in params}
+        self.chunks: dict[str, AveragedChunk] = {}
+        for name, p in module.named_parameters():
+            sp = sharded.get(id(p))
+            if sp is not None:
+                self.chunks[name] = AveragedChunk(name, p, sp, sp.shape, sp.layout, rank)
+            else:
+                self.chunks[name] = AveragedChunk(name, p, None, p.shape, ChunkLayout(p.numel(), world_size), rank)
+        by_place: dict[tuple[torch.dtype, torch.device], list[AveragedChunk]] = defaultdict(list)
+        self._groups: list[_ChunkGroup] = []
+        with self._in_memory(False):
+            for c in self.chunks.values():
+                source = c.training_chunk()
+                by_place[(source.dtype, torch.device(device) if device is not None else source.device)].append(c)
+            # copies: the current weights
+            flats = {key: torch.cat([c.training_chunk().to(key[1]) for c in members]) for key, members in by_place.items()}
+        for key, members in by_place.items():
+            flat = flats[key]
+            for c, view in zip(members, torch.split_with_sizes(flat, [c.layout.owned_numel(rank) for c in members])):
+                c.average = view
+            offloaded = any(c.sharded is not None and c.sharded.offloaded for c in members)
+            self._groups.append(_ChunkGroup(members, flat, place_of(flat, offloaded, members[0].param.device)))
+        self._buffer_keys = {name: i for i, (name, _) in enumerate(module.named_buffers())}
+        self._buffer_averages = (
+            [] if buffers is Buffers.NOT_KEPT else [b.detach().to(device or b.device, copy=True) for b in module.buffers()]
+        )
+
+    # ---- averaging -----------------------------------------------------------------------------
+    def update(self, n_averaged: Tensor, avg_fn: Optional[AvgFn] = None, multi_avg_fn: Optional[MultiAvgFn] = None) -> None:
+        """One step of ``AveragedModel.update_parameters`` with ``n_averaged`` models averaged so far
+        (the caller counts): the first copies the training weights, later ones apply ``avg_fn``,
+        ``multi_avg_fn`` or, with neither, the equal average, grouped as torch groups them."""
+        averages = [g.flat for g in self._groups]
+        with self._in_memory(False):
+            currents = [g.training() for g in self._groups]
+        if self.buffers is Buffers.AVERAGED:
+            averages += self._buffer_averages
+            currents += [b.detach().to(a.device) for a, b in zip(self._buffer_averages, self.module.buffers())]
+        with torch.no_grad():
+            if bool(n_averaged == 0):
+                for average, current in zip(averages, currents):
+                    average.copy_(current)
+            elif avg_fn is not None and multi_avg_fn is None:
+                for average, current in zip(averages, currents):
+                    average.copy_(avg_fn(average, current, n_averaged.to(average.device)))
+            else:
+                _apply_multi(averages, currents, n_averaged, multi_avg_fn)
+            if self.buffers is Buffers.COPIED:
+                for average, b in zip(self._buffer_averages, self.module.buffers()):
+                    average.copy_(b.detach())
+
+    # ---- the average into the training weights ---------------------------------------------------
+    def swap(self) -> None:
+        """Exchange the average and the training weights (Lightning does it around validation)."""
+        with torch.no_grad(), self._in_memory(True):
+            for g in self._groups:
+                training = g.training()
+                self._write_training([(c, c.average) for c in g.chunks])
+                g.flat.copy_(training)
+            for average, b in zip(self._buffer_averages, self.module.buffers()):
+                kept = average.clone()
+                average.copy_(b.detach())
+                b.detach().copy_(kept)
+        self._gather_whole()
+
+    def copy_to_training(self) -> None:
+        """Make the average the training weights (the end of training)."""
+        with torch.no_grad():
+            self._write_training([(c, c.average) for c in self.chunks.values()])
+            for average, b in zip(self._buffer_averages, self.module.buffers()):
+                b.detach().copy_(average)
+        self._gather_whole()
+
+    def load_training_chunks(self, chunks: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:
+        """Training weights given as this rank's chunk of each parameter (by name) and whole buffers
+        (by ``state_dict`` key), e.g. read from a sharded checkpoint."""
+        _check_names(self.chunks, chunks, strict=True)
+        with torch.no_grad():
+            self._write_training([(c, chunks[name]) for name, c in self.chunks.items()])
+            named = dict(self.module.named_buffers())
+            for key, value in buffers.items():
+                named[key].detach().copy_(value)
+        self._gather_whole()
+
+    def _write_training(self, values: Sequence[tuple[AveragedChunk, Tensor]]) -> None:
+        if self._copies is not None:
+            self._copies.synchronize()  # no copy to the device still reads the host chunks
+        with self._in_memory(True):
+            for c, value in values:
+                c.write_training_chunk(value.reshape(-1))
+
+    def _gather_whole(self) -> None:
+        """Stages 1-2: every rank's new chunks into the whole parameters (stage 3: nothing whole)."""
+        self._gather([(c.chunk_to_send(), c.layout, c.full_flat()) for c in self.chunks.values() if c.whole])
+
+    def _gather(self, items: Sequence[tuple[Tensor, ChunkLayout, Optional[Tensor]]]) -> None:
+        all_gather_chunks(items, self._group, self._comm_device, self._piece_bytes)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def chunk(self, name: str) -> Tensor:
+        """This rank's chunk of parameter ``name``'s average."""
+        return self.chunks[name].average
+
+    def buffer(self, key: str) -> Optional[Tensor]:
+        """The average (or copy) of buffer ``key``; None when the average keeps no buffers."""
+        index = self._buffer_keys.get(key)
+        return None if index is None or not self._buffer_averages else self._buffer_averages[index]
+
+    def load(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], chunked: bool, strict: bool = True) -> None:
+        """Set the average: ``params`` by parameter name, this rank's chunks (``chunked``) or whole
+        tensors; ``buffers`` whole, by ``state_dict`` key. ``strict``: every parameter must be given."""
+        _check_names(self.chunks, params, strict)
+        with torch.no_grad():
+            for name, value in params.items():
+                c = self.chunks[name]
+                if not chunked:
+                    start, end = c.layout.owned_range(c.rank)
+                    value = value.reshape(-1)[start:end]
+                c.average.copy_(value.reshape(-1))
+            for key, value in buffers.items():
+                average = self.buffer(key)
+                if average is not None:
+                    average.copy_(value)
+
+    def full_state_dict(self, keep: bool = True) -> dict[str, Tensor]:
+        """The average as ``module.state_dict()`` would hold it (tied weights under each key;
+        buffers: their averages, or the module's own where none are kept), on the CPU, gathered a
+        piece at a time. A collective: ``keep=False`` takes part and returns an empty dict."""
+        values = {name: torch.empty(c.layout.numel, dtype=c.average.dtype) if keep else None for name, c in self.chunks.items()}
+        self._gather([(c.average, c.layout, values[name]) for name, c in self.chunks.items()])
+        if not keep:
+            return {}
+        first = {id(c.param): name for name, c in self.chunks.items()}
+        state = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in first:
+                name = first[id(t)]
+                state[key] = values[name].view(self.chunks[name].shape)
+            else:
+                kept = self.buffer(key)
+                state[key] = (kept if kept is not None else t).detach().to("cpu", copy=True)
+        return state
+
+    def held(self) -> Iterator[tuple[Tensor, str]]:
+        """Every tensor of the average, with where ``memory_report`` counts it ("device" or "host")."""
+        for g in self._groups:
+            yield g.flat, g.place
+        for average, b in zip(self._buffer_averages, self.module.buffers()):
+            yield average, place_of(average, False, b.device)
+
+
+def _apply_multi(
+    averages: list[Tensor], currents: list[Tensor], n_averaged: Tensor, multi_avg_fn: Optional[MultiAvgFn]
+) -> None:
+    """torch's ``AveragedModel`` with ``multi_avg_fn`` or no function: per device and dtype, the given
+    function, or the equal average (fused where the device has foreach kernels)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = defaultdict(lambda: ([], []))
+    for average, current in zip(averages, currents):
+        members = groups[(average.device, average.dtype)]
+        members[0].append(average)
+        members[1].append(current)
+    for (device, _), (group_averages, group_currents) in groups.items():
+        n = n_averaged.to(device)
+        if multi_avg_fn is not None:
+            multi_avg_fn(group_averages, group_currents, n)
+        elif device.type in _get_foreach_kernels_supported_devices():
+            get_swa_multi_avg_fn()(group_averages, group_currents, n)
+        else:
+            swa = get_swa_avg_fn()
+            for average, current in zip(group_averages, group_currents):
+                average.copy_(swa(average, current, n))
+
+
+def _check_names(chunks: Mapping[str, AveragedChunk], given: Mapping[str, Tensor], strict: bool) -> None:
+    unexpected = sorted(set(given) - set(chunks))
+    missing = sorted(set(chunks) - set(given)) if strict else []
+    if unexpected or missing:
+        raise KeyError(f"The averaged weights do not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}.")

@@ -1,0 +1,148 @@
+"""Where the full parameters live between uses — the one difference between stages 1-2 and 3.
+
+``ReplicatedParameters`` (stages 1-2): every rank keeps the full parameters; after an optimizer
+step each rank's updated chunks are all-gathered back into them, bucket by bucket.
+
+``ShardedParameters`` (stage 3): every rank keeps only its chunks; units are gathered just before
+use and freed after (``gather_schedule``), so nothing needs gathering after a step.
+"""
+
+from __future__ import annotations
+
+import abc
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.comm.buffers import BufferPool
+from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+HOST = torch.device("cpu")
+"""Where offloaded state lives."""
+
+IN_FLIGHT = 2
+"""Bucket collectives of one kind in flight at once (reduce-scatters in backward, gathers after a
+step at stages 1-2): enough to overlap one with the next one's copies, and what bounds the
+communication buffers."""
+
+
+@dataclass(frozen=True)
+class FullCopies:
+    """Stage 3, ``summon_full_params(rank0_only=..., offload_to_cpu=...)``: full parameters as
+    copies on ``device``, gathered one unit at a time, held only where ``keep`` (FSDP's knobs)."""
+
+    device: torch.device
+    """Where the copies live: the host (``offload_to_cpu``) or the compute device."""
+    keep: bool
+    """Whether this rank holds them (``rank0_only``: rank 0 alone; the others keep their chunks)."""
+
+
+class ParameterResidency(abc.ABC):
+    """The sharded parameters, the buckets their gradients are reduced in, and the step hooks."""
+
+    params: list[ShardedParam]
+    grad_buckets: list[Bucket]
+    """Buckets of trainable parameters, in the order their reduce-scatters are issued."""
+    pool: BufferPool
+    """The buckets' communication buffers (see ``buffers.py``)."""
+    copies: Optional[CopyStream]
+    """Host↔device copies of offloaded buckets (None without offload; see ``host_chunks.py``)."""
+    compute_device: torch.device
+    """Where the full parameters are computed with."""
+
+    @property
+    def host_allocations(self) -> int:
+        """Host buffers the offloaded buckets have allocated (flat after the first step)."""
+        return sum(b.host.allocations for b in self.buckets_with_host)
+
+    @property
+    def buckets_with_host(self) -> list[Bucket]:
+        """Every offloaded bucket (at stage 3 also those of frozen parameters)."""
+        return [b for b in self.grad_buckets if b.host is not None]
+
+    def begin_step(self) -> None:
+        """Before a training or evaluation step."""
+
+    def announce_evaluation_step(self) -> None:
+        """Before an evaluation step: stage 3 tells ranks that ran out of batches that this one
+        still runs a step (see ``evaluation_join.py``)."""
+
+    def finish_evaluation(self) -> None:
+        """After this rank's last evaluation step: stage 3 shadows the steps its peers still run."""
+
+    def finish_backward_gathers(self) -> None:
+        """After each backward, before its gradients are reduced: stage 3 issues the gathers its
+        peers may still wait for (see [Note: backward gather order] in ``gather_schedule.py``)."""
+
+    def end_backward(self) -> None:
+        """After each backward, once the gradients are reduced."""
+
+    def end_step(self) -> None:
+        """After a step's last backward (or after an evaluation step)."""
+
+    def grad_accumulated(self, param: ShardedParam) -> None:
+        """``param``'s gradient of this backward is accumulated (before its bucket hears of it)."""
+
+    @abc.abstractmethod
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        """Make the module see the weights ``optimizer`` just updated in its shards."""
+
+    @abc.abstractmethod
+    def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
+        """Every sharded parameter's full value, copied to ``device`` (a collective at stage 3)."""
+
+    @abc.abstractmethod
+    def gathered(self, writeback: bool, full_copies: Optional[FullCopies] = None) -> AbstractContextManager[None]:
+        """A context in which every parameter is its full tensor (on every rank, unless
+        ``full_copies`` says otherwise)."""
+
+    def chunks_in_memory(self, writing: bool = False) -> AbstractContextManager[None]:
+        """A context in which every chunk the optimizer steps can be read (and with ``writing``
+        written) directly: with ``offload_params="nvme"`` they are read in from disk for it (and
+        written back after), all of this rank's at once; elsewhere they are always in memory."""
+        return nullcontext()
+
+    def weight_chunks(self) -> dict[int, Tensor]:
+        """This rank's chunk of every weight, by ``id`` of its ``ShardedParam``, readable after this
+        returns: the chunks the optimizer steps, or copies of them where they live on disk."""
+        return {id(p): p.shard for p in self.params}
+
+    def adopt_assigned_data(self) -> None:
+        """After each backward, before any optimizer step: keep the values of parameters whose
+        ``.data`` was assigned (see ``ShardedParam.adopt_assigned_data``)."""
+        assigned = [p for p in self._placed_params() if p.data_was_assigned()]
+        if assigned and self.copies is not None:
+            self.copies.synchronize()  # no copy to the device still reads the host chunks
+        for p in assigned:
+            p.adopt_assigned_data()
+
+    def _placed_params(self) -> Sequence[ShardedParam]:
+        """The parameters whose full data the engine has placed in the module now."""
+        return self.params
+
+    def write_back(self) -> None:
+        """Copy edits of the full parameters into the chunks the optimizer steps."""
+        if self.copies is not None:
+            self.copies.synchronize()  # no copy to the device still reads the host chunks
+        with self.chunks_in_memory(writing=True):
+            for p in self.params:
+                if p.data_was_assigned():  # `param.data = ...` (e.g. ModelPruning's lottery-ticket reset)
+                    p.adopt_assigned_data(between_steps=True)
+                else:
+                    p.sync_master_from_param()
+
+    def release_to(self, device: torch.device) -> None:
+        """Leave the module with plain full parameters (when training ends)."""
+        self.close()
+
+    def resume(self) -> None:
+        """Stage 3: register the hooks ``end_training`` removed."""
+
+    def close(self) -> None:
+        """Remove hooks."""

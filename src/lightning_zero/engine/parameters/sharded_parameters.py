@@ -1,0 +1,278 @@
+"""Stage 3: every rank keeps only its chunks; units are gathered just before use and freed after
+(``gather_schedule.py``), so nothing needs gathering after a step (see ``residency.py``)."""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.buffers import BufferPool
+from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.comm.evaluation_join import EvaluationJoin
+from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.config import ZeroConfig
+from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
+from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.parameters.gather_schedule import GatherSchedule
+from lightning_zero.engine.parameters.materialize import build_units
+from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopies, ParameterResidency
+from lightning_zero.engine.parameters.unit import UnitCommunication, UnitState
+from lightning_zero.engine.shards.at_rest import ParameterAtRest, wake
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class ShardedParameters(ParameterResidency):
+    """Stage 3: only chunks at rest; units gathered around their use."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        group: collectives.ProcessGroup,
+        device: torch.device,
+        verdicts: HostReads,
+        timeout: Optional[timedelta] = None,
+        replicate_group: collectives.ProcessGroup = None,
+        param_files: Optional[ScratchDirectory] = None,
+    ) -> None:
+        """``param_files``: with ``offload_params="nvme"``, where the offloaded chunks live between
+        uses (see [Note: parameters on disk] in ``masters_on_disk.py``)."""
+        # buffers lent at once: the gathers of the unit in use and those prefetched, and the
+        # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
+        offload = config.offload_optimizer
+        self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if offload else 1) + 1 + config.prefetch_units)
+        self.copies = CopyStream(device) if offload else None
+        self.compute_device = device
+        self._verdicts = verdicts
+        gather_group = collectives.new_group_like(group, timeout)  # see GatherSchedule's docstring
+        self._own_group = gather_group if gather_group is not group else None  # destroyed by release_to
+        comm = UnitCommunication(
+            reduce_group=group,
+            gather_group=gather_group,
+            pool=self.pool,
+            verdicts=verdicts,
+            # reading tags in host memory waits for nothing (see ZeroConfig.check_units_every_gather)
+            check_every_gather=(
+                device.type == "cpu" if config.check_units_every_gather is None else config.check_units_every_gather
+            ),
+            copies=self.copies,
+            replicate_group=replicate_group,
+            param_files=param_files,
+        )
+        self.units = build_units(
+            module,
+            device,
+            comm,
+            config.unit_classes,
+            config.min_unit_params,
+            host=HOST if offload else None,
+            keep_device_chunks=offload and not config.offload_params,
+        )
+        self.params = [p for unit in self.units for p in unit.params]
+        self.grad_buckets = [b for unit in reversed(self.units) for b in unit.grad_buckets]  # backward runs units in reverse
+        self.masters_on_disk: list[MasterOnDisk] = [
+            b.host.on_disk for b in self.buckets_with_host if b.host is not None and b.host.on_disk is not None
+        ]
+        # the root unit is gathered once per step and often holds the embeddings: it is not what
+        # the pool is sized for (see buffers.py)
+        regular = [b.buffer_bytes for unit in self.units[1:] for b in unit.buckets] or [
+            b.buffer_bytes for b in self.units[0].buckets
+        ]
+        self.pool.capacity_bytes = max(regular, default=0)
+        self.schedule = GatherSchedule(self.units, config.prefetch_units)
+        ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
+        ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
+        ParameterAtRest.grad_setters.update({id(p.param): weakref.WeakMethod(p.show_grad) for p in self.params})
+        self.join = EvaluationJoin(comm.gather_group, device)
+
+    @property
+    def buckets_with_host(self) -> list[Bucket]:
+        return [b for unit in self.units for b in unit.buckets if b.host is not None]
+
+    def grad_accumulated(self, param: ShardedParam) -> None:
+        self.schedule.grad_accumulated(param)
+
+    def begin_step(self) -> None:
+        self.schedule.begin_step()
+
+    def announce_evaluation_step(self) -> None:
+        self.join.announce_step()
+
+    def finish_evaluation(self) -> None:
+        self.join.shadow_until_all_done(self.schedule.replay_evaluation_step)
+        self._verdicts.read()
+        self._drop_unused_reads()
+
+    def _drop_unused_reads(self) -> None:
+        """Chunks read ahead from disk for a gather that did not come leave memory."""
+        for master in self.masters_on_disk:
+            master.drop_unused()
+
+    @contextmanager
+    def chunks_in_memory(self, writing: bool = False) -> Iterator[None]:
+        for master in self.masters_on_disk:
+            master.fetch()  # all reads in flight at once
+        held: list[MasterOnDisk] = []
+        try:
+            for master in self.masters_on_disk:
+                master.acquire(writing)
+                held.append(master)
+            yield
+        finally:
+            for master in held:
+                master.release(writing)
+            for master in held:  # their writes run together; the chunks leave memory once written
+                master.settle(wait=True)
+
+    def weight_chunks(self) -> dict[int, Tensor]:
+        if not self.masters_on_disk:
+            return super().weight_chunks()
+        chunks = {}
+        for bucket in self.buckets_with_host:
+            with bucket.host.in_memory():
+                chunks.update({id(p): p.shard.detach().clone() for p in bucket.params})
+        return chunks
+
+    def finish_backward_gathers(self) -> None:
+        self.schedule.finish_backward_gathers()
+
+    def _placed_params(self) -> Sequence[ShardedParam]:
+        return [p for unit in self.units if unit.state is UnitState.UNSHARDED for p in unit.params]
+
+    def end_backward(self) -> None:
+        self.schedule.end_backward()
+
+    def end_step(self) -> None:
+        self.schedule.end_step()
+
+    def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        mine = {id(p) for p in optimizer_params}
+        for bucket in self.buckets_with_host:
+            # one copy and one cast per bucket; chunks on disk were copied by the step itself
+            if bucket.host.on_disk is None and any(id(p) in mine for p in bucket.params):
+                bucket.host.refresh_device_chunks()
+        self.schedule.refresh_gathered()
+        self._drop_unused_reads()
+
+    def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:
+        """Every parameter's full value as a copy on ``device``, gathering one unit at a time (a
+        collective: every rank must iterate it to the end). Units gathered before stay gathered."""
+        for unit in self.units:
+            was_gathered = unit.state is UnitState.UNSHARDED
+            unit.unshard()
+            for p in unit.params:
+                yield p, p.param.detach().to(device, copy=True)
+            if not was_gathered:
+                unit.reshard()
+        self._verdicts.read()
+
+    @contextmanager
+    def gathered(self, writeback: bool, full_copies: Optional[FullCopies] = None) -> Iterator[None]:
+        """Every unit gathered; with ``writeback``, edits to the full parameters are kept. With
+        ``full_copies``, the units are gathered one at a time and their parameters become copies
+        (see :class:`FullCopies`)."""
+        if full_copies is not None:
+            with self._full_copies(writeback, full_copies):
+                yield
+            return
+        was_sharded = [unit for unit in self.units if unit.state is not UnitState.UNSHARDED]
+        for unit in self.units:
+            unit.unshard()
+        self._verdicts.read()
+        try:
+            yield
+        finally:
+            if writeback:
+                self.write_back()
+            for unit in was_sharded:
+                unit.reshard()
+
+    @contextmanager
+    def _full_copies(self, writeback: bool, copies: FullCopies) -> Iterator[None]:
+        """Each unit at rest is gathered in turn and its parameters copied to ``copies.device``
+        (kept only where ``copies.keep``), so the compute device never holds more than one unit
+        beyond what it holds now. Units already gathered (inside a step) stay as they are. With
+        ``writeback``, each rank takes its chunk of the edited copies when the context ends."""
+        lent = []
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED:
+                continue
+            unit.unshard()
+            values = [p.param.detach().to(copies.device, copy=True) if copies.keep else None for p in unit.params]
+            unit.reshard()
+            lent.extend(zip(unit.params, values))
+        self._verdicts.read()
+        if copies.keep:
+            for p, value in lent:
+                p.lend_full_copy(value)
+        try:
+            yield
+        finally:
+            if copies.keep:
+                if writeback and self.copies is not None:
+                    self.copies.synchronize()  # no copy to the device still reads the host chunks
+                with self.chunks_in_memory(writing=True) if writeback else nullcontext():
+                    for p, _ in lent:
+                        p.end_full_copy(writeback)
+
+    def end_training(self) -> None:
+        """A run ended normally: the module stays sharded at rest for evaluation, checkpoints or
+        another ``fit``; its hooks and communication buffers go (see [Note: after fit] in
+        ``module_link.py``)."""
+        self.schedule.end_step()
+        self.schedule.close()
+        self.pool.clear()
+        for master in self.masters_on_disk:
+            master.drop_unused()
+            master.settle(wait=True)
+
+    def resume(self) -> None:
+        self.schedule.open()
+
+    def release_to(self, device: torch.device) -> None:
+        """Give the module plain full parameters on ``device`` again (one unit on the compute
+        device at a time) and drop the sharding (a stage-3 model handed to a differently configured
+        engine: every rank then holds the whole model)."""
+        full = {id(p): value for p, value in self.full_values(device)}
+        self.close()
+        for p in self.params:
+            p.param.data = full[id(p)]
+        # every gather on the engine's own group has finished; a failed run (``close`` alone) keeps
+        # the group, since a gather may still be waiting there for a peer
+        if self._own_group is not None:
+            collectives.destroy_group(self._own_group)
+            self._own_group = None
+
+    def close(self) -> None:
+        self.schedule.close()
+        self.pool.clear()
+        for p in self.params:  # plain parameters again (with their placeholders, unless released)
+            wake(p.param)
+            ParameterAtRest.names.pop(id(p.param), None)
+            ParameterAtRest.adopters.pop(id(p.param), None)
+            ParameterAtRest.grad_setters.pop(id(p.param), None)
+
+
+def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[Tensor], bool]:
+    """What adopts ``param.param.data = value`` at rest (see [Note: parameters at rest]); False
+    once the engine is gone. It holds both weakly: the registry outlives a module dropped after fit."""
+    residency_ref, param_ref = weakref.ref(residency), weakref.ref(param)
+
+    def adopt(value: Tensor) -> bool:
+        residency, param = residency_ref(), param_ref()
+        if residency is None or param is None:
+            return False
+        if residency.copies is not None:
+            residency.copies.synchronize()  # no copy to the device still reads the host chunks
+        param.adopt_at_rest(value)
+        return True
+
+    return adopt

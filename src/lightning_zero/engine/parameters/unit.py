@@ -1,0 +1,161 @@
+"""A ZeRO-3 unit: parameters gathered together just before their module runs and freed after.
+
+[Note: unit tags]
+Every rank must gather the same unit at the same point of the step; a forward whose control flow
+differs between ranks would otherwise swap weights between modules without an error. So each rank
+appends its unit's tag (a small integer, exact in bf16) to its all-gather row, and after the
+gather the N tags, still on the device, go to the engine's ``HostReads``: they are read with the
+step's used-parameter flags, once per backward (and once per evaluation step), and a disagreement
+raises on every rank before an optimizer step can use the wrong weights. No host sync happens in
+forward or backward for it.
+
+The price: ranks whose control flow differs can issue different numbers of all-gathers (in
+forward, or in backward, where a module called twice in a row is gathered once) and hang before
+that read. ``ZeroConfig.check_units_every_gather`` reads every gather's tags as soon as it lands
+instead, which fails at the first unit where the ranks disagree. That is the default where the
+parameters live in host memory (CPU training: the read waits for nothing); on an accelerator it
+is a host sync per all-gather, so there it is the setting to find such a divergence with.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from torch import Tensor, nn
+
+from lightning_zero.engine.buckets.bucket import Bucket, PendingParamGather
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.buffers import BufferPool
+from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are; every transition is checked in :class:`Unit`."""
+
+    SHARDED = "sharded"  # at rest: only this rank's chunks exist
+    GATHERING = "gathering"  # all-gather issued (e.g. prefetched), full data not yet in place
+    UNSHARDED = "unsharded"  # every parameter is its full tensor
+
+
+@dataclass(frozen=True)
+class UnitCommunication:
+    """What every unit's buckets share: the process groups, the buffer pool and the tag reads."""
+
+    reduce_group: collectives.ProcessGroup
+    """Gradient reduce-scatters (in bucket order)."""
+    gather_group: collectives.ProcessGroup
+    """Parameter all-gathers (in forward order, and its reverse in backward)."""
+    pool: BufferPool
+    verdicts: HostReads
+    check_every_gather: bool = False
+    """Read each gather's tags at once (see [Note: unit tags])."""
+    copies: Optional[CopyStream] = None
+    """Host↔device copies of offloaded buckets (see ``host_chunks.py``); None without offload."""
+    replicate_group: collectives.ProcessGroup = None
+    """Hybrid sharding: where reduced gradient chunks are all-reduced across shard groups."""
+    param_files: Optional[ScratchDirectory] = None
+    """``offload_params="nvme"``: where the offloaded buckets keep their chunks between uses."""
+
+
+class UnitTags:
+    """This unit's tag and the check of every rank's tag after a gather (see [Note: unit tags])."""
+
+    def __init__(self, index: int, comm: UnitCommunication) -> None:
+        self.tag = index % 251 + 1
+        self._comm = comm
+
+    def check(self, gathered: Tensor) -> None:
+        """``gathered`` (N,): the tag every rank sent with this gather, on the device."""
+        self._comm.verdicts.add(gathered, self._verify)
+        if self._comm.check_every_gather:
+            self._comm.verdicts.read()
+
+    def _verify(self, tags: list[float]) -> None:
+        if any(t != self.tag for t in tags):
+            raise RuntimeError(
+                "The ranks gathered different ZeRO-3 units at the same point (unit tags by rank:"
+                f" {[int(t) for t in tags]}): the forward took different modules, or a different number"
+                " of them, on different ranks. Every rank must run the same modules in the same order;"
+                " make data-dependent branches agree across ranks (e.g. decide them on rank 0 and"
+                " broadcast), or run such modules outside the sharded units."
+            )
+
+
+class Unit:
+    """The parameters of one module (see ``unit_plan``), their buckets and gather/free lifecycle.
+
+    Parameters are bucketed by dtype and trainability: each bucket serves both the unit's
+    all-gather and, when trainable, its gradient reduce-scatter (frozen parameters are gathered
+    but have nothing to reduce).
+    """
+
+    def __init__(self, index: int, name: str, module: nn.Module, params: Sequence[ShardedParam], comm: UnitCommunication) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.params = list(params)
+        self.state = UnitState.SHARDED
+        members: dict[object, list[ShardedParam]] = defaultdict(list)
+        for p in self.params:
+            members[(p.param.dtype, p.param.requires_grad)].append(p)
+        self.buckets = [
+            Bucket(
+                index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group,
+                param_files=comm.param_files, name=f"params-unit{index}-bucket{k}",
+            )
+            for k, ps in enumerate(members.values())
+        ]  # fmt: skip
+        self.tags = UnitTags(index, comm)
+        self._pending: list[PendingParamGather] = []
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name or '<root>'!r}, params={len(self.params)}, {self.state.value})"
+
+    @property
+    def numel(self) -> int:
+        return sum(p.layout.numel for p in self.params)
+
+    @property
+    def grad_buckets(self) -> list[Bucket]:
+        """The buckets of trainable parameters, whose gradients are reduce-scattered."""
+        return [b for b in self.buckets if b.params[0].param.requires_grad]
+
+    def read_ahead(self) -> None:
+        """Its gather comes after the ones in flight: start reading the chunks that live on disk
+        (``offload_params="nvme"``; a no-op otherwise, and once gathered)."""
+        if self.state is UnitState.SHARDED:
+            for bucket in self.buckets:
+                if bucket.host is not None:
+                    bucket.host.fetch()
+
+    def start_unshard(self) -> None:
+        """Issue the all-gather (asynchronously); a no-op unless at rest."""
+        if self.state is UnitState.SHARDED:
+            self._pending = [bucket.start_param_gather(self.tags) for bucket in self.buckets]
+            self.state = UnitState.GATHERING
+
+    def unshard(self) -> None:
+        """Make every parameter its full tensor (waiting for a prefetched gather if one is running)."""
+        self.start_unshard()
+        if self.state is UnitState.GATHERING:
+            for pending in self._pending:
+                pending.finish()
+            self._pending = []
+            for p in self.params:
+                p.show_unsharded()
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full tensors; only the chunks remain."""
+        if self.state is UnitState.GATHERING:
+            self.unshard()  # a collective in flight must complete on every rank
+        if self.state is UnitState.UNSHARDED:
+            for p in self.params:
+                p.free_unsharded()
+            self.state = UnitState.SHARDED

@@ -1,0 +1,5 @@
+"""What a rank holds of each parameter: the chunk layout (``partition``), the per-parameter state
+(``sharded_param``), and a stage-3 parameter between uses (``at_rest``).
+
+Imports nothing else of the engine.
+"""

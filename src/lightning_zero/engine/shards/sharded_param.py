@@ -1,0 +1,356 @@
+"""Per-parameter state, kept in one typed object rather than attributes stuck onto ``nn.Parameter``."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.engine.shards.at_rest import put_to_rest, wake
+from lightning_zero.engine.shards.partition import ChunkLayout
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class ShardedParam:
+    """One ``nn.Parameter`` of the module, its layout and this rank's chunk of it.
+
+    ``shard`` is the tensor the optimizer steps in place of the parameter (its ``param_groups`` are
+    rebound to it). Its dtype is the master dtype: fp32 where the parameter is half precision,
+    otherwise the parameter's own.
+
+    With ``keep_full=True`` (stages 1-2) the parameter stays a full tensor; where dtypes agree,
+    ``shard`` is a view into it, so stepping the shard updates the parameter's own chunk in place
+    at no memory cost. With ``keep_full=False`` (stage 3) ``shard`` owns its chunk and the
+    parameter's full data lives only while its unit is gathered; see [Note: stage-3 storage].
+    """
+
+    def __init__(
+        self,
+        name: str,
+        param: nn.Parameter,
+        rank: int,
+        world_size: int,
+        keep_full: bool = True,
+        host: Optional[torch.device] = None,
+        keep_device_chunk: bool = False,
+    ) -> None:
+        if not param.is_contiguous():
+            # sharding works on the flat view; this happens at setup only
+            param.data = param.data.contiguous()
+        self.name = name
+        self.param = param
+        self.rank = rank
+        self.shape = param.shape
+        self.device = param.device  # where the full parameter is computed with
+        self.layout = ChunkLayout(param.numel(), world_size)
+        self.keeps_full = keep_full
+        self.holds_master_copy = param.dtype in _HALF_DTYPES
+        self._unsharded: Optional[Tensor] = None  # stage 3: the full tensor whose storage is freed at rest
+        chunk = self._owned_chunk()
+        self.aliases_param = keep_full and not self.holds_master_copy and host is None
+        if self.aliases_param:
+            shard_data = chunk.detach()
+        else:
+            shard_data = _copy_to(chunk.detach(), host or chunk.device, self.master_dtype)
+        self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
+        self.offloaded = host is not None
+        # stage 3 with only the optimizer offloaded, or with half-precision weights: the chunk the
+        # all-gather sends stays on the device in the parameter dtype, refreshed from the host
+        # after each step (so casts stay on the device; see [Note: offloaded bucket])
+        keep_device_chunk = keep_device_chunk or (self.offloaded and not keep_full and self.holds_master_copy)
+        self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
+        self._storage_ptr = param.data_ptr()
+        # stages 1-2: the flat view all-gathers write into, made once (``data_was_assigned`` tells
+        # when it stopped being the parameter's storage)
+        self._full_flat = param.detach().view(-1) if keep_full else None
+        self._unsharded_flat: Optional[Tensor] = None
+        self._target_rows: Optional[Tensor] = None  # the gather target as (N, c), where it fills whole rows
+        # made once, not per step (see [Note: batched copies] in partition.py): the alias of the
+        # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
+        self._shard_data = self.shard.detach()
+        self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
+        self._shape_stand_in: Optional[Tensor] = None  # see show_grad
+        self.master_in_memory: Callable[..., AbstractContextManager] = _always_in_memory
+        """``master_in_memory(writing=...)``: a context in which ``shard`` can be read (and written);
+        its bucket's where the chunk lives on disk between uses (see ``masters_on_disk.py``)."""
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32 if self.holds_master_copy else self.param.dtype
+
+    @property
+    def owned_numel(self) -> int:
+        return self.layout.owned_numel(self.rank)
+
+    @property
+    def padded_chunk_numel(self) -> int:
+        return self.layout.padded_chunk_numel
+
+    def _owned_chunk(self) -> Tensor:
+        start, end = self.layout.owned_range(self.rank)
+        return self.param.detach().view(-1)[start:end]
+
+    # ---- gradients and updates -------------------------------------------------------------
+    def accumulate_grad(self, grad_shard: Tensor) -> None:
+        """Add this rank's reduced gradient chunk to ``shard.grad`` (set it on the first call).
+
+        ``grad_shard`` is a view into a receive buffer no one reuses, so where dtype and device
+        already match it becomes the gradient as it is, without a copy."""
+        if self.shard.grad is None:
+            self.shard.grad = grad_shard.to(self.shard.device, self.shard.dtype)
+        else:
+            self.shard.grad.add_(grad_shard.to(self.shard.device))
+
+    def show_grad(self, grad: Optional[Tensor]) -> None:
+        """Put ``grad`` (a full-shaped view of the gradient, or None) in ``param.grad``. torch checks
+        a gradient's size against its parameter's, and at stage 3 a parameter at rest is empty: for
+        that one assignment it shows a full-shaped stand-in (one element, expanded) instead."""
+        if grad is None or self.param.shape == self.shape:
+            self.param.grad = grad
+            return
+        if self._shape_stand_in is None:
+            self._shape_stand_in = torch.empty((), dtype=self.param.dtype, device=self.device).expand(self.shape)
+        with torch._C.DisableTorchFunctionSubclass():  # not a `.data` assignment to adopt (at_rest.py)
+            self.param.data = self._shape_stand_in
+            try:
+                self.param.grad = grad
+            finally:
+                self.param.data = self._placeholder
+
+    def chunk_to_send(self) -> Tensor:
+        """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
+        kept, else the shard the optimizer steps."""
+        return self.device_chunk if self.device_chunk is not None else self._shard_data
+
+    def move_shard_into(self, storage: Tensor) -> None:
+        """Keep ``shard``'s value in ``storage`` from now on (its place in a bucket's host buffer,
+        see [Note: offloaded bucket] in ``host_chunks.py``); the optimizer's parameter object stays."""
+        with torch.no_grad():
+            storage.copy_(self._shard_data)
+        self.shard.data = storage
+        self._shard_data = self.shard.detach()
+
+    def write_chunk_to(self, out: Tensor) -> None:
+        """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
+        out.copy_(self.chunk_to_send())
+
+    def refresh_device_chunk(self) -> None:
+        """After the optimizer stepped the host shard: bring the update to the device copy."""
+        if self.device_chunk is not None:
+            with self.master_in_memory():
+                self.device_chunk.copy_(self.shard.detach())
+
+    def load_full_value(self, full: Tensor) -> None:
+        """Take this rank's chunk of ``full`` (the whole parameter, e.g. from a checkpoint)."""
+        if full.shape != self.shape:
+            raise ValueError(f"parameter {self.name!r} has shape {tuple(self.shape)}, the value has {tuple(full.shape)}")
+        start, end = self.layout.owned_range(self.rank)
+        with torch.no_grad(), self.master_in_memory(writing=True):
+            self.shard.copy_(full.detach().reshape(-1)[start:end])
+            self.refresh_device_chunk()
+            if self.keeps_full:
+                self.param.copy_(full)
+
+    def load_chunk(self, chunk: Tensor) -> None:
+        """Take this rank's chunk (stage 3; e.g. read from a sharded checkpoint)."""
+        if chunk.numel() != self.owned_numel:
+            raise ValueError(f"parameter {self.name!r}: expected {self.owned_numel} elements for this rank, got {chunk.numel()}")
+        with torch.no_grad(), self.master_in_memory(writing=True):
+            self.shard.copy_(chunk.reshape(self.shard.shape))
+            self.refresh_device_chunk()
+
+    # ---- `param.data = new_tensor` during training ------------------------------------------
+    # DDP allows it, and callbacks do it (spike detection, pruning, weight averaging): the module
+    # then holds a tensor the engine never placed. ``adopt_assigned_data`` copies its values into
+    # the engine's storage and the chunk the optimizer steps, and points the parameter back at that
+    # storage; a new shape, dtype or device cannot be adopted and fails, naming both.
+    def data_was_assigned(self) -> bool:
+        """``param.data`` is a tensor the engine did not place (at stage 3: while gathered)."""
+        if self.keeps_full:
+            return self.param.data_ptr() != self._storage_ptr
+        placed = self._unsharded.data_ptr() if self._unsharded is not None else None
+        return self.param.numel() != 0 and self.param.data_ptr() != placed
+
+    def adopt_assigned_data(self, between_steps: bool = False) -> None:
+        """``between_steps``: at stage 3, outside any forward and backward (a callback editing the
+        gathered parameters inside ``summon_full_params(writeback=True)``), where the assigned tensor
+        may become the storage the gathers fill, as at stages 1-2."""
+        new = self.param.data
+        placed = self._full_flat if self.keeps_full else self._placeholder
+        if (new.shape, new.dtype, new.device) != (self.shape, placed.dtype, placed.device):
+            raise RuntimeError(
+                f"Parameter {self.name!r} was assigned a tensor of shape {tuple(new.shape)} ({new.dtype},"
+                f" {new.device}) after lightning-zero sharded it as shape {tuple(self.shape)} ({placed.dtype},"
+                f" {placed.device}). Assigning `.data` with the same shape, dtype and device works (the new"
+                " values are kept, as under DDP); change shapes, dtypes or devices before `trainer.fit` (or"
+                " in `configure_model`)."
+            )
+        if self.keeps_full and new.is_contiguous():
+            self._take_storage_of(new)
+            return
+        if between_steps and new.is_contiguous() and new.untyped_storage().resizable():
+            self._gather_into(new)
+            return
+        with torch.no_grad():
+            full = self.gather_target()  # the storage the engine placed (at stage 3 grown again if freed)
+            full.copy_(new.reshape(-1))
+            self.param.data = full.view(self.shape)
+            start, end = self.layout.owned_range(self.rank)
+            if not self.aliases_param:
+                with self.master_in_memory(writing=True):
+                    self.shard.copy_(full[start:end])
+            self.refresh_device_chunk()
+
+    def _take_storage_of(self, new: Tensor) -> None:
+        """Stages 1-2: the assigned tensor becomes the parameter's storage for good, as under DDP,
+        where whoever else holds it sees the updates that follow (Lightning's ModelPruning relies on
+        that); all-gathers then write into it and, without a master copy, the shard is a view of it."""
+        self._full_flat = new.view(-1)
+        self._storage_ptr = new.data_ptr()
+        self._target_rows = None
+        if self.aliases_param:
+            self.shard.data = self._owned_chunk()
+            self._shard_data = self.shard.detach()
+        else:
+            self.sync_master_from_param()
+
+    def _gather_into(self, new: Tensor) -> None:
+        """Stage 3, between steps: the assigned tensor becomes the parameter's gathered storage, so
+        whoever else holds it (Lightning's ModelPruning keeps the tensor its lottery-ticket reset
+        assigned, and reads it again at the next reset, inside the gathered context) sees the
+        weights whenever the unit is gathered, as under DDP. At rest its storage is freed like any
+        other gathered storage. Never mid-step: autograd keeps the previous storage's references."""
+        self._unsharded, self._unsharded_flat, self._target_rows = new, new.view(-1), None
+        start, end = self.layout.owned_range(self.rank)
+        with torch.no_grad(), self.master_in_memory(writing=True):
+            self.shard.copy_(self._unsharded_flat[start:end].reshape(self.shard.shape))
+        self.refresh_device_chunk()
+
+    def adopt_at_rest(self, value: Tensor) -> None:
+        """Stage 3, ``param.data = value`` while the parameter is at rest (outside its unit's use,
+        e.g. pretrained weights loaded between steps): ``value`` becomes the parameter's value, this
+        rank keeping its chunk of it, as at stages 1-2; the parameter stays at rest."""
+        dtype = self._placeholder.dtype
+        if (value.shape, value.dtype) != (self.shape, dtype):
+            raise RuntimeError(
+                f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded:"
+                f" its `.data` was assigned a tensor of shape {tuple(value.shape)} ({value.dtype}), the"
+                f" parameter has shape {tuple(self.shape)} ({dtype}). HINT: a tensor of the parameter's"
+                " shape and dtype is adopted (each rank keeps its chunk of it, as under DDP); change"
+                " shapes or dtypes before `trainer.fit` (or in `configure_model`)."
+            )
+        self.load_full_value(value)
+
+    def check_data_not_assigned(self) -> None:
+        """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned
+        between the backward (where it is adopted) and the step could not be stepped."""
+        if self.data_was_assigned():
+            raise RuntimeError(
+                f"Parameter {self.name!r} was assigned a new `.data` between the backward and the"
+                " optimizer step, which stepped its previous values. Assign it before the forward (e.g."
+                " in `training_step` or `on_train_batch_start`) or after the step."
+            )
+
+    def sync_master_from_param(self) -> None:
+        """Refresh the optimizer's chunk from the full parameter (after its weights were edited)."""
+        if not self.aliases_param:
+            with torch.no_grad(), self.master_in_memory(writing=True):
+                self.shard.copy_(self._owned_chunk())
+                if self.device_chunk is not None:
+                    self.device_chunk.copy_(self._owned_chunk())
+
+    # ---- stage 3: full data only while gathered -------------------------------------------
+    # [Note: stage-3 storage]
+    # At rest the parameter holds an empty placeholder, so touching it outside its unit fails
+    # with a shape error instead of reading freed memory. While gathered, ``param.data`` is
+    # ``_unsharded``. Autograd saves that tensor's *storage* for backward; resharding shrinks the
+    # storage to 0 bytes (memory is really freed, also under the saved references) and gathering
+    # for backward grows the same storage again and refills it, so the saved references see the
+    # weights again without any graph surgery.
+    def gather_target(self) -> Tensor:
+        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, the
+        (re)allocated unsharded tensor at stage 3."""
+        if self.keeps_full:
+            return self._full_flat
+        if self._unsharded is None:
+            self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.device)
+            self._unsharded_flat = self._unsharded.view(-1)  # a view stays valid across storage resizes
+        else:
+            storage = self._unsharded.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self._unsharded.numel() * self._unsharded.element_size())
+        return self._unsharded_flat
+
+    def gather_target_rows(self) -> Optional[Tensor]:
+        """``gather_target()`` viewed as the (N, c) block an all-gather delivers, when the parameter
+        fills whole rows (numel = N * c) and so can be copied into in one piece; else None. The view
+        is made once and stays valid across stage 3's storage resizes."""
+        n, c = self.layout.world_size, self.padded_chunk_numel
+        if self._target_rows is None and self.layout.numel == n * c and c > 0:
+            self._target_rows = self.gather_target().view(n, c)
+        return self._target_rows
+
+    def show_unsharded(self) -> None:
+        wake(self.param)  # first: what follows then costs no __torch_function__ call
+        at_rest = self.param.numel() == 0
+        if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
+            raise RuntimeError(
+                f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded"
+                f" (it has shape {tuple(self.param.shape)}). HINT: assign `.data` a tensor of its shape"
+                f" {tuple(self.shape)} and dtype (adopted, each rank keeping its chunk), or edit it inside"
+                " `strategy.summon_full_params(writeback=True)`."
+            )
+        self.param.data = self._unsharded
+
+    def lend_full_copy(self, value: Tensor) -> None:
+        """At rest: let the parameter show ``value``, a full copy made for the user (FSDP's
+        ``summon_full_params(offload_to_cpu=True)``), until ``end_full_copy``."""
+        wake(self.param)
+        self.param.data = value
+
+    def end_full_copy(self, writeback: bool) -> None:
+        """Back to rest after ``lend_full_copy``; with ``writeback`` this rank first takes its chunk
+        of the (possibly edited or reassigned) copy."""
+        if writeback:
+            self.load_full_value(self.param.data.to(self.device))
+        self.param.data = self._placeholder
+        put_to_rest(self.param)
+
+    def free_unsharded(self) -> None:
+        """Back to rest: release the full data (see [Note: stage-3 storage])."""
+        if self.data_was_assigned():
+            self.adopt_assigned_data()
+        self.param.data = self._placeholder
+        put_to_rest(self.param)
+        if self._unsharded is None:
+            return
+        storage = self._unsharded.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:
+            # someone holds the memory outside torch (``.numpy()`` makes a storage non-resizable,
+            # e.g. to export a weight inside ``summon_full_params``): leave it to them, with the
+            # values it had, and gather into a new tensor next time
+            self._unsharded = self._unsharded_flat = self._target_rows = None
+
+
+
+def _always_in_memory(writing: bool = False) -> AbstractContextManager:
+    return nullcontext()
+
+
+def _copy_to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A copy on ``device`` in ``dtype`` (an offloaded shard moves into its bucket's pinned host
+    buffer afterwards, see ``host_chunks.py``)."""
+    return tensor.to(device=device, dtype=dtype, copy=True)
+
+
+def place_of(t: torch.Tensor, offloaded: bool, compute_device: torch.device) -> str:
+    """Where ``measure`` counts ``t``: "host" when it is a CPU tensor and either what it belongs to
+    is offloaded or computes on an accelerator, else "device". So offloaded state that something
+    moved to the device counts as device memory, and on a CPU-only machine offload stays visible."""
+    on_host = t.device.type == "cpu" and (offloaded or compute_device.type != "cpu")
+    return "host" if on_host else "device"
