@@ -8,7 +8,7 @@ evaluation and optimizer step, which tell the engine where its steps begin and e
 - the validation, test and predict steps: inside the engine's evaluation steps.
 
 Of ``ZeroStrategy`` they read only ``_engine``, the engine it sets up for the current run
-(``engine_setup.py``); without one they are ``DDPStrategy``'s. ``grad_norms`` is the arithmetic
+(``sharded_setup.py``); without one they are ``DDPStrategy``'s. ``grad_norms`` is the arithmetic
 of ``ZeroStrategy.grad_norm``, read in ``on_before_optimizer_step``.
 """
 

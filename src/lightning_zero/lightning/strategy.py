@@ -3,7 +3,7 @@
 The Trainer keeps launching processes, running loops and calling precision plugins and callbacks;
 this class only connects Lightning's hooks to the engine (``lightning_zero.engine``):
 
-- ``setup``: broadcast rank 0's weights (as DDP does), build the optimizers, shard them (``engine_setup.py``);
+- ``setup``: broadcast rank 0's weights (as DDP does), build the optimizers, shard them (``sharded_setup.py``);
 - each step: the hooks of its base class, ``ZeroStepHooks`` (``step_hooks.py``);
 - checkpoints: sharded directories by default (``lightning_zero.checkpoint``), or one file in
   DDP's format with ``state_dict_type="full"``; both load at any stage and world size
@@ -36,12 +36,12 @@ from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroup
 from lightning_zero.fabric.checkpoint_io import file_writer
 from lightning_zero.lightning import checkpoint_hooks
 from lightning_zero.lightning.checkpointing import check_callbacks_can_save
-from lightning_zero.lightning.engine_setup import check_optimizer_types, start_engine, teardown_keeping_shards
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 from lightning_zero.lightning.preemption import PreemptedExit, handle_preemption
 from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
+from lightning_zero.lightning.sharded_setup import check_optimizer_types, start_engine, teardown_keeping_shards
 from lightning_zero.lightning.step_hooks import ZeroStepHooks, grad_norms
 
 

@@ -1,10 +1,13 @@
-"""Where the full parameters live between uses — the one difference between stages 1-2 and 3.
+"""Where the full parameters live between uses — the one difference between stages 1-2 and 3 —
+and the interface the engine drives both through, ``ParameterResidency``:
 
-``ReplicatedParameters`` (stages 1-2): every rank keeps the full parameters; after an optimizer
-step each rank's updated chunks are all-gathered back into them, bucket by bucket.
+``ReplicatedParameters`` (stages 1-2, ``replicated_parameters.py``): every rank keeps the full
+parameters; after an optimizer step each rank's updated chunks are all-gathered back into them,
+bucket by bucket.
 
-``ShardedParameters`` (stage 3): every rank keeps only its chunks; units are gathered just before
-use and freed after (``gather_schedule``), so nothing needs gathering after a step.
+``ShardedParameters`` (stage 3, ``sharded_parameters.py``): every rank keeps only its chunks; units
+are gathered just before use and freed after (``gather_schedule``), so nothing needs gathering after
+a step.
 """
 
 from __future__ import annotations

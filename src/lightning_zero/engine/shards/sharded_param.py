@@ -349,8 +349,9 @@ def _copy_to(tensor: Tensor, device: torch.device, dtype: torch.dtype) -> Tensor
 
 
 def place_of(t: torch.Tensor, offloaded: bool, compute_device: torch.device) -> str:
-    """Where ``measure`` counts ``t``: "host" when it is a CPU tensor and either what it belongs to
-    is offloaded or computes on an accelerator, else "device". So offloaded state that something
-    moved to the device counts as device memory, and on a CPU-only machine offload stays visible."""
+    """Where the memory report (``engine/memory.py``) counts ``t``: "host" when it is a CPU tensor
+    and either what it belongs to is offloaded or computes on an accelerator, else "device". So
+    offloaded state that something moved to the device counts as device memory, and on a CPU-only
+    machine offload stays visible."""
     on_host = t.device.type == "cpu" and (offloaded or compute_device.type != "cpu")
     return "host" if on_host else "device"
