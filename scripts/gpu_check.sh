@@ -28,11 +28,11 @@ python=${PYTHON:-python3}
 detail="$out/detail"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-# Steps, sizes and time limits (seconds). On the GPU the limits add up to 505 s: first guesses, sized
-# from the H200's published speed; the summary says how long each step took, to tune them by.
+# Steps, sizes and time limits (seconds). On the GPU the limits add up to 530 s, sized from an H200
+# run (2026-12-04: 196 s in all, the longest step 31 s); the summary says how long each step took.
 if [ "$dry_run" = 1 ]; then
   # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
-  tier_steps=("cuda-tier:engine lightning checkpoint compile:60") overhead_precisions=(fp32)
+  tier_steps=("cuda-tier:engine lightning checkpoint compile nccl_contracts:60") overhead_precisions=(fp32)
   overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
@@ -43,8 +43,8 @@ if [ "$dry_run" = 1 ]; then
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else
   # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
-  tier_steps=("cuda-tier-engine:engine:45" "cuda-tier-lightning:lightning:90" "cuda-tier-checkpoint:checkpoint:40"
-              "cuda-tier-compile:compile:60")
+  tier_steps=("cuda-tier-engine:engine:45" "cuda-tier-lightning:lightning:75" "cuda-tier-checkpoint:checkpoint:40"
+              "cuda-tier-compile:compile:60" "cuda-tier-nccl-contracts:nccl_contracts:40")
   overhead_precisions=(fp32 bf16-mixed) overhead_limit=50 offload_limit=70 nvme_limit=45 capacity_limit=55
   overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 4 variants in fresh processes
   offload_args=(--warmup 1 --steps 3 --time-budget-s 60)  # the default 1.2B GPT, bf16-mixed
@@ -52,10 +52,21 @@ else
   # streams 0.8 GB of moments (and 0.4 GB of chunks, read 3 times) per step through the local disk
   nvme_args=(--device cuda --variants zero3_offload,zero3_offload_nvme,zero3_offload_nvme_params --n-layer 8
              --n-embd 1024 --n-head 16 --block-size 256 --batch-size 4 --warmup 1 --steps 3 --timeout 40)
-  # GPT blocks of 0.79M parameters (12.6 MB of DDP's fp32 states) and 17 MB of activations at
-  # 4 x 256 tokens: about 3 blocks for DDP and 5 for zero3_offload under the budget, so each
-  # search ends after 4 to 6 tries, each in fresh processes (bench/capacity.py)
-  capacity_args=(--device cuda --memory-budget 96MB --n-embd 256 --n-head 4 --block-size 256 --batch-size 4 --variants ddp,zero3_offload --timeout 25)
+  # The budget caps the caching allocator (torch.cuda.set_per_process_memory_fraction, bench/budget.py;
+  # the CUDA context is outside it), which also serves cuBLAS's workspaces: 32 MiB per thread and
+  # stream on an H200 (sm90, torch's default), one for forward and one for autograd's backward
+  # thread, 67 MB; ~85 MB with cuBLASLt's and the small tensors' 2 MiB segments. (Under 96 MB both
+  # variants ran out of memory at 1 block asking for the second workspace.) So the blocks are wide
+  # and the batch large, for a block's cost to stand well apart from that fixed part and from what
+  # is only estimated: a block of 12.6M parameters (GPT 1024 wide: 202 MB of DDP's fp32
+  # states, 50 MB as one gathered unit) and 134 MB of activations at 8 x 256 tokens (bench/footprint.py
+  # counts them). That leaves ~665 MB of the 750: DDP needs ~400 MB at 1 block and 730-770 at 2
+  # (fits 1); zero3_offload 19 MB + 134 MB a block + 240-320 MB of gathered units, pool buffers and
+  # backward's temporaries: 560-630 at 2 blocks, ~700 at 3, ~830 at 4 (fits 2, 3 at most). So 2
+  # tries for DDP (1, 2) and 4 for zero3_offload (1, 2, 4, 3), each in fresh processes
+  # (bench/capacity.py), a few seconds each on the H200 (2 tries took 10 s with the bench's start).
+  capacity_args=(--device cuda --memory-budget 750MB --n-embd 1024 --n-head 16 --block-size 256 --batch-size 8
+                 --variants ddp,zero3_offload --timeout 25)
 fi
 
 run_step() {  # NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S seconds, its output in logs/NAME.log

@@ -21,7 +21,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 from case_groups import CaseGroup, GroupResults, RankContext
@@ -46,21 +46,41 @@ SYNC_MESSAGE = "synchronizing CUDA operation"
 GROUP = CaseGroup(world_size=1, start_method=START_METHOD)
 
 
-def _engine_run(variant: str, shape: dict, batch_size: int = 4, seed: int = 0):
-    """A GPT on cuda:0, AdamW, and the engine with the options ``variant`` names; a batch of tokens."""
+def _engine_run(
+    variant: str,
+    shape: dict,
+    batch_size: int = 4,
+    seed: int = 0,
+    device: Any = None,
+    optimizer_options: Optional[dict] = None,
+    **options: Any,
+):
+    """A GPT on ``device`` (default cuda:0), AdamW (with ``optimizer_options``), and the engine with
+    the options ``variant`` names and ``options`` on top; a batch of tokens."""
     import torch
 
     from lightning_zero.engine import ZeroConfig, ZeroEngine
     from lightning_zero.engine.config import STRATEGY_NAMES
     from lightning_zero.models.gpt import GPT, GPTConfig
 
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if device is None else torch.device(device)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**shape)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(**STRATEGY_NAMES[variant]), device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **(optimizer_options or {}))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(**STRATEGY_NAMES[variant], **options), device=device)
     tokens = torch.randint(0, 256, (batch_size, shape["block_size"] + 1), device=device)  # (B, T + 1)
     return model, optimizer, engine, tokens
+
+
+def _full_parameters(shape: dict) -> list:
+    """The GPT's parameters as built, before any engine shards them (on the meta device: shapes only,
+    in ``model.parameters()`` order, a tied weight once)."""
+    import torch
+
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return list(GPT(GPTConfig(**shape)).parameters())
 
 
 def _autocast(precision: str):
@@ -118,7 +138,7 @@ def host_syncs(ctx: RankContext, variant: str, precision: str) -> list[dict]:
 
     from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 
-    setup_rank(deterministic=False)
+    device = setup_rank(deterministic=False)
     model, optimizer, engine, tokens = _engine_run(variant, SYNC_SHAPE)
     shards = [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -133,7 +153,7 @@ def host_syncs(ctx: RankContext, variant: str, precision: str) -> list[dict]:
         engine.end_step()
 
     def step() -> None:
-        clip_grads_by_global_norm_(shards, 1.0)
+        clip_grads_by_global_norm_(shards, 1.0, device=device)  # reduced on the compute device, as the plugins do
         optimizer.step()
         engine.after_optimizer_step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -174,15 +194,14 @@ def device_model_state(ctx: RankContext, variant: str) -> dict:
     """Two fp32 steps (gradients kept after the second, as the estimator counts them); then what
     ``torch.cuda.memory_allocated`` falls by when the model, optimizer and engine are dropped,
     the engine's own report, and the estimator's floor for the layout."""
-    import torch
-
     from lightning_zero import estimate as est
     from lightning_zero.engine.config import STRATEGY_NAMES, ZeroStage
     from lightning_zero.estimate_schemes import SCHEMES, Layout
 
     setup_rank(deterministic=False)
+    # the full model's count: once the engine has sharded it, stage 3's parameters hold 0 elements
+    num_params = sum(p.numel() for p in _full_parameters(MEMORY_SHAPE))
     model, optimizer, engine, tokens = _engine_run(variant, MEMORY_SHAPE)
-    num_params = sum(p.numel() for p in model.parameters())  # before sharding: the full model's
     options = STRATEGY_NAMES[variant]
     layout = Layout(
         ZeroStage(options["stage"]), options.get("offload_optimizer", False), options.get("offload_params", False)
@@ -256,6 +275,9 @@ def offload_copies(ctx: RankContext, variant: str) -> dict:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             train_step()
             torch.cuda.synchronize()
+        report = engine.memory_report()
+        pinned_rows = sum(row.numel() * row.element_size() for b in engine.residency.buckets_with_host
+                          for row in (b.host.master, *b.host.gradient_rows))  # fmt: skip
     finally:
         engine.close()
     path = os.path.join(ctx.tmpdir, f"trace_{variant}.json")
@@ -263,6 +285,9 @@ def offload_copies(ctx: RankContext, variant: str) -> dict:
     return {
         "pinned_at_setup": pinned_at_setup,
         "pinned_after_steps": pinned_after_steps,
+        "pinned_host": report.pinned_host,
+        "pinned_rows": pinned_rows,
+        "copy_buffers": report.copy_buffers,
         **copy_overlap(json.loads(Path(path).read_text())),
     }
 
@@ -363,6 +388,33 @@ def test_offload_copies_run_beside_compute(results, variant):
     for direction in directions:
         overlapped = sum(c["overlapped_us"] for c in copies if direction in c["name"])
         assert overlapped > 0, (direction, copies)
+
+
+@pytest.mark.parametrize("variant", ["zero2_offload", "zero3_offload"])
+def test_the_memory_report_counts_pinned_blocks_and_copy_rows(results, variant):
+    """Issue 39 (4, 5): the pinned host blocks the engine holds (torch's pinned cache keeps them) and,
+    at stage 3, the device rows its copies land in."""
+    (r,) = results[f"copies_{variant}"]
+    assert r["pinned_host"] >= r["pinned_rows"] > 0, r
+    if variant == "zero3_offload":  # units arrive through the copy stream
+        assert r["copy_buffers"] > 0, r
+
+
+def meta_build(ctx: RankContext) -> dict:
+    """A GPT built on the meta device and materialized on cuda:0 against the same GPT built eagerly on
+    the CPU from the same seed (``test_meta_materialize.py``; issue 39 (5): no draw from CUDA's generator)."""
+    from test_meta_materialize import meta_build_against_eager_cpu_build
+
+    return meta_build_against_eager_cpu_build(setup_rank(deterministic=True))
+
+
+GROUP.case(meta_build)
+
+
+def test_a_meta_build_on_the_gpu_holds_the_eager_cpu_builds_weights(results):
+    (r,) = results["meta_build"]
+    assert r["compared"] > 10 and r["mismatched"] == [], r
+    assert r["on_device"] and r["tied"]
 
 
 def test_nvme_offload_trains_bitwise_like_cpu_offload_with_pinned_chunks(results):

@@ -75,7 +75,9 @@ def fabric_parity(ctx: RankContext, strategy: str, precision: str) -> dict:
         assert len(a) == len(b), (a, b)
         return max(abs(x - y) for x, y in zip(a, b))
 
-    weights = max((ours["weights"][k] - w).abs().max().item() for k, w in ddp["weights"].items())
+    # DDP's full weights stay on cuda:0, ours are gathered to the CPU: compare them there
+    assert ours["weights"].keys() == ddp["weights"].keys(), (sorted(ours["weights"]), sorted(ddp["weights"]))
+    weights = max((ours["weights"][k].cpu() - w.cpu()).abs().max().item() for k, w in ddp["weights"].items())
     return {"weights": weights, "losses": diff(ddp["losses"], ours["losses"]), "norms": diff(ddp["norms"], ours["norms"])}
 
 

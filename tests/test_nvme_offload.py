@@ -17,7 +17,8 @@ chunks in scratch files too, read in around each use.
   last checkpoint stays intact.
 - Memory: the host holds at most ``nvme_buffer_count`` buckets' state, by the engine's report and by
   the process's peak resident memory (one process, no Trainer); and at most ``nvme_buffer_count``
-  buckets' parameter chunks while stepping, none at rest.
+  buckets' parameter chunks while stepping, none at rest, one bucket's between steps (EMA updates,
+  swaps, a full load, a write-back), with the weights of CPU offload.
 """
 from __future__ import annotations
 
@@ -574,6 +575,85 @@ def test_the_host_holds_a_few_buckets_of_parameter_chunks(tmp_path, monkeypatch)
     # per step every chunk is read for the forward, the backward and the step, and from the second
     # step on (the first makes it) each bucket's optimizer state
     assert io.reads == 3 * 3 * LAYERS + 2 * LAYERS
+
+
+def _average_between_steps(params_tier: Any, tmp_path: Path, monkeypatch) -> dict[str, Any]:
+    """offload_params=``params_tier``, one process, 16 units: an EMA of the weights updated after
+    every step, swapped in and out, the weights loaded from a full state dict and edited inside
+    ``gathered(writeback=True)``; with the chunks on disk, the bytes of chunks in memory at every
+    read the engine starts during those (never during a training step, whose reads run ahead)."""
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.engine import ZeroEngine
+    from lightning_zero.engine.offload import masters_on_disk
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tmp_path.mkdir()
+    config = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params=params_tier, nvme_path=str(tmp_path))
+    engine = ZeroEngine(model, [optimizer], config, device=torch.device("cpu"))
+    masters = getattr(engine.residency, "masters_on_disk", [])
+    sampling, in_memory = [False], []
+    fetch = masters_on_disk.MasterOnDisk.fetch
+
+    def counting_fetch(self) -> None:
+        reads = not self.in_memory
+        fetch(self)
+        if sampling[0] and reads:
+            in_memory.append(sum(m.master.untyped_storage().nbytes() for m in masters))
+
+    monkeypatch.setattr(masters_on_disk.MasterOnDisk, "fetch", counting_fetch)
+    ema = get_ema_multi_avg_fn(0.9)
+
+    def between_steps(use: Callable[[], Any]) -> None:
+        sampling[0] = True
+        use()
+        sampling[0] = False
+
+    average = engine.average_weights()
+    seen = []
+    for step in range(3):
+        _engine_step(engine, optimizer, _linear_loss(model))
+        between_steps(lambda: average.update(torch.tensor(step), multi_avg_fn=ema))
+        between_steps(average.swap)
+        seen.append({k: v.clone() for k, v in engine.full_state_dict(model).items()})
+        between_steps(average.swap)
+    state = engine.full_state_dict(model)
+    between_steps(lambda: engine.load_full_state_dict(model, {k: v * 0.5 for k, v in state.items()}))
+
+    def edit() -> None:
+        with engine.gathered(writeback=True):
+            with torch.no_grad():
+                model[0].weight.add_(1.0)
+
+    between_steps(edit)
+    weights = engine.full_state_dict(model)
+    at_rest = sum(m.master.untyped_storage().nbytes() for m in masters)
+    engine.close()
+    return {
+        "average": average.full_state_dict(), "swapped": seen, "weights": weights, "in_memory": in_memory,
+        "at_rest": at_rest, "bucket": max((m.nbytes for m in masters), default=0), "masters": len(masters),
+    }  # fmt: skip
+
+
+def test_between_steps_the_chunks_on_disk_are_in_memory_one_bucket_at_a_time(tmp_path, monkeypatch) -> None:
+    """EMA updates, swaps, a full load and a write-back read and write every chunk, one bucket at a
+    time: with pinned masters on CUDA, each read takes a block that torch's pinned allocator keeps
+    once freed, so reading all at once would pin every chunk for the rest of the process (see
+    [Note: pinned blocks] in ``copy_memory.py``). The weights are CPU offload's, bit for bit."""
+    in_memory = _average_between_steps(True, tmp_path / "cpu", monkeypatch)
+    on_disk = _average_between_steps("nvme", tmp_path / "nvme", monkeypatch)
+    bucket = on_disk["bucket"]
+    print(f"chunk bytes in memory between steps: at most {max(on_disk['in_memory'])} of {on_disk['masters'] * bucket}")
+    assert on_disk["masters"] == LAYERS and bucket == 4 * (512 * 512 + 512)
+    # every use read every bucket once, one at a time: 3 updates, 6 swaps, the load, and the
+    # write-back's gathers and its write
+    assert len(on_disk["in_memory"]) == 12 * LAYERS
+    assert max(on_disk["in_memory"]) == bucket and on_disk["at_rest"] == 0
+    assert _equal(in_memory["average"], on_disk["average"]) and _equal(in_memory["weights"], on_disk["weights"])
+    assert all(_equal(a, b) for a, b in zip(in_memory["swapped"], on_disk["swapped"]))
 
 
 def _weights_between_steps(params_tier: Any, tmp_path: Path, saved: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,6 @@ Reading and writing the files (with checksums and errors that name the file) is 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -52,6 +51,7 @@ from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
 from lightning_zero.engine.optimizer.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.shards.partition import ChunkLayout
+from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 SHARDED, TENSOR, VALUE = "sharded", "tensor", "value"
 SHARD_KEY_PREFIXES = ("model/", "buffer/")
@@ -256,25 +256,33 @@ def load_model(
         if key in state and f"buffer/{key}" in metadata:
             targets[f"buffer/{key}"] = torch.empty(state[key].shape, dtype=metadata[f"buffer/{key}"].properties.dtype)
     read_tensors(targets, directory, group)
-    # chunks kept on disk between uses (offload_params="nvme") are read in once, written back after
-    in_memory = engine.chunks_in_memory(writing=True) if engine is not None else nullcontext()
-    with torch.no_grad(), in_memory:
+    names = {id(p): name for name, p in module.named_parameters() if f"model/{name}" in targets}
+    with torch.no_grad():
+        # chunks kept on disk between uses (offload_params="nvme") are read in a bucket at a time,
+        # and written back before the next is read
+        for bucket in engine.buckets_in_memory(writing=True) if engine is not None else ():
+            for sp in bucket:
+                name = names.get(id(sp.param))
+                if name is not None:
+                    _load_parameter(sp.param, sp, targets[f"model/{name}"], manifest.params[name])
         for name, p in module.named_parameters():
-            key = f"model/{name}"
-            if key not in targets:
-                continue
-            sp = sharded.get(id(p))
-            if isinstance(targets[key], DTensor):
-                sp.load_chunk(targets[key].to_local())
-            else:
-                full = targets[key].view(manifest.params[name])
-                if sp is not None:
-                    sp.load_full_value(full)
-                else:
-                    p.copy_(full)
+            if id(p) not in sharded and id(p) in names:
+                _load_parameter(p, None, targets[f"model/{name}"], manifest.params[name])
         for key in manifest.buffers:
             if f"buffer/{key}" in targets:
                 state[key].copy_(targets[f"buffer/{key}"])
+
+
+def _load_parameter(p: nn.Parameter, sp: Optional[ShardedParam], value: Tensor, shape: Sequence[int]) -> None:
+    """Give ``p`` (``sp``: the engine's record of it, where it shards it) what was read for it: this
+    rank's chunk (a DTensor) or the whole tensor, flat."""
+    if isinstance(value, DTensor):
+        assert sp is not None
+        sp.load_chunk(value.to_local())
+    elif sp is not None:
+        sp.load_full_value(value.view(shape))
+    else:
+        p.copy_(value.view(shape))
 
 
 def load_optimizer(

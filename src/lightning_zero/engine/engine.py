@@ -5,9 +5,13 @@
     stage 3 = ShardedParameters    + ReduceDuringBackward + the sharded optimizer
 
 Nothing here imports Lightning: the strategy calls these methods from its hooks, and a Fabric
-strategy or a plain training loop can call them the same way::
+strategy or a plain training loop can call them the same way (one process per GPU, e.g. under
+``torchrun``)::
 
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)  # first: else every rank's NCCL communicator and kernels land on cuda:0
+    torch.distributed.init_process_group("nccl")
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3), device=device)
     for batch in data:
         engine.begin_step()
         loss = model(batch); loss.backward(); engine.finish_backward()
@@ -28,7 +32,7 @@ from __future__ import annotations
 import weakref
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -249,16 +253,17 @@ class ZeroEngine:
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
         (``keep=False``: take part, return nothing)."""
-        return gather_full_state_dict(optimizer, self.params_of(optimizer), self.group, keep)
+        return gather_full_state_dict(optimizer, self.params_of(optimizer), self.group, self.residency.compute_device, keep)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         load_full_state_dict(optimizer, state_dict, self.params_of(optimizer))
 
-    def chunks_in_memory(self, writing: bool = False) -> AbstractContextManager[None]:
-        """A context in which every ``ShardedParam.shard`` can be read (and with ``writing`` written):
-        with ``offload_params="nvme"`` this rank's chunks are read in from disk for it (and written
-        back after); otherwise they are in memory anyway."""
-        return self.residency.chunks_in_memory(writing)
+    def buckets_in_memory(self, writing: bool = False) -> Iterator[Sequence[ShardedParam]]:
+        """Every sharded parameter, in groups whose ``ShardedParam.shard`` can be read (and with
+        ``writing`` written) while the group is the current one: with ``offload_params="nvme"`` one
+        bucket at a time, read in from disk (and written back after); otherwise one group, in memory
+        anyway (see ``ParameterResidency.buckets_in_memory``)."""
+        return self.residency.buckets_in_memory(writing)
 
     def weight_chunks(self) -> dict[int, torch.Tensor]:
         """This rank's chunk of every weight, by ``id`` of its ``ShardedParam`` (copies, one bucket at
@@ -342,17 +347,20 @@ class ZeroEngine:
         of all of them (key ``"total"``), computed from the shards with one all-reduce. The numbers
         ``lightning.pytorch.utilities.grad_norm`` gives under DDP; call it on every rank, between
         backward and the optimizer step."""
-        return norms_by_name(self.params, float(norm_type), self.group)
+        return norms_by_name(self.params, float(norm_type), self.group, self.residency.compute_device)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state and buffers this rank holds now, and of
-        the communication buffers kept for reuse."""
+        the communication buffers kept for reuse, the pinned host memory and the copy rows offload holds."""
         host_gradient_rows = [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows]
         averages = [held for average in self.averages for held in average.held()]
+        copies = self.residency.copies
         return measure(
             self.module, self.params, self._optimizers.with_params(), self.residency.pool.kept_bytes, host_gradient_rows,
             averages, staging_bytes=self.disk.staging.held_bytes if self.disk is not None else 0,
             disk_bytes=self.disk.disk_bytes if self.disk is not None else 0,
+            pinned_host=copies.pinned_blocks.held_bytes if copies is not None else 0,
+            copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
         )  # fmt: skip
 
     @property
@@ -378,7 +386,7 @@ class ZeroEngine:
         ``memory_report`` counts it while it lives."""
         average = AveragedShards(
             self.module, self.params, self.group, self.residency.compute_device, self.config.bucket_bytes,
-            device=device, buffers=buffers, copies=self.residency.copies, chunks_in_memory=self.chunks_in_memory,
+            device=device, buffers=buffers, copies=self.residency.copies, buckets_in_memory=self.buckets_in_memory,
         )  # fmt: skip
         self.averages.add(average)
         return average

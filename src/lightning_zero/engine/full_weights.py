@@ -96,13 +96,18 @@ class FullWeights:
                 f"The state dict does not match the model: missing keys {missing[:10]}, unexpected keys"
                 f" {unexpected[:10]}{' (and more)' if len(missing) > 10 or len(unexpected) > 10 else ''}."
             )
-        with torch.no_grad(), self.residency.chunks_in_memory(writing=True):
-            for key, target in expected.items():
-                if key not in state_dict:
-                    continue
-                if id(target) in by_id:
-                    by_id[id(target)].load_full_value(state_dict[key].to(target.device))
-                else:
-                    if target.shape != state_dict[key].shape:
-                        raise ValueError(f"buffer {key!r} has shape {tuple(target.shape)}, the value has {tuple(state_dict[key].shape)}")
-                    target.copy_(state_dict[key])
+        buffers = {key: target for key, target in expected.items() if key in state_dict and id(target) not in by_id}
+        for key, target in buffers.items():
+            if target.shape != state_dict[key].shape:
+                raise ValueError(f"buffer {key!r} has shape {tuple(target.shape)}, the value has {tuple(state_dict[key].shape)}")
+        keys_of: dict[int, list[str]] = {}  # a tied parameter under each of its keys, in order (the last one wins)
+        for key, target in expected.items():
+            if key in state_dict and id(target) in by_id:
+                keys_of.setdefault(id(by_id[id(target)]), []).append(key)
+        with torch.no_grad():
+            for bucket in self.residency.buckets_in_memory(writing=True):  # one bucket's chunks in memory at a time
+                for p in bucket:
+                    for key in keys_of.get(id(p), ()):
+                        p.load_full_value(state_dict[key].to(p.param.device))
+            for key, target in buffers.items():
+                target.copy_(state_dict[key])

@@ -57,6 +57,23 @@ class MemoryReport:
     """Bytes of optimizer state (and, with ``offload_params="nvme"``, parameter chunks) in NVMe
     scratch files: not memory, and not in ``total``; the staging buffers count as host optimizer
     state, and chunks read in for a use count where they are while they are there."""
+    pinned_host: int = 0
+    """Bytes of page-locked (pinned) host memory held because of the engine's offload buffers (on
+    CUDA; 0 where nothing is pinned): the blocks they hold now, each rounded up to a power of two as
+    torch's pinned allocator serves it, and the blocks that allocator keeps cached once they are
+    freed, which it never gives back to the OS — with ``offload_params="nvme"``, as many blocks of
+    master chunks as were ever in memory at once, although ``host`` counts none between uses (see
+    [Note: pinned blocks] in ``engine/comm/copy_memory.py``). It overlaps ``host`` (a live buffer is
+    counted there by kind) and is not in ``total``."""
+    copy_buffers: int = 0
+    """Bytes of device memory the engine's host-to-device copies (``CopyStream.to_device``) have
+    needed at once at most. Each lands an offloaded bucket's master chunks (S elements in the master
+    dtype: fp32 for half-precision weights) in a fresh device row, held until the compute stream
+    has read it: one per bucket gathered from the host (stage 3 with ``offload_params``, up to
+    ``prefetch_units`` + 1 units in flight; stages 1-2 after each step) and one per bucket whose
+    device copies of half-precision chunks are refreshed after a step. Torch's caching allocator
+    keeps that much reserved for the copy stream once they are freed. Not model state, beside
+    ``comm_buffers``; 0 without offload, and where host and device are one memory."""
 
     @property
     def parameters(self) -> int:
@@ -88,6 +105,8 @@ def measure(
     averages: Iterable[tuple[torch.Tensor, str]] = (),
     staging_bytes: int = 0,
     disk_bytes: int = 0,
+    pinned_host: int = 0,
+    copy_buffers: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
@@ -96,6 +115,7 @@ def measure(
 
     Each tensor counts where it is (``place_of``). ``staging_bytes``: the NVMe tier's host buffers
     (optimizer state); ``disk_bytes``: the state (and parameter chunks) in its files.
+    ``pinned_host``, ``copy_buffers``: what the offload copies hold (see ``MemoryReport``).
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
@@ -127,5 +147,10 @@ def measure(
     for t, where in averages:
         counts[where]["averages"] += nbytes(t)
     return MemoryReport(
-        device=StateBytes(**counts["device"]), host=StateBytes(**counts["host"]), comm_buffers=comm_buffers, disk=disk_bytes
+        device=StateBytes(**counts["device"]),
+        host=StateBytes(**counts["host"]),
+        comm_buffers=comm_buffers,
+        disk=disk_bytes,
+        pinned_host=pinned_host,
+        copy_buffers=copy_buffers,
     )

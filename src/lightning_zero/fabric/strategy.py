@@ -215,7 +215,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
         shard_group = self._data_parallel_groups()[0]
-        return clip_grads_by_global_norm_(parameters, float(max_norm), float(norm_type), error_if_nonfinite, shard_group)
+        return clip_grads_by_global_norm_(parameters, float(max_norm), self.root_device, float(norm_type), error_if_nonfinite, shard_group)
 
     @contextmanager
     def summon_full_params(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
@@ -30,9 +31,13 @@ class _ShardedNormClipping:
     norm_group: ProcessGroup = None
     """The ranks whose shards together make each gradient whole (the strategy sets it: with hybrid
     sharding, the shard group; else all ranks)."""
+    norm_device: torch.device = torch.device("cpu")
+    """Where the norm is reduced: the compute device (the strategy sets it; offloaded gradients are
+    on the host, and NCCL reduces device tensors only)."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grads_by_global_norm_(list(self.main_params(optimizer)), clip_val, group=self.norm_group)  # type: ignore[attr-defined]
+        parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
+        clip_grads_by_global_norm_(parameters, clip_val, self.norm_device, group=self.norm_group)
 
     def _clip_gradients(self, model: Any, *args: Any, **kwargs: Any) -> None:
         # Lightning runs this right after `on_before_optimizer_step`, inside the optimizer's closure:
@@ -44,10 +49,11 @@ class _ShardedNormClipping:
         super()._clip_gradients(model, *args, **kwargs)  # type: ignore[misc]
 
 
-def set_norm_group(plugin: Precision, group: ProcessGroup) -> None:
-    """Where ``plugin`` sums the gradient norm when clipping (see ``_ShardedNormClipping``)."""
+def set_norm_group(plugin: Precision, group: ProcessGroup, device: torch.device) -> None:
+    """Over which ranks and on which device ``plugin`` sums the gradient norm when clipping (see
+    ``_ShardedNormClipping``)."""
     if isinstance(plugin, _ShardedNormClipping):
-        plugin.norm_group = group
+        plugin.norm_group, plugin.norm_device = group, device
 
 
 class ZeroPrecision(_ShardedNormClipping, Precision):

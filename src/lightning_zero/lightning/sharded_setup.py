@@ -36,7 +36,7 @@ def start_engine(
     is the ``ZeroStrategy`` whose ``config`` and ``shard_group_size`` these are."""
     assert strategy.model is not None
     shard_group, replicate_group = groups
-    set_norm_group(strategy.precision_plugin, shard_group)
+    set_norm_group(strategy.precision_plugin, shard_group, strategy.root_device)
     kept = _engine_to_resume(strategy, config, shard_group_size, shard_group)
     if kept is None:  # a module kept sharded has its dtypes already
         strategy.precision_plugin.convert_module(strategy.model)

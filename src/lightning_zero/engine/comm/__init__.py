@@ -2,7 +2,8 @@
 
 ``collectives`` is the only module that calls ``torch.distributed`` (and where torch-version
 differences in collective names live); ``buffers`` lends the communication buffers;
-``copy_stream`` orders host↔device copies off the compute stream; ``chunk_gather`` rebuilds whole
+``copy_stream`` orders host↔device copies off the compute stream (``copy_memory`` counts the pinned
+blocks and device rows they hold); ``chunk_gather`` rebuilds whole
 tensors from every rank's chunks a piece at a time. What rides on them: ``host_reads`` (device
 verdicts read in one host sync), ``stop_vote`` (preemption requests agreed on by all ranks),
 ``evaluation_join`` (uneven evaluation at stage 3).

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.engine.config import ShardGroupSize, resolve_shard_group_size
+from lightning_zero.engine.device_roles import check_compute_tensors
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
@@ -68,16 +69,15 @@ def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
 
 
 class PendingCollective:
-    """An issued asynchronous collective; ``wait()`` blocks until its output is ready.
+    """An issued asynchronous collective. ``wait()``: its output is ready for what runs next — on
+    gloo the host waits for it; on NCCL the current stream does (the host goes on, and kernels
+    queued on that stream afterwards wait for every peer to join).
 
     Synchronous backends (or a world of one) hand back an already-finished instance.
-    ``host_waits``: whether ``wait()`` blocks the host until the peers took part (gloo); on NCCL
-    it only makes the current stream wait, and the host goes on.
     """
 
-    def __init__(self, work: Optional[dist.Work] = None, host_waits: bool = True) -> None:
+    def __init__(self, work: Optional[dist.Work] = None) -> None:
         self._work = work
-        self._host_waits = host_waits
 
     def wait(self) -> None:
         if self._work is not None:
@@ -85,15 +85,10 @@ class PendingCollective:
             self._work = None
 
     def done(self) -> bool:
-        """Whether ``wait()`` would return without the host waiting for a peer: the collective has
-        completed, or the backend's wait only orders the device. Never blocks."""
-        return self._work is None or not self._host_waits or self._work.is_completed()
-
-
-def _pending(work: Optional[dist.Work], group: ProcessGroup, tensor: Tensor) -> PendingCollective:
-    """``work`` on ``tensor``: NCCL (CUDA tensors) orders its wait on the stream, others on the host."""
-    on_stream = tensor.is_cuda and "nccl" in str(dist.get_backend(group))
-    return PendingCollective(work, host_waits=not on_stream)
+        """Whether the collective has completed on every backend's terms, so that ``wait()`` would
+        make nothing wait (neither the host nor a stream). Never blocks: on NCCL a query of the
+        collective's CUDA event. See [Note: no waiting in backward] in ``grad_sync.py``."""
+        return self._work is None or self._work.is_completed()
 
 
 def is_initialized() -> bool:
@@ -111,15 +106,17 @@ def rank(group: ProcessGroup = None) -> int:
 def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
     COLLECTIVE_STATS.record("all_gather", output, group)
+    check_compute_tensors("all-gather", (output, shard))
     if world_size(group) == 1:
         output.copy_(shard)
         return PendingCollective()
-    return _pending(_all_gather_flat(output, shard, group=group, async_op=True), group, output)
+    return PendingCollective(_all_gather_flat(output, shard, group=group, async_op=True))
 
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum ``inputs`` (rank-major, 1D) over ranks; rank r receives its slice in ``output``."""
     COLLECTIVE_STATS.record("reduce_scatter", inputs, group)
+    check_compute_tensors("reduce-scatter", (output, inputs))
     n = world_size(group)
     if n == 1:
         output.copy_(inputs)
@@ -129,12 +126,13 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
         # (torch 2.13); the same sums, so the same bits
         chunks = list(inputs.view(n, -1).unbind(0))
         return PendingCollective(dist.reduce_scatter(output, chunks, op=dist.ReduceOp.SUM, group=group, async_op=True))
-    return _pending(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True), group, output)
+    return PendingCollective(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     """In-place all-reduce (``op`` is "sum", "max" or "min"); returns ``tensor``."""
     COLLECTIVE_STATS.record("all_reduce", tensor, group)
+    check_compute_tensors("all-reduce", (tensor,))
     if world_size(group) > 1:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op, group=group)
@@ -144,9 +142,10 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
 def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     """Start summing ``tensor`` in place over ``group``; it holds the sum once the result is waited on."""
     COLLECTIVE_STATS.record("all_reduce", tensor, group)
+    check_compute_tensors("all-reduce", (tensor,))
     if world_size(group) == 1:
         return PendingCollective()
-    return _pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), group, tensor)
+    return PendingCollective(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
@@ -174,6 +173,7 @@ def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error:
 
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor, group)
+    check_compute_tensors("broadcast", (tensor,))
     if world_size(group) > 1:
         dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
     return tensor

@@ -15,6 +15,9 @@ pool's next user waits for the copy on the device (see ``buffers.py``).
 
 Elsewhere (CPU training, where "host" and "device" are the same memory) copies are plain and
 synchronous, and the same code runs without streams or events.
+
+What the copies hold beside model state, the pinned host blocks of their buffers and the device rows
+they land in, is counted for the memory report in ``copy_memory.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_zero.engine.comm.copy_memory import DeviceTemporaries, PinnedBlocks
+from lightning_zero.engine.device_roles import mark_host
 
 Event = Optional["torch.cuda.Event"]
 """Marks a finished copy on CUDA; None where copies are synchronous."""
@@ -38,6 +44,19 @@ class CopyStream:
         """Whether host buffers for these copies are pinned (page-locked): what makes CUDA copies
         asynchronous and as fast as the bus."""
         self._unwaited = False  # copies issued since the host last waited for them
+        self.pinned_blocks = PinnedBlocks()
+        """The pinned host blocks of the buffers these copies read and fill (see [Note: pinned
+        blocks] in ``copy_memory.py``)."""
+        self.temporaries = DeviceTemporaries(self._compute_event if self._stream is not None else None)
+        """The device rows :meth:`to_device` lands copies in, until the compute stream has read them."""
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A 1D host buffer (contents undefined) for these copies to read or fill: ``host_empty``,
+        its pinned block counted in ``pinned_blocks``."""
+        buffer = host_empty(numel, dtype, self.pinned)
+        if self.pinned:
+            self.pinned_blocks.taken(buffer.untyped_storage().nbytes())
+        return buffer
 
     def to_host(self, host: Tensor, device_data: Tensor) -> Event:
         """Copy ``device_data`` (ready on the compute stream) into ``host`` (pinned, same shape and
@@ -56,13 +75,14 @@ class CopyStream:
         """A device copy of ``host`` (pinned), for kernels issued on the compute stream after this
         call to read; the host does not wait. Where host and device are one memory: ``host``."""
         if self._stream is None:
-            return host if host.device == self.device else host.to(self.device)
+            return host.to(self.device)  # ``host`` itself where it is on the device already
         compute = torch.cuda.current_stream(self.device)
         self._unwaited = True
         with torch.cuda.stream(self._stream):
             device_data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             device_data.copy_(host, non_blocking=True)
             event = self._record()
+        self.temporaries.add(device_data)
         compute.wait_event(event)
         device_data.record_stream(compute)  # its memory is not reused before the compute stream is done with it
         return device_data
@@ -89,7 +109,12 @@ class CopyStream:
         event.record(self._stream)
         return event
 
+    def _compute_event(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
 
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:
     """A 1D host buffer (contents undefined), pinned when copies to a CUDA device read or fill it."""
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned)
+    return mark_host(torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pinned))

@@ -19,10 +19,18 @@ keeps its full gradients and is launched from a later gradient hook, or by the f
 in ``finish_backward``, after this rank's backward has issued every all-gather its peers may need
 (``finish_backward_gathers``). The bound on communication buffers holds; what a rank skipping units
 costs its peers is the full gradients of the buckets queued behind the skipped one, until it
-flushes. On NCCL ``wait`` never blocks the host, so ``done`` is true at once and the oldest is
-finished as before: the compute stream then waits for it, and the next all-gather's copy-in, queued
-on that stream, can form the same cycle on the device. Closing that needs the reduce-scatters'
-copy-ins and waits on a stream of their own (not done: no multi-GPU machine to test it on).
+flushes.
+
+The same holds on NCCL, where ``wait`` does not block the host but makes the compute stream wait:
+every all-gather this rank issues afterwards is queued behind that wait on the device, so waiting
+for a reduce-scatter a peer has not joined forms the same cycle on the device (a hang until NCCL's
+watchdog; with ``TORCH_NCCL_BLOCKING_WAIT=1`` on the host). ``done`` therefore asks whether the
+collective has *completed* on every backend (on NCCL a query of its CUDA event, which never
+blocks), never whether waiting would block the host. In the usual case, when every rank reaches
+every bucket, this also keeps ``max_in_flight`` reductions overlapping backward instead of making
+the compute stream wait for the oldest as soon as the next bucket is ready, which DDP never does
+either. ``tests/test_nccl_semantics.py`` runs the ranks-skip-units cases of ``test_reliability.py``
+with this decision, gloo's waits blocking where NCCL's would order streams.
 """
 
 from __future__ import annotations

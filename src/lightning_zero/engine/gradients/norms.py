@@ -2,6 +2,11 @@
 
 Each rank holds a disjoint piece of every gradient (its chunk), so a global p-norm is the p-th root
 of the all-reduced sum of the local p-th powers; a max-norm all-reduces the local maxima.
+
+With offload the chunks' gradients live on the host: the local norms are computed there (where the
+gradients are) and moved to the compute device before the all-reduce, since NCCL takes device
+tensors only (see [Note: device roles] in ``device_roles.py``). So every function that reduces
+takes the compute ``device``; its results are on it.
 """
 
 from __future__ import annotations
@@ -38,13 +43,30 @@ def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     return [norms.get(id(t), zero) for t in tensors]
 
 
-def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGroup = None, norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type``-norm of all gradients across ranks, when each rank holds a disjoint shard of
-    them (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm over full gradients."""
+def stacked_norms(tensors: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    """(len(tensors),) fp32 on ``device``: each of ``tensors``' (at least one) norms, in order,
+    computed where the tensor is and moved with one copy per device they are on."""
+    norms = norms_of(tensors, norm_type)
+    positions: dict[torch.device, list[int]] = {}
+    for i, norm in enumerate(norms):
+        positions.setdefault(norm.device, []).append(i)
+    if len(positions) == 1:
+        return torch.stack(norms).to(device)
+    stacked = torch.empty(len(norms), dtype=torch.float32, device=device)
+    for at in positions.values():
+        stacked[torch.tensor(at, device=device)] = torch.stack([norms[i] for i in at]).to(device)
+    return stacked
+
+
+def global_grad_norm(
+    parameters: Sequence[Tensor], group: collectives.ProcessGroup, device: torch.device, norm_type: float = 2.0
+) -> Tensor:
+    """The ``norm_type``-norm of all gradients across ranks, on ``device``, when each rank holds a
+    disjoint shard of them (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm
+    over full gradients."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else (parameters[0].device if parameters else "cpu")
     norm_type = float(norm_type)
-    local = torch.stack(norms_of(grads, norm_type)) if grads else torch.zeros(1, device=device)
+    local = stacked_norms(grads, norm_type, device) if grads else torch.zeros(1, device=device)
     if norm_type == float("inf"):
         return collectives.all_reduce(local.max().reshape(1), group, op="max").reshape(())
     if norm_type == 2.0:
@@ -58,13 +80,15 @@ def global_grad_norm(parameters: Sequence[Tensor], group: collectives.ProcessGro
 def clip_grads_by_global_norm_(
     parameters: Sequence[Tensor],
     max_norm: float,
+    device: torch.device,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     group: collectives.ProcessGroup = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradient shards: the same formula, over the norm of the
-    full gradients (one all-reduce). Returns that norm, before clipping."""
-    total_norm = global_grad_norm(parameters, group, norm_type)
+    full gradients (one all-reduce on ``device``, the compute device). Returns that norm, before
+    clipping, on ``device``."""
+    total_norm = global_grad_norm(parameters, group, device, norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):  # a host sync, as in torch's
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite,"
@@ -78,10 +102,12 @@ def clip_grads_by_global_norm_(
     return total_norm
 
 
-def global_norms(shards: Sequence[Tensor], norm_type: float, group: collectives.ProcessGroup) -> tuple[Tensor, Tensor]:
-    """Each full tensor's ``norm_type``-norm and the norm of all of them, from every rank's
-    ``shards`` (the same list of tensors on every rank, each a disjoint chunk): one all-reduce."""
-    local = torch.stack(norms_of(shards, norm_type))
+def global_norms(
+    shards: Sequence[Tensor], norm_type: float, group: collectives.ProcessGroup, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Each full tensor's ``norm_type``-norm and the norm of all of them, on ``device``, from every
+    rank's ``shards`` (the same list of tensors on every rank, each a disjoint chunk): one all-reduce."""
+    local = stacked_norms(shards, norm_type, device)
     if norm_type == float("inf"):
         per_tensor = collectives.all_reduce(local, group, op="max")
         return per_tensor, per_tensor.max()
@@ -89,13 +115,15 @@ def global_norms(shards: Sequence[Tensor], norm_type: float, group: collectives.
     return powered.pow(1.0 / norm_type), powered.sum().pow(1.0 / norm_type)
 
 
-def norms_by_name(params: Sequence[ShardedParam], norm_type: float, group: collectives.ProcessGroup) -> dict[str, Tensor]:
-    """``ZeroEngine.grad_norms``: each parameter's full-gradient norm by name, and ``"total"``, from
-    the gradient chunks ``params`` hold (the same parameters have one on every rank)."""
+def norms_by_name(
+    params: Sequence[ShardedParam], norm_type: float, group: collectives.ProcessGroup, device: torch.device
+) -> dict[str, Tensor]:
+    """``ZeroEngine.grad_norms``: each parameter's full-gradient norm by name, and ``"total"``, on
+    ``device``, from the gradient chunks ``params`` hold (the same parameters have one on every rank)."""
     with_grad = [p for p in params if p.shard.grad is not None]  # the same on every rank
     if not with_grad:
         return {}
-    per_param, total = global_norms([p.shard.grad.detach() for p in with_grad], norm_type, group)
+    per_param, total = global_norms([p.shard.grad.detach() for p in with_grad], norm_type, group, device)
     norms = {p.name: norm for p, norm in zip(with_grad, per_param)}
     norms["total"] = total
     return norms

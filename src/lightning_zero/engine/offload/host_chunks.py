@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm.buffers import BufferPool
-from lightning_zero.engine.comm.copy_stream import CopyStream, Event, host_empty
+from lightning_zero.engine.comm.copy_stream import CopyStream, Event
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -68,7 +68,8 @@ class HostChunks:
         """``offload_params="nvme"``: the master's file (see [Note: parameters on disk])."""
         if files is not None and self.master.numel():
             file = files.new_file(f"{name}.bin", holds="parameter chunks")
-            self.on_disk = MasterOnDisk(self.master, [p.shard for p in self.params], file)
+            pinned = self.copies.pinned_blocks if self.copies.pinned else None
+            self.on_disk = MasterOnDisk(self.master, [p.shard for p in self.params], file, pinned)
             self.on_disk.after_step = self.refresh_device_chunks
             for p in self.params:
                 p.master_in_memory = self.in_memory
@@ -115,7 +116,7 @@ class HostChunks:
 
     def _allocate(self, numel: int) -> Tensor:
         self.allocations += 1
-        return host_empty(numel, self.dtype, self.copies.pinned)
+        return self.copies.host_buffer(numel, self.dtype)
 
     def _chunks(self, row: Tensor) -> list[Tensor]:
         pieces = torch.split_with_sizes(row[: self.shard_numel], self._row_sizes)

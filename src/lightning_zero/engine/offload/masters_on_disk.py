@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.engine.comm.copy_memory import PinnedBlocks
 from lightning_zero.engine.offload.scratch_files import PendingIO, ScratchFile
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.partition import ChunkLayout
@@ -65,10 +66,15 @@ def master_bytes_needed(module: nn.Module, world_size: int) -> int:
 
 class MasterOnDisk:
     """One bucket's master chunks (``master``, and the ``shards`` viewing it) kept in ``file``
-    between uses (see [Note: parameters on disk]). Written to the file at once and freed."""
+    between uses (see [Note: parameters on disk]). Written to the file at once and freed.
+    ``pinned``: where ``master`` is pinned, the count of pinned blocks its storage takes and gives
+    back at each use (see [Note: pinned blocks] in ``copy_memory.py``)."""
 
-    def __init__(self, master: Tensor, shards: Sequence[nn.Parameter], file: ScratchFile) -> None:
+    def __init__(
+        self, master: Tensor, shards: Sequence[nn.Parameter], file: ScratchFile, pinned: Optional[PinnedBlocks] = None
+    ) -> None:
         self.master = master
+        self._pinned = pinned
         self.shards = list(shards)
         self.file = file
         self.nbytes = master.numel() * master.element_size()
@@ -100,6 +106,8 @@ class MasterOnDisk:
         for shard in self.shards:
             shard.__class__ = nn.Parameter
         self.master.untyped_storage().resize_(self.nbytes)
+        if self._pinned is not None:
+            self._pinned.taken(self.nbytes)
         self.in_memory = True
         self._read = self.file.start_read(self._bytes(), self.nbytes)
 
@@ -158,7 +166,9 @@ class MasterOnDisk:
         self.settle()
 
     def _free(self) -> None:
-        self.master.untyped_storage().resize_(0)
+        self.master.untyped_storage().resize_(0)  # pinned: the block stays in torch's pinned cache
+        if self._pinned is not None:
+            self._pinned.given_back(self.nbytes)
         for shard in self.shards:
             if type(shard) is nn.Parameter:
                 shard.__class__ = ChunkOnDisk

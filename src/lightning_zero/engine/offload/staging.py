@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from lightning_zero.engine.device_roles import mark_host
 from lightning_zero.engine.offload.state_layout import aligned
 
 
@@ -38,7 +39,7 @@ class StagingBuffers:
             if buffer.numel() >= self.capacity:
                 return buffer
         self.allocations += 1
-        return torch.empty(self.capacity, dtype=torch.uint8)
+        return mark_host(torch.empty(self.capacity, dtype=torch.uint8))
 
     def give_back(self, buffer: Tensor) -> None:
         if buffer.numel() >= self.capacity:

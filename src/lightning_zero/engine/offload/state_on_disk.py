@@ -44,6 +44,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.engine.device_roles import mark_host
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import PendingIO, ScratchDirectory
 from lightning_zero.engine.offload.staging import StagingBuffers, return_freed_memory
@@ -259,7 +260,7 @@ class OptimizerStateOnDisk:
         for bucket in self.buckets:
             if not bucket.entries:
                 continue
-            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            buffer = mark_host(torch.empty(bucket.nbytes, dtype=torch.uint8))
             bucket.file.start_read(buffer, bucket.nbytes).wait()
             for entry in bucket.entries:
                 if entry.position not in copied:  # never write into the optimizer's own state dicts

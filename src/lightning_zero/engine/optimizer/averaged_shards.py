@@ -13,7 +13,9 @@ The averaging functions torch and Lightning provide (EMA's ``get_ema_avg_fn`` /
 ``get_ema_multi_avg_fn``, SWA's equal average) are elementwise, so on chunks they give every element
 the bits they give it on the whole tensor (checked against DDP in ``tests/test_sharded_averaging.py``).
 A user's function is applied the same way and must be elementwise too: it sees flat chunks, and an
-``avg_fn`` is called once for all the chunks of one dtype and device laid end to end.
+``avg_fn`` is called once for all the chunks of one dtype and device laid end to end (with
+``offload_params="nvme"``, once per bucket: the training chunks are read in from disk a bucket at
+a time, see ``ZeroEngine.buckets_in_memory``).
 
 Buffers are small and replicated: their averages (or copies) are kept whole, as torch keeps them.
 Putting the average into the training weights (a swap around validation, the copy at the end)
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import enum
 from collections import defaultdict
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
@@ -125,8 +126,10 @@ class AveragedShards:
     ``comm_device``: where the all-gathers of stages 1-2 and of ``full_state_dict`` stage their
     chunks; ``piece_bytes``: the most bytes of whole parameters one such gather moves;
     ``copies``: the engine's host copies (offload), synchronized before host chunks are written;
-    ``chunks_in_memory``: the engine's, around every read or write of the training chunks (with
-    ``offload_params="nvme"`` they are read in from disk for it).
+    ``buckets_in_memory``: the engine's (``ZeroEngine.buckets_in_memory``), through which every read
+    or write of the training chunks goes, one group of parameters at a time (with
+    ``offload_params="nvme"`` a bucket, read in from disk for it); None: ``params`` are one group,
+    always in memory.
     """
 
     def __init__(
@@ -139,10 +142,10 @@ class AveragedShards:
         device: Optional[torch.device] = None,
         buffers: Buffers = Buffers.AVERAGED,
         copies: Optional[CopyStream] = None,
-        chunks_in_memory: Optional[Callable[[bool], AbstractContextManager]] = None,
+        buckets_in_memory: Optional[Callable[[bool], Iterator[Sequence[ShardedParam]]]] = None,
     ) -> None:
         self.module = module
-        self._in_memory = chunks_in_memory or (lambda writing: nullcontext())
+        self._buckets_in_memory = buckets_in_memory or (lambda writing: iter([params]))
         self.buffers = buffers
         self._group, self._comm_device, self._piece_bytes, self._copies = group, comm_device, piece_bytes, copies
         rank, world_size = collectives.rank(group), collectives.world_size(group)
@@ -154,45 +157,47 @@ class AveragedShards:
                 self.chunks[name] = AveragedChunk(name, p, sp, sp.shape, sp.layout, rank)
             else:
                 self.chunks[name] = AveragedChunk(name, p, None, p.shape, ChunkLayout(p.numel(), world_size), rank)
-        by_place: dict[tuple[torch.dtype, torch.device], list[AveragedChunk]] = defaultdict(list)
-        self._groups: list[_ChunkGroup] = []
-        with self._in_memory(False):
-            for c in self.chunks.values():
-                source = c.training_chunk()
-                by_place[(source.dtype, torch.device(device) if device is not None else source.device)].append(c)
-            # copies: the current weights
-            flats = {key: torch.cat([c.training_chunk().to(key[1]) for c in members]) for key, members in by_place.items()}
-        for key, members in by_place.items():
-            flat = flats[key]
-            for c, view in zip(members, torch.split_with_sizes(flat, [c.layout.owned_numel(rank) for c in members])):
-                c.average = view
-            offloaded = any(c.sharded is not None and c.sharded.offloaded for c in members)
-            self._groups.append(_ChunkGroup(members, flat, place_of(flat, offloaded, members[0].param.device)))
+        self._by_bucket: list[list[_ChunkGroup]] = []
+        """The chunk groups of each of ``buckets_in_memory``'s groups of parameters, in its order
+        (parameters the engine steps no chunk of go with the first)."""
+        for i, bucket in enumerate(self._buckets_in_memory(False)):
+            ids = {id(sp) for sp in bucket}
+            members = [c for c in self.chunks.values() if (id(c.sharded) in ids if c.sharded is not None else i == 0)]
+            self._by_bucket.append(_groups_of(members, device, rank))  # copies: the current weights
+        self._groups = [g for groups in self._by_bucket for g in groups]
         self._buffer_keys = {name: i for i, (name, _) in enumerate(module.named_buffers())}
         self._buffer_averages = (
             [] if buffers is Buffers.NOT_KEPT else [b.detach().to(device or b.device, copy=True) for b in module.buffers()]
         )
 
+    def _in_memory(self, writing: bool) -> Iterator[list[_ChunkGroup]]:
+        """The chunk groups of each of the engine's groups of parameters, in turn, while its training
+        chunks are in memory (with ``writing``, written back when the next is asked for)."""
+        changed = RuntimeError("The engine's buckets changed since this weight average was made.")
+        by_bucket = iter(self._by_bucket)
+        for _ in self._buckets_in_memory(writing):
+            groups = next(by_bucket, None)
+            if groups is None:
+                raise changed
+            yield groups
+        if next(by_bucket, None) is not None:
+            raise changed
+
     # ---- averaging -----------------------------------------------------------------------------
     def update(self, n_averaged: Tensor, avg_fn: Optional[AvgFn] = None, multi_avg_fn: Optional[MultiAvgFn] = None) -> None:
         """One step of ``AveragedModel.update_parameters`` with ``n_averaged`` models averaged so far
         (the caller counts): the first copies the training weights, later ones apply ``avg_fn``,
-        ``multi_avg_fn`` or, with neither, the equal average, grouped as torch groups them."""
-        averages = [g.flat for g in self._groups]
-        with self._in_memory(False):
-            currents = [g.training() for g in self._groups]
-        if self.buffers is Buffers.AVERAGED:
-            averages += self._buffer_averages
-            currents += [b.detach().to(a.device) for a, b in zip(self._buffer_averages, self.module.buffers())]
+        ``multi_avg_fn`` or, with neither, the equal average, grouped as torch groups them (per
+        bucket where the training chunks are read in from disk a bucket at a time)."""
+        first = bool(n_averaged == 0)
         with torch.no_grad():
-            if bool(n_averaged == 0):
-                for average, current in zip(averages, currents):
-                    average.copy_(current)
-            elif avg_fn is not None and multi_avg_fn is None:
-                for average, current in zip(averages, currents):
-                    average.copy_(avg_fn(average, current, n_averaged.to(average.device)))
-            else:
-                _apply_multi(averages, currents, n_averaged, multi_avg_fn)
+            for i, groups in enumerate(self._in_memory(False)):
+                averages = [g.flat for g in groups]
+                currents = [g.training() for g in groups]
+                if i == 0 and self.buffers is Buffers.AVERAGED:
+                    averages += self._buffer_averages
+                    currents += [b.detach().to(a.device) for a, b in zip(self._buffer_averages, self.module.buffers())]
+                _average(averages, currents, first, n_averaged, avg_fn, multi_avg_fn)
             if self.buffers is Buffers.COPIED:
                 for average, b in zip(self._buffer_averages, self.module.buffers()):
                     average.copy_(b.detach())
@@ -200,11 +205,15 @@ class AveragedShards:
     # ---- the average into the training weights ---------------------------------------------------
     def swap(self) -> None:
         """Exchange the average and the training weights (Lightning does it around validation)."""
-        with torch.no_grad(), self._in_memory(True):
-            for g in self._groups:
-                training = g.training()
-                self._write_training([(c, c.average) for c in g.chunks])
-                g.flat.copy_(training)
+        if self._copies is not None:
+            self._copies.synchronize()  # no copy to the device still reads the host chunks
+        with torch.no_grad():
+            for groups in self._in_memory(True):
+                for g in groups:
+                    training = g.training()
+                    for c in g.chunks:
+                        c.write_training_chunk(c.average.reshape(-1))
+                    g.flat.copy_(training)
             for average, b in zip(self._buffer_averages, self.module.buffers()):
                 kept = average.clone()
                 average.copy_(b.detach())
@@ -214,7 +223,7 @@ class AveragedShards:
     def copy_to_training(self) -> None:
         """Make the average the training weights (the end of training)."""
         with torch.no_grad():
-            self._write_training([(c, c.average) for c in self.chunks.values()])
+            self._write_training({name: c.average for name, c in self.chunks.items()})
             for average, b in zip(self._buffer_averages, self.module.buffers()):
                 b.detach().copy_(average)
         self._gather_whole()
@@ -224,18 +233,21 @@ class AveragedShards:
         (by ``state_dict`` key), e.g. read from a sharded checkpoint."""
         _check_names(self.chunks, chunks, strict=True)
         with torch.no_grad():
-            self._write_training([(c, chunks[name]) for name, c in self.chunks.items()])
+            self._write_training(chunks)
             named = dict(self.module.named_buffers())
             for key, value in buffers.items():
                 named[key].detach().copy_(value)
         self._gather_whole()
 
-    def _write_training(self, values: Sequence[tuple[AveragedChunk, Tensor]]) -> None:
+    def _write_training(self, values: Mapping[str, Tensor]) -> None:
+        """Write each chunk's value (by parameter name) into the training chunk, a bucket at a time."""
         if self._copies is not None:
             self._copies.synchronize()  # no copy to the device still reads the host chunks
-        with self._in_memory(True):
-            for c, value in values:
-                c.write_training_chunk(value.reshape(-1))
+        for groups in self._in_memory(True):
+            for g in groups:
+                for c in g.chunks:
+                    if c.name in values:
+                        c.write_training_chunk(values[c.name].reshape(-1))
 
     def _gather_whole(self) -> None:
         """Stages 1-2: every rank's new chunks into the whole parameters (stage 3: nothing whole)."""
@@ -295,6 +307,43 @@ class AveragedShards:
             yield g.flat, g.place
         for average, b in zip(self._buffer_averages, self.module.buffers()):
             yield average, place_of(average, False, b.device)
+
+
+def _groups_of(members: Sequence[AveragedChunk], device: Optional[torch.device], rank: int) -> list[_ChunkGroup]:
+    """``members``' averages, by dtype and device: per group, a copy of the training chunks end to
+    end, each chunk's average a view of it (read while the training chunks are in memory)."""
+    by_place: dict[tuple[torch.dtype, torch.device], list[AveragedChunk]] = defaultdict(list)
+    for c in members:
+        source = c.training_chunk()
+        by_place[(source.dtype, torch.device(device) if device is not None else source.device)].append(c)
+    groups = []
+    for (_, where), chunks in by_place.items():
+        flat = torch.cat([c.training_chunk().to(where) for c in chunks])
+        for c, view in zip(chunks, torch.split_with_sizes(flat, [c.layout.owned_numel(rank) for c in chunks])):
+            c.average = view
+        offloaded = any(c.sharded is not None and c.sharded.offloaded for c in chunks)
+        groups.append(_ChunkGroup(chunks, flat, place_of(flat, offloaded, chunks[0].param.device)))
+    return groups
+
+
+def _average(
+    averages: list[Tensor],
+    currents: list[Tensor],
+    first: bool,
+    n_averaged: Tensor,
+    avg_fn: Optional[AvgFn],
+    multi_avg_fn: Optional[MultiAvgFn],
+) -> None:
+    """``AveragedModel.update_parameters`` on the tensors given: the first update copies, later ones
+    apply ``avg_fn``, ``multi_avg_fn`` or the equal average."""
+    if first:
+        for average, current in zip(averages, currents):
+            average.copy_(current)
+    elif avg_fn is not None and multi_avg_fn is None:
+        for average, current in zip(averages, currents):
+            average.copy_(avg_fn(average, current, n_averaged.to(average.device)))
+    else:
+        _apply_multi(averages, currents, n_averaged, multi_avg_fn)
 
 
 def _apply_multi(

@@ -107,11 +107,13 @@ def _sharded_keys(state: dict[str, Any], param: ShardedParam) -> list[str]:
 
 
 def gather_full_state_dict(
-    optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup, keep: bool = True
+    optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup, device: torch.device, keep: bool = True
 ) -> dict[str, Any]:
     """The optimizer's ``state_dict`` as an unsharded optimizer would have it (same format as
-    under DDP). A collective: every rank must call it; ranks with ``keep=False`` take part but
-    drop each gathered tensor at once and return an empty dict."""
+    under DDP), on the CPU. A collective: every rank must call it; ranks with ``keep=False`` take
+    part but drop each gathered tensor at once and return an empty dict. Each state tensor is
+    gathered on ``device``, the compute device (an offloaded optimizer's state is on the host, and
+    NCCL gathers device tensors only), one at a time."""
     state_dict = optimizer.state_dict()
     n = collectives.world_size(group)
     full_state: dict[int, dict[str, Any]] = {}
@@ -122,9 +124,9 @@ def gather_full_state_dict(
         c = param.padded_chunk_numel
         for key in _sharded_keys(state, param):
             local = state[key]
-            padded = torch.zeros(c, dtype=local.dtype, device=local.device)
-            padded[: local.numel()].copy_(local)
-            gathered = torch.empty(n * c, dtype=local.dtype, device=local.device)
+            padded = torch.zeros(c, dtype=local.dtype, device=device)
+            padded[: local.numel()].copy_(local.reshape(-1))
+            gathered = torch.empty(n * c, dtype=local.dtype, device=device)
             collectives.start_all_gather(gathered, padded, group).wait()
             if keep:
                 full = torch.empty(param.layout.numel, dtype=local.dtype, device="cpu")

@@ -11,6 +11,13 @@ model eagerly, as long as modules are registered in the order they are created a
 themselves in ``reset_parameters()``. A parameter shared with a module materialized earlier (a
 tied weight) keeps its value: the later module's ``reset_parameters()`` still runs, to draw the
 same random numbers as an eager build would, and the shared tensor is restored afterwards.
+
+Each module is initialised on the host, whatever the compute device, and its tensors are then moved
+there: the eager build this matches is the usual one, on the CPU, whose layers draw from the CPU
+generator (a CUDA tensor would draw from the CUDA generator, another sequence altogether). So a
+meta-built model materialized on a GPU holds the bits of ``torch.manual_seed(s); Model().to(device)``.
+The host holds one module's own tensors at a time; the cost is the CPU's initialisation speed, as
+for an eager build.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ def build_units(
         if module_name in by_name:
             open_units.append(by_name[module_name])
         if id(m) in was_meta:
-            _materialize(module_name, m, device, done)
+            _materialize(module_name, m, done)
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
             if id(t) not in done and t.device != device:
                 t.data = t.data.to(device)
@@ -109,8 +116,14 @@ def _has_meta_tensors(m: nn.Module) -> bool:
     return any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
 
 
-def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) -> None:
-    """Allocate ``m``'s own meta tensors on ``device`` and initialise them (see [Note: meta-device models])."""
+INIT_DEVICE = torch.device("cpu")
+"""Where meta modules are initialised before they move to the compute device (see [Note:
+meta-device models]): the host, so that they draw from the CPU generator as an eager build does."""
+
+
+def _materialize(name: str, m: nn.Module, done: set[int]) -> None:
+    """Allocate ``m``'s own meta tensors on the host and initialise them there (see [Note:
+    meta-device models]); ``build_units`` moves them to the compute device right after."""
     reset = getattr(m, "reset_parameters", None)
     if not callable(reset):
         raise TypeError(
@@ -120,6 +133,7 @@ def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) 
             " Define `reset_parameters()` on it, or create the model in `LightningModule.__init__`."
         )
     kept: dict[int, Tensor] = {}
+    lent: dict[int, Tensor] = {}  # shared tensors on the compute device: their data, while `reset()` draws into host copies
     # a tensor already sharded (shared with a module materialized before) is at rest: `reset()` may
     # touch its placeholder, and it gets its kept value back (see [Note: parameters at rest])
     with torch._C.DisableTorchFunctionSubclass():
@@ -127,14 +141,21 @@ def _materialize(name: str, m: nn.Module, device: torch.device, done: set[int]) 
             if t.is_meta:
                 # meta and real tensors cannot share `.data`; swapping keeps the Python object, so
                 # optimizers built from the meta model (with the true shapes) keep pointing at it
-                torch.utils.swap_tensors(t, _same_kind(t, torch.empty_like(t, device=device)))
+                torch.utils.swap_tensors(t, _same_kind(t, torch.empty_like(t, device=INIT_DEVICE)))
+            elif id(t) in done and t.device != INIT_DEVICE and t.numel():
+                lent[id(t)] = t.data  # its values stay there, untouched
+                t.data = t.data.to(INIT_DEVICE, copy=True)  # what `reset()` reads and draws into
             elif id(t) in done:
                 kept[id(t)] = t.detach().clone()
         with torch.no_grad():
-            reset()
-            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-                if id(t) in kept:
-                    t.copy_(kept[id(t)])
+            try:
+                reset()
+            finally:
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                    if id(t) in lent:
+                        t.data = lent[id(t)]
+                    elif id(t) in kept:
+                        t.copy_(kept[id(t)])
 
 
 def _same_kind(like: Tensor, data: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ a step.
 from __future__ import annotations
 
 import abc
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -105,11 +105,15 @@ class ParameterResidency(abc.ABC):
         """A context in which every parameter is its full tensor (on every rank, unless
         ``full_copies`` says otherwise)."""
 
-    def chunks_in_memory(self, writing: bool = False) -> AbstractContextManager[None]:
-        """A context in which every chunk the optimizer steps can be read (and with ``writing``
-        written) directly: with ``offload_params="nvme"`` they are read in from disk for it (and
-        written back after), all of this rank's at once; elsewhere they are always in memory."""
-        return nullcontext()
+    def buckets_in_memory(self, writing: bool = False) -> Iterator[Sequence[ShardedParam]]:
+        """Every sharded parameter, in groups whose chunks (the ones the optimizer steps) can be
+        read, and with ``writing`` written, directly while the group is the current one. With
+        ``offload_params="nvme"`` a group is a bucket, read in from its file when it becomes current
+        and written back (if ``writing``) and freed when the next one is asked for, so the host
+        holds one bucket's chunks at a time; elsewhere the chunks are always in memory and there is
+        one group, every parameter. The groups come in the same order every time. Iterate to the
+        end (a ``break`` or an exception ends the current bucket's use as well)."""
+        yield self.params
 
     def weight_chunks(self) -> dict[int, Tensor]:
         """This rank's chunk of every weight, by ``id`` of its ``ShardedParam``, readable after this
@@ -133,8 +137,8 @@ class ParameterResidency(abc.ABC):
         """Copy edits of the full parameters into the chunks the optimizer steps."""
         if self.copies is not None:
             self.copies.synchronize()  # no copy to the device still reads the host chunks
-        with self.chunks_in_memory(writing=True):
-            for p in self.params:
+        for bucket in self.buckets_in_memory(writing=True):
+            for p in bucket:
                 if p.data_was_assigned():  # `param.data = ...` (e.g. ModelPruning's lottery-ticket reset)
                     p.adopt_assigned_data(between_steps=True)
                 else:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -78,9 +78,10 @@ class ShardedParameters(ParameterResidency):
         )
         self.params = [p for unit in self.units for p in unit.params]
         self.grad_buckets = [b for unit in reversed(self.units) for b in unit.grad_buckets]  # backward runs units in reverse
-        self.masters_on_disk: list[MasterOnDisk] = [
-            b.host.on_disk for b in self.buckets_with_host if b.host is not None and b.host.on_disk is not None
-        ]
+        self._buckets_on_disk = [b for b in self.buckets_with_host if b.host is not None and b.host.on_disk is not None]
+        self.masters_on_disk: list[MasterOnDisk] = [b.host.on_disk for b in self._buckets_on_disk]
+        read_in = {id(p) for b in self._buckets_on_disk for p in b.params}
+        self._params_in_memory = [p for p in self.params if id(p) not in read_in]  # whose chunks never leave memory
         # the root unit is gathered once per step and often holds the embeddings: it is not what
         # the pool is sized for (see buffers.py)
         regular = [b.buffer_bytes for unit in self.units[1:] for b in unit.buckets] or [
@@ -116,21 +117,18 @@ class ShardedParameters(ParameterResidency):
         for master in self.masters_on_disk:
             master.drop_unused()
 
-    @contextmanager
-    def chunks_in_memory(self, writing: bool = False) -> Iterator[None]:
-        for master in self.masters_on_disk:
-            master.fetch()  # all reads in flight at once
-        held: list[MasterOnDisk] = []
-        try:
-            for master in self.masters_on_disk:
-                master.acquire(writing)
-                held.append(master)
-            yield
-        finally:
-            for master in held:
-                master.release(writing)
-            for master in held:  # their writes run together; the chunks leave memory once written
-                master.settle(wait=True)
+    def buckets_in_memory(self, writing: bool = False) -> Iterator[Sequence[ShardedParam]]:
+        if not self.masters_on_disk:
+            yield self.params
+            return
+        # one bucket's chunks at a time: with pinned masters each read takes a block that torch's
+        # pinned allocator keeps for good once freed (see [Note: pinned blocks] in copy_memory.py),
+        # so reading all of them at once would pin every chunk for the rest of the process
+        if self._params_in_memory:
+            yield self._params_in_memory
+        for bucket in self._buckets_on_disk:
+            with bucket.host.in_memory(writing):  # written back (and freed) before the next is read
+                yield bucket.params
 
     def weight_chunks(self) -> dict[int, Tensor]:
         if not self.masters_on_disk:
@@ -219,9 +217,15 @@ class ShardedParameters(ParameterResidency):
             if copies.keep:
                 if writeback and self.copies is not None:
                     self.copies.synchronize()  # no copy to the device still reads the host chunks
-                with self.chunks_in_memory(writing=True) if writeback else nullcontext():
+                if not writeback:
                     for p, _ in lent:
-                        p.end_full_copy(writeback)
+                        p.end_full_copy(writeback=False)
+                else:
+                    ended = {id(p) for p, _ in lent}
+                    for bucket in self.buckets_in_memory(writing=True):
+                        for p in bucket:
+                            if id(p) in ended:
+                                p.end_full_copy(writeback=True)
 
     def end_training(self) -> None:
         """A run ended normally: the module stays sharded at rest for evaluation, checkpoints or

@@ -100,6 +100,18 @@ def copy_rows_into_flat(rows: Tensor, flat: Tensor) -> None:
 # (``_chunk_cat`` for copy-in, ``split_with_sizes_copy`` / ``_foreach_copy_`` for copy-out, the
 # operators FSDP2 uses) and fall back to the per-parameter functions above otherwise. The
 # per-parameter functions stay the reference the tests compare the batched ones with.
+#
+# [Note: chunk_cat's metadata]
+# On CUDA, ``_chunk_cat`` and ``split_with_sizes_copy`` hand their kernel a table of pointers and
+# sizes that they write into pinned host memory and copy to the device with ``non_blocking=True``
+# on the current stream: a host-to-device copy on the compute stream, beside the engine's own
+# copies (``copy_stream.py``). ``_chunk_cat``'s table has 8 bytes per 2 KiB tile of one row (1/256
+# of the row's bytes); at one rank the row is the whole bucket (an offloaded bucket's reduction at
+# world size 1: 66-197 KB per bucket of the GPT the H200 run profiled). One row needs no chunking
+# and no padding, so there ``torch.cat`` writes the same bytes; it passes its table as a kernel
+# argument, with no copy. At N ranks the table (S/256 bytes) stays, as in FSDP2's reduce-scatter:
+# the kernel that reads it runs on that stream. ``split_with_sizes_copy`` spreads a large row over
+# a bounded number of tiles, so its table stays near 35 KB on an H200 (plus 32 B per parameter).
 
 _CHUNK_CAT = getattr(torch, "_chunk_cat", None)
 _SPLIT_COPY = getattr(torch, "split_with_sizes_copy", None)
@@ -114,7 +126,10 @@ def pack_rows(flats: Sequence[Tensor], out: Tensor, scale: Optional[float] = Non
         f.numel() > 0 and f.dtype == out.dtype and f.device == out.device for f in flats
     )
     if fused:
-        _CHUNK_CAT(list(flats), dim=0, num_chunks=n, out=out)
+        if n == 1:  # one row, no padding: the same bytes, see [Note: chunk_cat's metadata]
+            torch.cat(list(flats), out=out.view(-1))
+        else:
+            _CHUNK_CAT(list(flats), dim=0, num_chunks=n, out=out)
         if scale is not None:
             out.mul_(scale)
         return

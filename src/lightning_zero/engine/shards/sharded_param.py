@@ -8,6 +8,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.engine.device_roles import mark_host
 from lightning_zero.engine.shards.at_rest import put_to_rest, wake
 from lightning_zero.engine.shards.partition import ChunkLayout
 
@@ -55,6 +56,8 @@ class ShardedParam:
             shard_data = chunk.detach()
         else:
             shard_data = _copy_to(chunk.detach(), host or chunk.device, self.master_dtype)
+            if host is not None:
+                mark_host(shard_data)
         self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
         self.offloaded = host is not None
         # stage 3 with only the optimizer offloaded, or with half-precision weights: the chunk the

@@ -1,0 +1,289 @@
+"""NCCL's contracts, emulated on gloo and the CPU, so that code which breaks them fails where CI runs.
+
+Users train on GPUs with NCCL; CI has no GPU, and a single GPU cannot show these either (at world
+size 1 every collective returns before reaching NCCL). Three contracts, each with what emulates it:
+
+- **NCCL takes device tensors only.** Under ``device_roles.tracking_host_tensors()`` every
+  collective refuses host memory (offloaded chunks and their gradients, pinned buffers, NVMe
+  staging, what is computed from them; see [Note: device roles]). Clipping by norm,
+  ``strategy.grad_norm`` and the full optimizer state, through the Trainer at ``zero2_offload`` and
+  ``zero3_offload`` on two ranks, each against DDP doing the same.
+- **On NCCL, ``wait()`` does not block the host: it makes the compute stream wait.** So waiting,
+  inside backward, for a reduce-scatter a peer has not joined yet stalls this rank's later
+  all-gathers on the device, which the peer needs before it joins: a hang. The engine decides when
+  to finish a reduction by polling (``PendingCollective.done``), the same code on every backend; gloo's
+  waits block, so a wait taken too early hangs here too. The runs of ``test_reliability.py`` in
+  which one rank skips a middle unit, or ranks skip units at random, under the tracking above (and
+  a short collective timeout, which turns a hang into an error), must train as DDP.
+- **A non-blocking device-to-host copy lands after the host reads it.** ``16-mixed`` with offload
+  unscales gradients that live on the host; a ``TorchFunctionMode`` makes every ``non_blocking``
+  copy land only after the next kernel ran (what ``torch.cuda._sleep`` does on a GPU, see
+  ``tests/test_cuda_nccl_contracts.py``): the overflow step must still be skipped and the scale back off.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
+from skipping_runs import RANDOM_BLOCKS, block_6_from_step_2, engine_or_ddp_run, random_skips
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+pytestmark = pytest.mark.nccl_semantics
+
+TIMEOUT = timedelta(seconds=20)
+"""A hang becomes an error after this (each run here takes a few seconds)."""
+OFFLOADED = ("zero2_offload", "zero3_offload")
+TOLERANCE = 1e-5
+"""Offloaded optimizers step with torch's fused CPU kernel: the same arithmetic as DDP's AdamW in
+another order (see ``host_step.py``)."""
+
+GROUP = CaseGroup(world_size=2)
+
+
+def _strategy(name: str, **options: Any):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.engine.config import STRATEGY_NAMES
+
+    if name == "ddp":
+        return DDPStrategy(timeout=TIMEOUT)
+    return ZeroStrategy(**STRATEGY_NAMES[name], timeout=TIMEOUT, **options)
+
+
+def tracked(ctx: RankContext, run: Callable[..., Any], strategy: str, **kwargs: Any) -> Any:
+    """``run(ctx, strategy, **kwargs)``, with host tensors tracked (and refused by every collective)
+    under ZeRO."""
+    from lightning_zero.engine.device_roles import tracking_host_tensors
+
+    if strategy == "ddp":
+        return run(ctx, strategy, **kwargs)
+    with tracking_host_tensors("cpu"):
+        return run(ctx, strategy, **kwargs)
+
+
+# ---- host tensors never reach a collective ---------------------------------------------------------
+class _GradNorms(Callback):
+    """Each step's gradient norms before the optimizer step: ``strategy.grad_norm`` under ZeRO,
+    Lightning's ``grad_norm`` under DDP."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from lightning.pytorch.strategies import DDPStrategy
+        from lightning.pytorch.utilities import grad_norm
+
+        strategy = trainer.strategy
+        norms = grad_norm(pl_module, 2) if type(strategy) is DDPStrategy else strategy.grad_norm(2)
+        self.seen.append({k: v.item() for k, v in norms.items()})
+
+
+def clip_by_norm(ctx: RankContext, strategy: str) -> list[dict[str, Tensor]]:
+    """The weights after each of 2 steps clipped by the global gradient norm."""
+    from lightning_helpers import fit_gpt
+
+    return fit_gpt(_strategy(strategy), 2, gradient_clip_val=0.05, gradient_clip_algorithm="norm")[1]
+
+
+def grad_norms(ctx: RankContext, strategy: str) -> list[dict[str, float]]:
+    """Every parameter's gradient norm and the total, before each of 2 steps."""
+    from lightning_helpers import fit_gpt
+
+    norms = _GradNorms()
+    fit_gpt(_strategy(strategy), 2, callbacks=[norms])
+    return norms.seen
+
+
+def full_optimizer_state(ctx: RankContext, strategy: str) -> Optional[dict[int, dict[str, Tensor]]]:
+    """The optimizer state in a one-file checkpoint after 2 steps (ZeRO: ``state_dict_type="full"``,
+    which gathers it on rank 0); None on the other ranks."""
+    import os
+
+    from lightning_helpers import fit_gpt
+
+    options = {} if strategy == "ddp" else {"state_dict_type": "full"}
+    trainer = fit_gpt(_strategy(strategy, **options), 2)[2]
+    path = os.path.join(ctx.tmpdir, f"full_{strategy}_{ctx.rank}.ckpt")
+    trainer.save_checkpoint(path)
+    if ctx.rank != 0:
+        return None
+    state = torch.load(path, weights_only=False)["optimizer_states"][0]["state"]
+    return {int(i): {k: v for k, v in entry.items() if isinstance(v, Tensor)} for i, entry in state.items()}
+
+
+def lifecycle(ctx: RankContext, strategy: str) -> dict[str, Tensor]:
+    """Everything else a user runs, under the same tracking: fit with validation and an EMA of the
+    weights, a sharded checkpoint, resume from it, validate after fit, summon the full weights."""
+    import os
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+    from lightning_helpers import GPTModule, fit_gpt, full_weights, make_trainer, token_data
+
+    options = {}
+    if "nvme" in strategy:
+        options["nvme_path"] = os.path.join(ctx.tmpdir, f"nvme_{ctx.rank}")
+        os.makedirs(options["nvme_path"], exist_ok=True)
+    trainer = fit_gpt(_strategy(strategy, **options), 2, callbacks=[EMAWeightAveraging()], limit_val_batches=2, val_check_interval=1)[2]
+    path = os.path.join(ctx.tmpdir, f"lifecycle_{strategy}")
+    trainer.save_checkpoint(path)
+    module = GPTModule()
+    resumed = make_trainer(_strategy(strategy, **options), 3, callbacks=[EMAWeightAveraging()])
+    resumed.fit(module, token_data(), token_data(8), ckpt_path=path)
+    resumed.validate(module, token_data(4), verbose=False)
+    return full_weights(module, resumed.strategy)
+
+
+CHECKS = {"clip_by_norm": clip_by_norm, "grad_norms": grad_norms, "full_optimizer_state": full_optimizer_state}
+for _check, _run in CHECKS.items():
+    for _strategy_name in ("ddp", *OFFLOADED):
+        GROUP.case(tracked, name=f"{_check}_{_strategy_name}", run=_run, strategy=_strategy_name)
+for _strategy_name in (*OFFLOADED, "zero3_offload_nvme_params"):
+    GROUP.case(tracked, name=f"lifecycle_{_strategy_name}", run=lifecycle, strategy=_strategy_name)
+
+
+# ---- no wait in backward for a peer that has not joined ---------------------------------------------
+SKIPPING_RUNS = {
+    "middle_skip": (block_6_from_step_2, 8, True, {"zero2": {}, "zero3": {}, "zero3_prefetch_2": {"prefetch_units": 2}}),
+    "random_skips": (random_skips, RANDOM_BLOCKS, False, {"zero2": {}, "zero3": {"unit_classes": ["Sequential"]}}),
+}
+for _run_name, (_schedule, _blocks, _gpt, _labels) in SKIPPING_RUNS.items():
+    for _label, _options in {"ddp": {}, **_labels}.items():
+        GROUP.case(
+            tracked, name=f"{_run_name}_{_label}", run=engine_or_ddp_run, strategy=_label.split("_prefetch")[0],
+            schedule=_schedule, blocks=_blocks, gpt=_gpt, timeout=TIMEOUT, **_options,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("nccl_semantics"))
+
+
+@pytest.mark.parametrize("strategy", OFFLOADED)
+def test_clipping_by_norm_with_an_offloaded_optimizer_hands_no_host_tensor_to_a_collective(results, strategy):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["clip_by_norm_ddp"], results[f"clip_by_norm_{strategy}"]):
+        assert len(zero) == len(ddp) == 2
+        assert max(max_abs_diff(a, b) for a, b in zip(ddp, zero)) < TOLERANCE
+
+
+@pytest.mark.parametrize("strategy", OFFLOADED)
+def test_grad_norm_with_an_offloaded_optimizer_hands_no_host_tensor_to_a_collective(results, strategy):
+    for ddp, zero in zip(results["grad_norms_ddp"], results[f"grad_norms_{strategy}"]):
+        assert len(zero) == len(ddp) == 2
+        for ddp_step, zero_step in zip(ddp, zero):
+            assert zero_step.keys() == ddp_step.keys()
+            assert zero_step == pytest.approx(ddp_step, rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", OFFLOADED)
+def test_the_full_optimizer_state_of_an_offloaded_optimizer_is_gathered_on_the_device(results, strategy):
+    ddp, zero = results["full_optimizer_state_ddp"][0], results[f"full_optimizer_state_{strategy}"][0]
+    assert zero.keys() == ddp.keys() and ddp
+    for index, entry in ddp.items():
+        assert zero[index].keys() == entry.keys()
+        for key, value in entry.items():
+            assert zero[index][key].shape == value.shape, (index, key)
+            assert torch.allclose(zero[index][key].float(), value.float(), atol=TOLERANCE), (index, key)
+
+
+@pytest.mark.parametrize("strategy", (*OFFLOADED, "zero3_offload_nvme_params"))
+def test_a_whole_offloaded_lifecycle_hands_no_host_tensor_to_a_collective(results, strategy):
+    """Fit with validation and EMA, a sharded checkpoint, resume, validate, summon: nothing raised,
+    and the ranks hold the same full weights."""
+    first, second = results[f"lifecycle_{strategy}"]
+    assert first.keys() == second.keys() and first
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("label", [f"{run}_{label}" for run, spec in SKIPPING_RUNS.items() for label in spec[3]])
+def test_ranks_skipping_different_units_train_as_ddp_when_waits_order_streams(results, label):
+    from lightning_helpers import max_abs_diff
+
+    run = label.split("_zero")[0]
+    for ddp, zero in zip(results[f"{run}_ddp"], results[label]):
+        assert torch.equal(zero["losses"], ddp["losses"])  # every step, bitwise
+        assert max_abs_diff(zero["weights"], ddp["weights"]) == 0.0
+
+
+# ---- the loss scaler with gradients on the host -----------------------------------------------------
+STALE = 1.0
+"""What an unlanded copy's destination reads as: the 1.0 a previous step left in the buffer."""
+
+
+class LateCopies(TorchFunctionMode):
+    """CUDA's ``non_blocking`` copies to pinned host memory, where host and device are one CPU: the
+    copy's destination reads ``STALE`` until the next kernel has run, and then the copy lands
+    (overwriting what that kernel wrote there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._unlanded: list[tuple[Tensor, Tensor]] = []
+        self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func is Tensor.to and kwargs.get("non_blocking") and result is not args[0]:
+            self._unlanded.append((result, result.clone()))
+            result.fill_(STALE)
+            self.copies += 1
+        elif getattr(func, "__name__", "") not in ("__get__", "__set__"):  # attribute access runs no kernel
+            for destination, value in self._unlanded:
+                destination.copy_(value)
+            self._unlanded.clear()
+        return result
+
+
+def _scaler_step(fused: bool, overflow: bool) -> dict[str, Any]:
+    """One ``ZeroGradScaler`` step of SGD (whose update, unlike Adam's, shows a wrong unscaling) over host parameters whose (scaled) gradients overflow or
+    not, with every non-blocking copy landing late."""
+    from lightning_zero.engine.device_roles import mark_host, tracking_host_tensors
+    from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
+
+    with tracking_host_tensors("cpu"):
+        params = [mark_host(torch.nn.Parameter(torch.linspace(-1.0, 1.0, 6))), mark_host(torch.nn.Parameter(torch.ones(3)))]
+        optimizer = torch.optim.SGD(params, lr=0.1, fused=fused)
+        given_scales: list[Any] = []
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: given_scales.append(getattr(opt, "grad_scale", None)))
+        scaler = ZeroGradScaler("cpu", init_scale=1024.0, backoff_factor=0.5)
+        scale = scaler.scale(torch.ones(())).item()
+        unscaled = [torch.linspace(0.5, 1.5, 6), torch.tensor([0.25, float("inf") if overflow else 2.0, -1.0])]
+        for p, g in zip(params, unscaled):
+            p.grad = mark_host(g * scale)
+        before = [p.detach().clone() for p in params]
+        with LateCopies() as late:
+            scaler.step(optimizer)
+        scaler.update()
+    return {"params": [p.detach() for p in params], "before": before, "unscaled": unscaled, "scale": scaler.get_scale(),
+            "given_scales": given_scales, "late_copies": late.copies}  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_an_overflow_with_host_gradients_skips_the_step_and_backs_off_when_copies_to_the_host_land_late(fused):
+    out = _scaler_step(fused, overflow=True)
+    for after, before in zip(out["params"], out["before"]):
+        assert torch.equal(after, before)  # the step was skipped: no inf/NaN reached the weights
+    assert out["scale"] == 512.0  # backed off
+    assert all(s is None for s in out["given_scales"])  # the host optimizer never takes a device scale
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_finite_step_with_host_gradients_unscales_them_when_copies_to_the_host_land_late(fused):
+    out = _scaler_step(fused, overflow=False)
+    params = [torch.nn.Parameter(b.clone()) for b in out["before"]]
+    for p, g in zip(params, out["unscaled"]):
+        p.grad = g.clone()
+    torch.optim.SGD(params, lr=0.1).step()
+    for after, expected in zip(out["params"], params):
+        assert torch.allclose(after, expected.detach(), atol=1e-6)
+    assert out["scale"] == 1024.0
+    assert out["given_scales"] == [None]
