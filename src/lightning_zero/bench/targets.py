@@ -3,7 +3,8 @@
 Targets (measured, never asserted):
 - model-state bytes per rank within 5% of the floor plus one unit (`theory.model_state_tolerance`);
 - communication bytes per step within 1% of the floor;
-- step time: ours at stages 1-2 at most 1.00x DDP's, at stage 3 at most 1.15x (offload has none);
+- step time: ours at stages 1-2 at most 1.03x DDP's, at stage 3 at most 1.15x (offload has none;
+  issue 39's host-time targets, the same as the GPU check's);
 - ours faster than every other implementation of the same stage (FSDP2, DeepSpeed, torch ZeRO-1);
 - engine overhead (issue 11): ours dispatch at most 1.15x DDP's aten ops per step at stages 1-2 and
   1.35x at stage 3, and make no host sync in forward and backward and at most one per step.
@@ -26,8 +27,8 @@ from lightning_zero.bench.results import OK, VariantResult
 from lightning_zero.bench.theory import COMM_RELATIVE_TOLERANCE
 from lightning_zero.bench.variants import BASELINE, BY_NAME, peers
 
-STEP_TIME_TARGETS = {1: 1.00, 2: 1.00, 3: 1.15}
-"""Largest step time of ours, as a multiple of DDP's, by stage (issues 8 and 11)."""
+STEP_TIME_TARGETS = {1: 1.03, 2: 1.03, 3: 1.15}
+"""Largest step time of ours, as a multiple of DDP's, by stage (issues 8, 11 and 39)."""
 
 NVME_STEP_TIME_TARGET = ("zero3_offload", 1.5)
 """Issue 28: `zero3_offload_nvme`'s step time at most 1.5x this variant's, measured in the same run."""

@@ -82,6 +82,7 @@ class Bucket:
         self.gather_group = gather_group if gather_group is not None else group
         self.pool = pool if pool is not None else BufferPool(capacity_bytes=0, slots=0)
         self.world_size = collectives.world_size(group)
+        self._gather_rank = collectives.rank(self.gather_group)  # the row of an all-gather this rank sends
         self.replicate_group = replicate_group
         """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
         which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
@@ -212,7 +213,10 @@ class Bucket:
                 return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
         row = s + (tags is not None)
-        send = torch.empty(row, dtype=self.dtype, device=self.device)  # (S [+ 1],); padding is never read
+        gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
+        # in place, as FSDP2 gathers: this rank's row of the output is the input, so the send row
+        # costs no buffer of its own (on the host: no fresh pages every gather); padding is never read
+        send = gathered[self._gather_rank * row : (self._gather_rank + 1) * row]  # (S [+ 1],): one slice op
         if self._sends_from_host:
             self.host.copy_master_to(send[:s])
         else:
@@ -221,7 +225,6 @@ class Bucket:
                 torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
         if tags is not None:
             send[s] = tags.tag
-        gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
 
