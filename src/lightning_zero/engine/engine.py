@@ -351,7 +351,8 @@ class ZeroEngine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients, optimizer state and buffers this rank holds now, and of
-        the communication buffers kept for reuse, the pinned host memory and the copy rows offload holds."""
+        the communication buffers kept for reuse, the pinned host memory and the copy rows offload
+        holds; the last backward's gradients waiting to be reduced."""
         host_gradient_rows = [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows]
         averages = [held for average in self.averages for held in average.held()]
         copies = self.residency.copies
@@ -361,6 +362,7 @@ class ZeroEngine:
             disk_bytes=self.disk.disk_bytes if self.disk is not None else 0,
             pinned_host=copies.pinned_blocks.held_bytes if copies is not None else 0,
             copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
+            waiting_gradients=self.grad_sync.waiting_peak_bytes,
         )  # fmt: skip
 
     @property

@@ -53,6 +53,12 @@ class MemoryReport:
     comm_buffers: int = 0
     """Bytes of the communication buffers kept for reuse (``buffers.py``): not model state, the
     engine's working memory on the device, next to it."""
+    waiting_gradients: int = 0
+    """The most bytes of full-size gradients held at once in the last backward by buckets that were
+    ready to be reduce-scattered but not yet launched (stages 2-3, [Note: no waiting in backward] in
+    ``grad_sync.py``): a peak, not what is held now, so not in ``total``; over the floor's gradients
+    at that moment. A bucket or two at most while reduce-scatters finish as backward goes on; every
+    bucket's full gradients when their completion cannot be seen (issue 44: 4 B per parameter)."""
     disk: int = 0
     """Bytes of optimizer state (and, with ``offload_params="nvme"``, parameter chunks) in NVMe
     scratch files: not memory, and not in ``total``; the staging buffers count as host optimizer
@@ -107,6 +113,7 @@ def measure(
     disk_bytes: int = 0,
     pinned_host: int = 0,
     copy_buffers: int = 0,
+    waiting_gradients: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
@@ -115,7 +122,8 @@ def measure(
 
     Each tensor counts where it is (``place_of``). ``staging_bytes``: the NVMe tier's host buffers
     (optimizer state); ``disk_bytes``: the state (and parameter chunks) in its files.
-    ``pinned_host``, ``copy_buffers``: what the offload copies hold (see ``MemoryReport``).
+    ``pinned_host``, ``copy_buffers``: what the offload copies hold (see ``MemoryReport``);
+    ``waiting_gradients``: the last backward's peak of gradients waiting for a reduce-scatter.
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
@@ -153,4 +161,5 @@ def measure(
         disk=disk_bytes,
         pinned_host=pinned_host,
         copy_buffers=copy_buffers,
+        waiting_gradients=waiting_gradients,
     )

@@ -69,6 +69,13 @@ class GradientSync(abc.ABC):
         gradient (DDP's average). ``sync=False`` marks a micro-batch that will not step
         (accumulation)."""
 
+    @property
+    def waiting_peak_bytes(self) -> int:
+        """The most bytes of full-size gradients that buckets ready for their reduce-scatter but not
+        yet launched held at once in the last backward (see [Note: no waiting in backward]); 0 where
+        gradients are reduced after backward (stage 1)."""
+        return 0
+
     def open(self) -> None:
         """Register what ``close`` removed (nothing to register by default)."""
 
@@ -130,7 +137,15 @@ class ReduceDuringBackward(GradientSync):
         self._next_to_launch = 0
         self._in_flight: list[PendingGradientReduction] = []  # launched in this backward
         self._unfinished: deque[PendingGradientReduction] = deque()
+        self._full_bytes = {id(bucket): bucket.param_bytes for bucket in self.buckets}
+        self._waiting = 0  # bytes of full gradients in ready buckets not yet launched, now
+        self._waiting_peak = 0  # ... the most in this backward
+        self._last_waiting_peak = 0
         self.open()
+
+    @property
+    def waiting_peak_bytes(self) -> int:
+        return self._last_waiting_peak
 
     def open(self) -> None:
         """Register the hooks (at construction, and again when a module kept sharded after ``fit``
@@ -144,8 +159,12 @@ class ReduceDuringBackward(GradientSync):
         def on_grad_accumulated(_: object) -> None:
             if self._on_grad_accumulated is not None:
                 self._on_grad_accumulated(param)
-            self._bucket_of[id(param.param)].mark_ready(param)
+            bucket = self._bucket_of[id(param.param)]
+            was_ready = bucket.is_ready
+            if bucket.mark_ready(param) and not was_ready:
+                self._waiting += self._full_bytes[id(bucket)]
             self._launch_ready_buckets()  # this one's bucket, or one that found no room before
+            self._waiting_peak = max(self._waiting_peak, self._waiting)
 
         return on_grad_accumulated
 
@@ -156,6 +175,8 @@ class ReduceDuringBackward(GradientSync):
             bucket = self.buckets[self._next_to_launch]
             if not (flush or bucket.is_ready) or not self._make_room(wait=flush):
                 return
+            if bucket.is_ready:
+                self._waiting -= self._full_bytes[id(bucket)]
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
@@ -175,6 +196,7 @@ class ReduceDuringBackward(GradientSync):
         hand_out_gradients(self._in_flight, reads, self.votes)
         self._in_flight.clear()
         self._next_to_launch = 0
+        self._last_waiting_peak, self._waiting_peak, self._waiting = self._waiting_peak, 0, 0
 
     def close(self) -> None:
         for handle in self._handles:
