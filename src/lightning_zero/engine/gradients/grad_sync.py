@@ -182,10 +182,11 @@ class ReduceDuringBackward(GradientSync):
             self._next_to_launch += 1
 
     def _make_room(self, wait: bool) -> bool:
-        """Finish the oldest reduce-scatters that are done (in launch order); True once fewer than
-        ``max_in_flight`` are unfinished. Only with ``wait`` does it wait for one."""
+        """While ``max_in_flight`` are unfinished, finish the oldest if it is done (with ``wait``:
+        waiting for it); True once fewer are unfinished. Finishing only for room keeps the buffers
+        lent per step the same whatever the peers' timing (the pool allocates in the first step only)."""
         unfinished = self._unfinished
-        while unfinished and (unfinished[0].done() or (wait and len(unfinished) >= self.max_in_flight)):
+        while len(unfinished) >= self.max_in_flight and (wait or unfinished[0].done()):
             unfinished.popleft().finish()
         return len(unfinished) < self.max_in_flight
 
