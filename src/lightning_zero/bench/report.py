@@ -126,6 +126,8 @@ def _state_row(r: VariantResult) -> list[str]:
     if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
         report = r.ranks[0].engine_reports[r.model_state_phase]
         engine = " / ".join(format_mb(_engine_kind(report, k)) for k in ("parameters", "gradients", "optimizer_state"))
+        if report.get("waiting_gradients"):  # full gradients held past the floor in backward (issue 44)
+            engine += f" (+{format_mb(report['waiting_gradients'])} waiting in backward)"
         comm_buffers = format_mb(report.get("comm_buffers"))
     return [
         f"`{r.name}`",

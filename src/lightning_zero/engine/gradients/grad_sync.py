@@ -15,7 +15,11 @@ issues only as its own backward reaches them: each waits on the other, on two pr
 the timeout. So during backward a rank never waits for a reduce-scatter (nor, with hybrid sharding,
 for its all-reduce across replicas): launching one more only finishes the oldest once finishing it
 cannot wait for a peer (``PendingGradientReduction.done``, which polls); until then the ready bucket
-keeps its full gradients and is launched from a later gradient hook, or by the flush. Waiting starts
+keeps its full gradients and is launched from a later gradient hook, or by the flush (so ``done``
+must turn true once a collective has finished: on gloo the reduce-scatter is issued as all-reduces
+whose works say so, ``collectives._reduce_scatter_gloo``; one that never did kept every bucket's
+gradients until the flush, issue 44; ``memory_report().waiting_gradients`` is the most the last
+backward held waiting). Waiting starts
 in ``finish_backward``, after this rank's backward has issued every all-gather its peers may need
 (``finish_backward_gathers``). The bound on communication buffers holds; what a rank skipping units
 costs its peers is the full gradients of the buckets queued behind the skipped one, until it
