@@ -47,7 +47,7 @@ from lightning_zero.engine.full_weights import FullWeights
 from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
 from lightning_zero.engine.gradients.grad_window import GradientWindow
 from lightning_zero.engine.gradients.norms import norms_by_name
-from lightning_zero.engine.memory import MemoryReport, measure
+from lightning_zero.engine.memory import MemoryReport, measure, working_memory
 from lightning_zero.engine.offload.disk_tier import DiskTier
 from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
@@ -350,20 +350,11 @@ class ZeroEngine:
         return norms_by_name(self.params, float(norm_type), self.group, self.residency.compute_device)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients, optimizer state and buffers this rank holds now, and of
-        the communication buffers kept for reuse, the pinned host memory and the copy rows offload
-        holds; the last backward's gradients waiting to be reduced."""
-        host_gradient_rows = [row for b in self.residency.buckets_with_host for row in b.host.gradient_rows]
+        """Bytes of model state this rank holds now, and what it works with beside it (buffers kept for
+        reuse, pinned blocks, copy rows, the last backward's gradients waiting: ``working_memory``)."""
         averages = [held for average in self.averages for held in average.held()]
-        copies = self.residency.copies
-        return measure(
-            self.module, self.params, self._optimizers.with_params(), self.residency.pool.kept_bytes, host_gradient_rows,
-            averages, staging_bytes=self.disk.staging.held_bytes if self.disk is not None else 0,
-            disk_bytes=self.disk.disk_bytes if self.disk is not None else 0,
-            pinned_host=copies.pinned_blocks.held_bytes if copies is not None else 0,
-            copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
-            waiting_gradients=self.grad_sync.waiting_peak_bytes,
-        )  # fmt: skip
+        working = working_memory(self.residency, self.disk, self.grad_sync)
+        return measure(self.module, self.params, self._optimizers.with_params(), averages=averages, **working)
 
     @property
     def host_allocations(self) -> int:

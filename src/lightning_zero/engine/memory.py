@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.engine.gradients.grad_sync import GradientSync
 from lightning_zero.engine.gradients.sharded_grad import ShardedGradient
+from lightning_zero.engine.offload.disk_tier import DiskTier
+from lightning_zero.engine.parameters.residency import ParameterResidency
 from lightning_zero.engine.shards.sharded_param import ShardedParam, place_of
 
 
@@ -162,4 +165,20 @@ def measure(
         pinned_host=pinned_host,
         copy_buffers=copy_buffers,
         waiting_gradients=waiting_gradients,
+    )
+
+
+def working_memory(residency: ParameterResidency, disk: Optional[DiskTier], grad_sync: GradientSync) -> dict[str, Any]:
+    """``measure``'s arguments for what an engine holds beside model state: its buffer pool,
+    offloaded gradient rows, NVMe staging and files, pinned blocks and copy rows, and the last
+    backward's gradients waiting for a reduce-scatter."""
+    copies = residency.copies
+    return dict(
+        comm_buffers=residency.pool.kept_bytes,
+        host_gradient_buffers=[row for b in residency.buckets_with_host for row in b.host.gradient_rows],
+        staging_bytes=disk.staging.held_bytes if disk is not None else 0,
+        disk_bytes=disk.disk_bytes if disk is not None else 0,
+        pinned_host=copies.pinned_blocks.held_bytes if copies is not None else 0,
+        copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
+        waiting_gradients=grad_sync.waiting_peak_bytes,
     )
