@@ -43,7 +43,6 @@ class ZeroGradScaler(torch.amp.GradScaler):
     def __init__(self, *args: Any, group: collectives.ProcessGroup = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
-        self._steps_on_host: dict[int, bool] = {}  # by id(optimizer)
 
     @classmethod
     def like(cls, scaler: torch.amp.GradScaler) -> "ZeroGradScaler":
@@ -93,11 +92,8 @@ class ZeroGradScaler(torch.amp.GradScaler):
 
     def _on_host(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer`` steps host tensors (offloaded shards) while the scale is on a device."""
-        if id(optimizer) not in self._steps_on_host:
-            scale_device = self._scale.device if self._scale is not None else torch.device(self._device)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            self._steps_on_host[id(optimizer)] = any(p.device != scale_device or is_host(p) for p in params)
-        return self._steps_on_host[id(optimizer)]
+        scale_device = self._scale.device if self._scale is not None else torch.device(self._device)
+        return any(p.device != scale_device or is_host(p) for group in optimizer.param_groups for p in group["params"])
 
 
 def _grads_by_device_and_dtype(optimizer: Optimizer, allow_fp16: bool) -> dict[torch.device, list[list[torch.Tensor]]]:

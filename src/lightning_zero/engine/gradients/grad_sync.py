@@ -141,9 +141,8 @@ class ReduceDuringBackward(GradientSync):
         self._next_to_launch = 0
         self._in_flight: list[PendingGradientReduction] = []  # launched in this backward
         self._unfinished: deque[PendingGradientReduction] = deque()
-        self._full_bytes = {id(bucket): bucket.param_bytes for bucket in self.buckets}
-        self._waiting = 0  # bytes of full gradients in ready buckets not yet launched, now
-        self._waiting_peak = 0  # ... the most in this backward
+        self._full_bytes = [bucket.param_bytes for bucket in self.buckets]
+        self._waiting_peak = 0  # the most bytes of full gradients ready buckets not yet launched held in this backward
         self._last_waiting_peak = 0
         self.open()
 
@@ -165,10 +164,10 @@ class ReduceDuringBackward(GradientSync):
                 self._on_grad_accumulated(param)
             bucket = self._bucket_of[id(param.param)]
             was_ready = bucket.is_ready
-            if bucket.mark_ready(param) and not was_ready:
-                self._waiting += self._full_bytes[id(bucket)]
+            became_ready = bucket.mark_ready(param) and not was_ready
             self._launch_ready_buckets()  # this one's bucket, or one that found no room before
-            self._waiting_peak = max(self._waiting_peak, self._waiting)
+            if became_ready:  # only then can the bytes waiting grow
+                self._note_waiting()
 
         return on_grad_accumulated
 
@@ -179,11 +178,15 @@ class ReduceDuringBackward(GradientSync):
             bucket = self.buckets[self._next_to_launch]
             if not (flush or bucket.is_ready) or not self._make_room(wait=flush):
                 return
-            if bucket.is_ready:
-                self._waiting -= self._full_bytes[id(bucket)]
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
+
+    def _note_waiting(self) -> None:
+        """Raise this backward's peak to the full gradients that ready buckets not yet launched hold now."""
+        later = range(self._next_to_launch, len(self.buckets))
+        waiting = sum(self._full_bytes[i] for i in later if self.buckets[i].is_ready)
+        self._waiting_peak = max(self._waiting_peak, waiting)
 
     def _make_room(self, wait: bool) -> bool:
         """While ``max_in_flight`` are unfinished, finish the oldest if it is done (with ``wait``:
@@ -201,7 +204,7 @@ class ReduceDuringBackward(GradientSync):
         hand_out_gradients(self._in_flight, reads, self.votes)
         self._in_flight.clear()
         self._next_to_launch = 0
-        self._last_waiting_peak, self._waiting_peak, self._waiting = self._waiting_peak, 0, 0
+        self._last_waiting_peak, self._waiting_peak = self._waiting_peak, 0
 
     def close(self) -> None:
         for handle in self._handles:
