@@ -1,4 +1,4 @@
-"""Three things for the whole suite.
+"""Four things for the whole suite.
 
 **Lean imports in every process.** ``startup/`` goes on ``PYTHONPATH`` (for every process the tests
 start: workers, scripts, command-line tools, spawned and torchrun ranks) and is imported here, so
@@ -12,6 +12,11 @@ starts, ~90 of its ~520 CPU-seconds on the 2-core CI machine.
 first import (~25 CPU-seconds, more where two processes import a module at once) and caches them,
 here even where the environment says not to (as this machine's does): otherwise each of the
 suite's processes would compile what it imports from source again, ~15 CPU-seconds each.
+
+**The smoke subset** (``pytest -m smoke``): the files in ``SMOKE_FILES``, which ``.ci/run``'s
+compatibility stage runs on the oldest and the newest supported torch and Lightning
+(``scripts/compat_matrix.sh``): the Trainer at stages 1-3 against DDP, Fabric, a checkpoint round trip
+with a reshard, gradient views, offload, and the version check. About a minute on 2 cores.
 
 **The longest test files start first** when the suite runs on several workers
 (``-n 2 --dist loadfile``).
@@ -53,6 +58,16 @@ LONGEST_FIRST = (
     "test_examples_hf_litgpt.py",
 )
 
+SMOKE_FILES = (
+    "test_strategy.py",  # the Trainer at stages 1 and 2, every step against DDP
+    "test_stage3.py",  # stage 3 against DDP, evaluation after fit, bytes at rest
+    "test_fabric.py",  # Fabric's setup, precisions, offload and checkpoints against Fabric's DDP
+    "test_checkpoint.py",  # sharded save, load, a 2 -> 1 reshard, convert
+    "test_grad_views.py",  # clipping and gradient reads as under DDP
+    "test_offload.py",  # CPU offload at stages 1-3, its checkpoints
+    "test_compat.py",  # the version check and the shims for older releases
+)
+
 
 def pytest_configure(config: Any) -> None:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # for every process started from here on
@@ -61,10 +76,14 @@ def pytest_configure(config: Any) -> None:
     sys.path.insert(0, STARTUP)
     import sitecustomize  # noqa: F401 - this process started before PYTHONPATH named it
 
+    config.addinivalue_line("markers", f"smoke: the compatibility stage's subset, the files {', '.join(SMOKE_FILES)} (tests/conftest.py)")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
         config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).name in SMOKE_FILES:
+            item.add_marker("smoke")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: the rest keep their order

@@ -21,7 +21,7 @@ from example_runs import EXAMPLES, REPO
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_LITGPT = importlib.util.find_spec("litgpt") is not None
-INSTALL = "pip install -e '.[examples]' (or '.[test]')"
+INSTALL = "pip install -e '.[examples]'"
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason=f"transformers is not installed: {INSTALL}")
 needs_litgpt = pytest.mark.skipif(not HAS_LITGPT, reason=f"litgpt is not installed: {INSTALL}")
 

@@ -20,8 +20,12 @@ The packages, with dependencies pointing one way (``cli`` → ``bench``, ``check
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage
-from lightning_zero.registration import register_with_lightning
+from lightning_zero.compat.versions import check_supported_versions
+
+check_supported_versions()  # before anything that would fail deep inside on an older torch or Lightning
+
+from lightning_zero.engine import MemoryReport, StateBytes, ZeroConfig, ZeroEngine, ZeroStage  # noqa: E402
+from lightning_zero.registration import register_with_lightning  # noqa: E402
 
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time `__getattr__` imports them
     from lightning_zero.checkpoint import checkpoint_file, convert_checkpoint

@@ -40,6 +40,7 @@ from lightning_zero.checkpoint.errors import (
 from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
 from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, PathLike
 from lightning_zero.checkpoint.pickles import load_dcp_metadata, load_torch_file, save_torch_file
+from lightning_zero.compat.dcp_reads import load_in_this_process
 
 T = TypeVar("T")
 DCP_METADATA_NAME = ".metadata"
@@ -333,7 +334,7 @@ def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optiona
         if group is None or group.alone:
             with warnings.catch_warnings():  # DCP warns that it assumes a single process: we asked for one
                 warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
-                dcp.load(targets, storage_reader=_reader(directory), no_dist=True)
+                load_in_this_process(targets, _reader(directory))
         else:
             dcp.load(targets, storage_reader=_reader(directory), process_group=group.group)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank

@@ -20,6 +20,7 @@ from lightning_zero.checkpoint.checkpointing import RankCoordination, ZeroCheckp
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
 from lightning_zero.checkpoint.pickles import checkpoint_globals
+from lightning_zero.compat.lightning_api import load_passing_weights_only
 from lightning_zero.fabric.checkpoint_io import file_writer
 from lightning_zero.fabric.checkpoint_state import (
     INTERNAL_KEYS,
@@ -125,7 +126,7 @@ class FabricCheckpointing:
 
         def read_file(file: Path) -> Any:
             with checkpoint_globals():  # a file loads as a directory's meta.pt does
-                return checkpoint_io.load_checkpoint(file, weights_only=weights_only)
+                return load_passing_weights_only(checkpoint_io.load_checkpoint, file, weights_only)
 
         if not state:
             return full_checkpoint(path, include_optimizer=True, weights_only=weights_only) if path.is_dir() else read_file(path)
@@ -139,7 +140,7 @@ class FabricCheckpointing:
         if split.module is None:
             if path.is_dir():
                 raise ValueError(f"{str(path)!r} is a lightning-zero checkpoint: its state must include the module it holds.")
-            return load_plain(path, state, strict, weights_only)
+            return load_passing_weights_only(load_plain, path, weights_only, state, strict)
         sharded = self._modules.of(split.module)
         assert sharded is not None
         engine = sharded.ensure_engine()

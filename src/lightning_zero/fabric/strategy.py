@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.compat.lightning_api import fabric_setup_result
 from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
@@ -136,11 +137,12 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+    ) -> tuple[Any, ...]:
+        """``(module, optimizers, scheduler)``; ``(module, optimizers)`` to Lightning 2.5's Fabric."""
         for optimizer in optimizers:
             check_optimizer_type(optimizer)
         self._set_up(module, optimizers)
-        return module, optimizers, scheduler
+        return fabric_setup_result(module, optimizers, scheduler)
 
     @override
     def setup_environment(self) -> None:

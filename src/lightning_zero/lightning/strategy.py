@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
 from lightning_zero.checkpoint.manifest import PathLike
+from lightning_zero.compat.lightning_api import load_passing_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
@@ -361,7 +362,7 @@ class ZeroStrategy(ZeroStepHooks):
         return checkpoint_hooks.load_checkpoint(
             self._checkpointing, checkpoint_path, self.lightning_module, self._engine, self.optimizers,
             has_schedulers=bool(self.lr_scheduler_configs),
-            read_file=lambda path: super(ZeroStrategy, self).load_checkpoint(path, weights_only),
+            read_file=lambda path: load_passing_weights_only(super(ZeroStrategy, self).load_checkpoint, path, weights_only),
             weights_only=weights_only,
         )  # fmt: skip
 

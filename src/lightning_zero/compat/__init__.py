@@ -1,0 +1,15 @@
+"""What differs between the torch and Lightning releases lightning-zero supports, one module per concern.
+
+- ``versions``: the supported range, checked when ``lightning_zero`` is imported;
+- ``lightning_api``: Lightning 2.5 against 2.6 (Fabric's setup signature, ``weights_only`` on loads);
+- ``dcp_reads``: reading a DCP checkpoint in one process of a job (``dcp.load(no_dist=...)``, missing in torch 2.6).
+
+The collectives' names (``all_gather_single`` from torch 2.13, the list ``reduce_scatter`` gloo has
+only from torch 2.8) are picked in ``engine/comm/collectives.py``, the one module that calls
+``torch.distributed``. DTensor needs no module: its public import path exists from torch 2.5, below
+the supported range.
+
+Each module decides once, at import, by asking the installed package what it offers (a parameter
+in a signature, a function's presence) rather than comparing version numbers, so a backport or a
+user's own ``CheckpointIO`` without the newer parameter takes the right path too.
+"""
