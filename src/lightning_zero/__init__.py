@@ -14,7 +14,9 @@ The packages, with dependencies pointing one way (``cli`` → ``bench``, ``check
 - ``lightning``: the Trainer's adapter; ``fabric``: Fabric's (the only packages that import Lightning);
 - ``estimate``: ZeRO's memory arithmetic, shared by the monitor, the bench and the CLI;
 - ``bench``: the benchmark library; ``cli``: the ``lightning-zero`` console script;
-- ``models``: the GPT the example, the bench and the tests train.
+- ``models``: the GPT the example, the bench and the tests train;
+- ``compat``: what differs between the supported torch and Lightning releases, and the range
+  itself, checked first here.
 """
 
 import importlib

@@ -2,7 +2,8 @@
 
 - ``versions``: the supported range, checked when ``lightning_zero`` is imported;
 - ``lightning_api``: Lightning 2.5 against 2.6 (Fabric's setup signature, ``weights_only`` on loads);
-- ``dcp_reads``: reading a DCP checkpoint in one process of a job (``dcp.load(no_dist=...)``, missing in torch 2.6).
+- ``dcp_reads``: reading a DCP checkpoint in one process of a job (``dcp.load(no_dist=...)``, missing in torch 2.6);
+- ``cuda_memory``: torch's report of its pinned host pool (``torch.cuda.host_memory_stats``, from torch 2.7).
 
 The collectives' names (``all_gather_single`` from torch 2.13, the list ``reduce_scatter`` gloo has
 only from torch 2.8) are picked in ``engine/comm/collectives.py``, the one module that calls

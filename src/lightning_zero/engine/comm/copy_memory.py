@@ -11,7 +11,7 @@ private ``_host_emptyCache``). So what pinned memory the engine costs is not wha
 now: with ``offload_params="nvme"`` a master read in from disk and freed again holds nothing by its
 storage, yet its block stays pinned. :class:`PinnedBlocks` counts the blocks the engine's buffers
 have needed at once, per block size: the allocator keeps at least that many of each size. Where
-torch reports its pinned pool (``torch.cuda.host_memory_stats``, CUDA initialized) the count is
+torch reports its pinned pool (``torch.cuda.host_memory_stats``, CUDA initialized, torch 2.7 on) the count is
 capped at the pool, which also holds other users' blocks (a DataLoader's ``pin_memory``).
 """
 
@@ -21,8 +21,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch
 from torch import Tensor
+
+from lightning_zero.compat.cuda_memory import pinned_pool_bytes
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -59,17 +60,8 @@ class PinnedBlocks:
         """Bytes of pinned memory held because of the engine: the blocks its tensors hold now and
         those the allocator keeps cached for them, capped at torch's pinned pool where it reports it."""
         held = sum(size * count for size, count in self._most.items())
-        pool = _pinned_pool_bytes()
+        pool = pinned_pool_bytes()
         return held if pool is None else min(held, pool)
-
-
-def _pinned_pool_bytes() -> Optional[int]:
-    """Bytes of torch's pinned pool (blocks in use and cached), or None where it reports none."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    stats = torch.cuda.host_memory_stats()
-    value = stats.get("allocated_bytes.current")
-    return int(value) if value is not None else None
 
 
 @dataclass
