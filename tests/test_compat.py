@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import sys
+from pathlib import Path
 from typing import Optional
 
 import lightning
@@ -81,8 +82,6 @@ def test_import_lightning_zero_fails_first_with_the_versions(monkeypatch):
 
 def test_the_declared_range_is_the_checked_one():
     """pyproject.toml's lower bounds are the ones the import check enforces (and CI's oldest run)."""
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     for requirement in REQUIREMENTS:
         assert f'"{requirement.distribution}>={requirement.oldest[0]}.{requirement.oldest[1]}"' in text, requirement

@@ -10,7 +10,8 @@ only from torch 2.8) are picked in ``engine/comm/collectives.py``, the one modul
 ``torch.distributed``. DTensor needs no module: its public import path exists from torch 2.5, below
 the supported range.
 
-Each module decides once, at import, by asking the installed package what it offers (a parameter
+Each module decides once (at import, or for ``lightning_api`` at first use: importing Lightning
+there would import the adapters, which import it) by asking the installed package what it offers (a parameter
 in a signature, a function's presence) rather than comparing version numbers, so a backport or a
 user's own ``CheckpointIO`` without the newer parameter takes the right path too.
 """
