@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
+from lightning_zero.compat.lightning_api import without_weight_cache
 from lightning_zero.engine.comm.collectives import ProcessGroup
 from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
@@ -62,6 +63,10 @@ class ZeroPrecision(_ShardedNormClipping, Precision):
 
 class ZeroMixedPrecision(_ShardedNormClipping, MixedPrecision):
     """``bf16-mixed``, and ``16-mixed`` with a :class:`ZeroGradScaler`, for sharded gradients."""
+
+    def autocast_context_manager(self) -> torch.autocast:
+        # never torch's cache of cast weights: see compat/lightning_api.py (Lightning 2.5 keeps it)
+        return without_weight_cache(super().autocast_context_manager())
 
 
 class ZeroHalfPrecision(_ShardedNormClipping, HalfPrecision):
