@@ -6,6 +6,8 @@ import contextlib
 from typing import Any, Callable, Optional
 
 import lightning as L
+import lightning.pytorch.callbacks
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -14,6 +16,14 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero  # noqa: F401 - registers the strategy names ("zero1", ...) the tests pass as strings
 from models import OddShapes
 from multiprocess import ranks_started
+
+HAS_WEIGHT_AVERAGING = hasattr(lightning.pytorch.callbacks, "EMAWeightAveraging")
+"""Lightning's ``WeightAveraging`` / ``EMAWeightAveraging`` callbacks, which arrived in Lightning 2.6.0
+(``StochasticWeightAveraging`` is older). Register a case that uses them only where they exist: a
+case failing on its import would stop the cases after it."""
+needs_weight_averaging = pytest.mark.skipif(
+    not HAS_WEIGHT_AVERAGING, reason="Lightning's EMAWeightAveraging / WeightAveraging callbacks (Lightning 2.6.0 and newer)"
+)
 
 
 class RegressionModule(L.LightningModule):

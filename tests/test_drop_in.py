@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning_helpers import HAS_WEIGHT_AVERAGING, needs_weight_averaging
 
 STEPS = 3
 STAGES = (1, 2, 3)
@@ -269,10 +270,15 @@ def checkpoint_flows(ctx: RankContext) -> dict:
 def averaging(ctx: RankContext, strategy: str, callback: str) -> dict:
     """3 epochs of 3 steps with validation after each: EMA (updated every step, swapped in for
     validation) or SWA (from epoch 1); the weights after each step and after fit (the average)."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning_helpers import fit_gpt, full_weights
 
-    chosen = EMAWeightAveraging() if callback == "ema" else StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1)
+    if callback == "ema":
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        chosen = EMAWeightAveraging()
+    else:
+        chosen = StochasticWeightAveraging(swa_lrs=5e-3, swa_epoch_start=1)
     module, history, trainer = fit_gpt(
         _strategy(strategy), -1, callbacks=[chosen], max_epochs=3, limit_train_batches=3, limit_val_batches=2
     )
@@ -350,37 +356,48 @@ def averaging_added_on_resume(ctx: RankContext, strategy: str) -> dict:
     }
 
 
-for _name in ("ddp", *(f"zero{s}" for s in STAGES)):
+for _name in ("ddp", *(f"zero{s}" for s in STAGES)) if HAS_WEIGHT_AVERAGING else ():
     GROUP.case(averaging_resumed, name=f"ema_resumed_{_name}", strategy=_name)
     GROUP.case(averaging_added_on_resume, name=f"ema_added_{_name}", strategy=_name)
 
 
 @GROUP.case
-def averaging_checkpoints(ctx: RankContext) -> dict:
+def permanent_pruning_checkpoints(ctx: RankContext) -> str:
     """ModelPruning that makes pruning permanent in checkpoints puts plain pruned weights into every
     checkpoint's `state_dict`: with a ModelCheckpoint and sharded directories the strategy refuses
-    at setup. EMAWeightAveraging's checkpoint as one file (`state_dict_type="full"`) reloads the average."""
+    at setup (the error's message)."""
+    from lightning.pytorch.callbacks import ModelPruning
+    from lightning_helpers import fit_gpt
+
+    from lightning_zero import ZeroStrategy
+
+    try:
+        fit_gpt(ZeroStrategy(stage=3), 2, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], enable_checkpointing=True)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def ema_full_checkpoint(ctx: RankContext) -> bool:
+    """EMAWeightAveraging's checkpoint as one file (`state_dict_type="full"`) reloads the average."""
     import os
 
-    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning
+    from lightning.pytorch.callbacks import EMAWeightAveraging
     from lightning_helpers import GPTModule, fit_gpt, make_trainer, token_data
 
     from lightning_zero import ZeroStrategy
 
-    out = {}
-    try:
-        fit_gpt(ZeroStrategy(stage=3), 2, callbacks=[ModelPruning("l1_unstructured", amount=0.3)], enable_checkpointing=True)
-        out["pruning_setup"] = "no error"
-    except ValueError as err:
-        out["pruning_setup"] = str(err)
     module, _, trainer = fit_gpt(ZeroStrategy(stage=2, state_dict_type="full"), 2, callbacks=[EMAWeightAveraging()])
     path = os.path.join(ctx.tmpdir, "ema_full.ckpt")
     trainer.save_checkpoint(path)
     reloaded = GPTModule()
     make_trainer(ZeroStrategy(stage=1), 1).validate(reloaded, token_data(4), ckpt_path=path, verbose=False)
     averaged = module.state_dict()  # after fit the callback copied the average into the module
-    out["full_reloads_the_average"] = all(torch.equal(reloaded.state_dict()[k], v) for k, v in averaged.items())
-    return out
+    return all(torch.equal(reloaded.state_dict()[k], v) for k, v in averaged.items())
+
+
+if HAS_WEIGHT_AVERAGING:
+    GROUP.case(ema_full_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -462,13 +479,18 @@ def test_model_pruning_prunes_as_under_ddp(results, stage):
         assert (zero["model.blocks.0.mlp.fc.weight"] == 0).float().mean() >= 0.3  # pruned
 
 
-def test_permanent_pruning_with_sharded_checkpoints_is_refused_and_a_full_file_keeps_the_average(results):
-    for rank in results["averaging_checkpoints"]:
-        assert "ModelPruning puts the pruned model's full weights" in rank["pruning_setup"]
-        assert 'state_dict_type="full"' in rank["pruning_setup"]
-        assert rank["full_reloads_the_average"]
+def test_permanent_pruning_with_sharded_checkpoints_is_refused(results):
+    for message in results["permanent_pruning_checkpoints"]:
+        assert "ModelPruning puts the pruned model's full weights" in message
+        assert 'state_dict_type="full"' in message
 
 
+@needs_weight_averaging
+def test_a_full_checkpoint_file_keeps_the_ema_average(results):
+    assert all(results["ema_full_checkpoint"])
+
+
+@needs_weight_averaging
 @pytest.mark.parametrize("stage", STAGES)
 def test_ema_added_when_resuming_starts_from_the_checkpoint_as_under_ddp(results, stage):
     for ddp, zero in zip(results["ema_added_ddp"], results[f"ema_added_zero{stage}"]):
@@ -479,6 +501,7 @@ def test_ema_added_when_resuming_starts_from_the_checkpoint_as_under_ddp(results
         assert all(torch.equal(ddp["final"][k], zero["final"][k]) for k in ddp["final"])
 
 
+@needs_weight_averaging
 @pytest.mark.parametrize("stage", STAGES)
 def test_ema_resumes_from_a_sharded_checkpoint_as_under_ddp(results, stage):
     for ddp, zero in zip(results["ema_resumed_ddp"], results[f"ema_resumed_zero{stage}"]):

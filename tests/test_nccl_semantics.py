@@ -120,21 +120,27 @@ def full_optimizer_state(ctx: RankContext, strategy: str) -> Optional[dict[int, 
 
 def lifecycle(ctx: RankContext, strategy: str) -> dict[str, Tensor]:
     """Everything else a user runs, under the same tracking: fit with validation and an EMA of the
-    weights, a sharded checkpoint, resume from it, validate after fit, summon the full weights."""
+    weights (where Lightning has EMAWeightAveraging, from 2.6.0), a sharded checkpoint, resume from
+    it, validate after fit, summon the full weights."""
     import os
 
-    from lightning.pytorch.callbacks import EMAWeightAveraging
-    from lightning_helpers import GPTModule, fit_gpt, full_weights, make_trainer, token_data
+    from lightning_helpers import HAS_WEIGHT_AVERAGING, GPTModule, fit_gpt, full_weights, make_trainer, token_data
+
+    def averaging() -> list:
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        return [EMAWeightAveraging()]
 
     options = {}
     if "nvme" in strategy:
         options["nvme_path"] = os.path.join(ctx.tmpdir, f"nvme_{ctx.rank}")
         os.makedirs(options["nvme_path"], exist_ok=True)
-    trainer = fit_gpt(_strategy(strategy, **options), 2, callbacks=[EMAWeightAveraging()], limit_val_batches=2, val_check_interval=1)[2]
+    callbacks = averaging if HAS_WEIGHT_AVERAGING else list
+    trainer = fit_gpt(_strategy(strategy, **options), 2, callbacks=callbacks(), limit_val_batches=2, val_check_interval=1)[2]
     path = os.path.join(ctx.tmpdir, f"lifecycle_{strategy}")
     trainer.save_checkpoint(path)
     module = GPTModule()
-    resumed = make_trainer(_strategy(strategy, **options), 3, callbacks=[EMAWeightAveraging()])
+    resumed = make_trainer(_strategy(strategy, **options), 3, callbacks=callbacks())
     resumed.fit(module, token_data(), token_data(8), ckpt_path=path)
     resumed.validate(module, token_data(4), verbose=False)
     return full_weights(module, resumed.strategy)
