@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import io
 import json
 import os
@@ -647,6 +648,13 @@ def _trusted_trainer(max_steps: int, *callbacks: Callback) -> Any:
     return make_trainer("zero2", max_steps, callbacks=list(callbacks), enable_checkpointing=True, limit_val_batches=1, val_check_interval=2)
 
 
+def _weights_only(method: Callable[..., Any]) -> dict[str, bool]:
+    """``weights_only=True`` for ``method`` where it takes the flag: ``Trainer.fit`` / ``validate`` and
+    ``Fabric.load`` from Lightning 2.6. Lightning 2.5's take none; the strategies then read a sharded
+    directory's pickles with torch's default, which is ``weights_only=True`` from torch 2.6."""
+    return {"weights_only": True} if "weights_only" in inspect.signature(method).parameters else {}
+
+
 @GROUP.case
 def save_trusted(ctx: RankContext) -> None:
     """A zero2 fit of 2 steps saved to `trusted/` (hyperparameters, LR scheduler, callbacks' and
@@ -676,16 +684,17 @@ def load_poisoned(ctx: RankContext) -> dict[str, dict[str, Optional[str]]]:
         fabric.launch()
         module = WithHyperparameters()
         model, optimizer = fabric.setup(module, module.configure_optimizers()["optimizer"])
-        fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=True)
+        fabric.load(path, {"model": model, "optimizer": optimizer}, **_weights_only(Fabric.load))
 
+    fit, validate = _weights_only(L.Trainer.fit), _weights_only(L.Trainer.validate)
     out = {}
     for file, name in POISONED.items():
         path = os.path.join(ctx.tmpdir, name)
         out[file] = {
-            "fit": _first_line_of_error(lambda: _trusted_trainer(3).fit(WithHyperparameters(), regression_data(), ckpt_path=path, weights_only=True)),
+            "fit": _first_line_of_error(lambda: _trusted_trainer(3).fit(WithHyperparameters(), regression_data(), ckpt_path=path, **fit)),
             "fit, torch's default": _first_line_of_error(lambda: _trusted_trainer(3).fit(WithHyperparameters(), regression_data(), ckpt_path=path)),
             "validate": _first_line_of_error(
-                lambda: _trusted_trainer(3).validate(WithHyperparameters(), regression_data(8), ckpt_path=path, weights_only=True)
+                lambda: _trusted_trainer(3).validate(WithHyperparameters(), regression_data(8), ckpt_path=path, **validate)
             ),
             "fabric.load": _first_line_of_error(lambda: fabric_load(path)),
         }
@@ -694,7 +703,7 @@ def load_poisoned(ctx: RankContext) -> dict[str, dict[str, Optional[str]]]:
 
 @GROUP.case
 def resume_trusted_with_weights_only(ctx: RankContext) -> dict[str, Any]:
-    """`trusted/` resumed by `Trainer.fit(weights_only=True)` and loaded by `fabric.load(weights_only=True)`:
+    """`trusted/` resumed by `Trainer.fit` and loaded by `fabric.load`, both weights-only (see `_weights_only`):
     the step, learning rates and callback state restored, and what Fabric handed back."""
     from lightning.fabric import Fabric
     from lightning_helpers import regression_data
@@ -704,13 +713,13 @@ def resume_trusted_with_weights_only(ctx: RankContext) -> dict[str, Any]:
     path = os.path.join(ctx.tmpdir, "trusted")
     counts = CountsBatches()
     trainer = _trusted_trainer(3, counts)
-    trainer.fit(WithHyperparameters(), regression_data(), regression_data(8), ckpt_path=path, weights_only=True)
+    trainer.fit(WithHyperparameters(), regression_data(), regression_data(8), ckpt_path=path, **_weights_only(L.Trainer.fit))
 
     fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=ZeroFabricStrategy(stage=2))
     fabric.launch()
     module = WithHyperparameters()
     model, optimizer = fabric.setup(module, module.configure_optimizers()["optimizer"])
-    rest = fabric.load(path, {"model": model, "optimizer": optimizer}, weights_only=True)
+    rest = fabric.load(path, {"model": model, "optimizer": optimizer}, **_weights_only(Fabric.load))
     return {
         "global_step": trainer.global_step,
         "callback_state": counts.loaded,

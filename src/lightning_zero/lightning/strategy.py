@@ -29,8 +29,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
+from lightning_zero.checkpoint.errors import UntrustedCheckpointError
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.compat.lightning_api import load_passing_weights_only
+from lightning_zero.compat.lightning_api import load_passing_weights_only, trainer_takes_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
@@ -359,12 +360,21 @@ class ZeroStrategy(ZeroStepHooks):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return checkpoint_hooks.load_checkpoint(
-            self._checkpointing, checkpoint_path, self.lightning_module, self._engine, self.optimizers,
-            has_schedulers=bool(self.lr_scheduler_configs),
-            read_file=lambda path: load_passing_weights_only(super(ZeroStrategy, self).load_checkpoint, path, weights_only),
-            weights_only=weights_only,
-        )  # fmt: skip
+        try:
+            return checkpoint_hooks.load_checkpoint(
+                self._checkpointing, checkpoint_path, self.lightning_module, self._engine, self.optimizers,
+                has_schedulers=bool(self.lr_scheduler_configs),
+                read_file=lambda path: load_passing_weights_only(super(ZeroStrategy, self).load_checkpoint, path, weights_only),
+                weights_only=weights_only,
+            )  # fmt: skip
+        except UntrustedCheckpointError as err:
+            if trainer_takes_weights_only():
+                raise
+            raise UntrustedCheckpointError(
+                f"{err} NOTE: this Lightning's Trainer takes no `weights_only` (from Lightning 2.6.0), so it"
+                " cannot resume from this checkpoint: upgrade Lightning to pass `weights_only=False` for a"
+                " checkpoint you trust."
+            ) from None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
