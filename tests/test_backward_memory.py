@@ -23,6 +23,11 @@ from lightning_zero.bench.rank import build_rank
 from lightning_zero.bench.results import OK
 from lightning_zero.bench.variants import BY_NAME
 from lightning_zero.bench.worker import run_variant
+from lightning_zero.compat.fsdp2_cpu import FSDP2_RUNS_ON_CPU
+
+pytestmark = pytest.mark.skipif(
+    not FSDP2_RUNS_ON_CPU, reason="FSDP2 on the CPU needs torch.cpu.Stream.record_event (torch 2.7 and newer)"
+)
 
 SHAPE = dict(n_embd=256, n_head=4, block_size=32, batch_size=1, devices=2)
 """The capacity README's shape: a block of 0.79M parameters, 3.2 MB of fp32 gradient."""

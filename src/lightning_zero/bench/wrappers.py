@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.bench.memory import StateTensors, module_and_optimizer_tensors
 from lightning_zero.bench.variants import Family, VariantSpec
+from lightning_zero.compat.fsdp2_cpu import check_fsdp2_runs_on
 from lightning_zero.models.gpt import Block
 
 Probe = Callable[[str], None]
@@ -171,6 +172,7 @@ class FSDP2Wrapped(Wrapped):
         super().__init__(model, setup)
         from torch.distributed.fsdp import fully_shard
 
+        check_fsdp2_runs_on(setup.device)
         for module in model.modules():
             if isinstance(module, Block):
                 fully_shard(module, reshard_after_forward=reshard_after_forward)
