@@ -54,6 +54,10 @@ class RegressionModule(L.LightningModule):
                 [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-2}], lr=1e-2
             )
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}}
+        if name == "adafactor_groups":  # a whole-tensor optimizer, factored on the matrices, two param groups
+            matrices = [p for p in self.parameters() if p.ndim == 2]
+            rest = [p for p in self.parameters() if p.ndim != 2]
+            return torch.optim.Adafactor([{"params": matrices}, {"params": rest, "lr": 3e-2, "weight_decay": 0.01}], lr=1e-2)
         if name == "lbfgs":
             return torch.optim.LBFGS(self.parameters())
         if name == "not_an_optimizer":

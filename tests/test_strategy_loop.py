@@ -290,7 +290,7 @@ def test_resume_across_strategies_is_exact(results, resumed, saved_by):
     "label,expected",
     [
         ("frozen", "no parameter with `requires_grad=True`"),
-        ("lbfgs", "LBFGS is not element-wise"),
+        ("lbfgs", "LBFGS re-evaluates the loss several times per step"),
         ("not_an_optimizer", "optimizer"),
         ("foreign_tensor", "not a parameter of the module"),
     ],

@@ -49,7 +49,6 @@ from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
-from lightning_zero.engine.optimizer.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.shards.partition import ChunkLayout
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -127,14 +126,14 @@ class OptimizerShards:
 
 def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> OptimizerShards:
     params = engine.params_of(optimizer)
-    state_dict = optimizer.state_dict()
+    state_dict, chunked = engine.optimizer_chunked_state(optimizer)  # whole-tensor optimizers' state too
     tensors: dict[str, Tensor] = {}
     layout: dict[str, dict[str, str]] = {}
     values: dict[str, dict[str, Any]] = {}
     for position, sp in enumerate(params):
         for key, value in state_dict["state"].get(position, {}).items():
             entry = f"optim/{index}/{sp.name}/{key}"
-            if key != STEP_KEY and isinstance(value, Tensor) and value.shape == sp.shard.shape:
+            if (position, key) in chunked:
                 tensors[entry] = _flat_dtensor(value, sp.layout.numel, mesh)
                 layout.setdefault(sp.name, {})[key] = SHARDED
             elif isinstance(value, Tensor):
@@ -322,12 +321,14 @@ def load_optimizer(
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
     read_tensors(targets, directory, group)
     state: dict[int, dict[str, Any]] = {}
+    chunked: set[tuple[int, str]] = set()
     for position, sp in enumerate(params):
         entries = {}
         for key, kind in layout.get(sp.name, {}).items():
             entry = f"optim/{index}/{sp.name}/{key}"
             if kind == SHARDED:
                 entries[key] = targets[entry].to_local().clone()
+                chunked.add((position, key))
             elif kind == TENSOR:
                 entries[key] = targets[entry]
             else:
@@ -339,6 +340,6 @@ def load_optimizer(
         {**{k: v for k, v in saved.items() if k != "params"}, "params": [position_of[name] for name in current]}
         for saved, current in zip(saved_groups, current_groups)
     ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    engine.load_optimizer_chunked_state(optimizer, {"state": state, "param_groups": groups}, frozenset(chunked))
 
 

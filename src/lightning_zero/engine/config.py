@@ -177,6 +177,13 @@ class ZeroConfig:
     match non-offloaded ones to float rounding instead of bitwise (see ``host_step.py``). False:
     keep the kernel the optimizer was configured with."""
 
+    elementwise_optimizers: Sequence[str] = ()
+    """Optimizer classes the engine does not know, declared element-wise (their update of each element
+    reads only that element and scalars), by class name (``"MyAdam"``) or qualified name
+    (``"mylib.optim.MyAdam"``): they step flat chunks instead of whole tensors on owner ranks, which
+    is faster. Declaring one that is not element-wise (per-tensor norms, matrix shapes) trains a
+    different model. See ``engine/optimizer/optimizer_kinds.py``."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in {int(s) for s in ENGINE_STAGES}:  # not 3.0, not True
             raise ValueError(
@@ -196,6 +203,12 @@ class ZeroConfig:
             object.__setattr__(self, "unit_classes", tuple(self.unit_classes))
         if not (self.check_units_every_gather is None or isinstance(self.check_units_every_gather, bool)):
             raise TypeError(f"`check_units_every_gather` must be True, False or None (automatic), got {self.check_units_every_gather!r}.")
+        if isinstance(self.elementwise_optimizers, str) or not all(isinstance(c, str) and c for c in self.elementwise_optimizers):
+            raise TypeError(
+                "`elementwise_optimizers` must be a list of optimizer class names such as ['MyAdam'] or"
+                f" ['mylib.optim.MyAdam'], got {self.elementwise_optimizers!r}."
+            )
+        object.__setattr__(self, "elementwise_optimizers", tuple(self.elementwise_optimizers))
         self._check_offload_tiers()
         if not isinstance(self.fused_host_step, bool):
             raise TypeError(f"`fused_host_step` must be True or False, got {self.fused_host_step!r}.")

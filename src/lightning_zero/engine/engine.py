@@ -51,7 +51,8 @@ from lightning_zero.engine.memory import MemoryReport, measure, working_memory
 from lightning_zero.engine.offload.disk_tier import DiskTier
 from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
-from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, load_full_state_dict, optimizer_index_of_params
+from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, optimizer_index_of_params
+from lightning_zero.engine.optimizer.whole_tensor_step import ChunkedState
 from lightning_zero.engine.optimizers import ShardedOptimizers
 from lightning_zero.engine.parameters.param_guard import ParameterReplacementGuard
 from lightning_zero.engine.parameters.replicated_parameters import ReplicatedParameters
@@ -111,8 +112,9 @@ class ZeroEngine:
         self.buckets = self.residency.grad_buckets
 
         self._optimizers = ShardedOptimizers(
-            self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets
-        )
+            self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets, group,
+            self.residency.compute_device, lambda opt: self.residency.after_optimizer_step(opt, self.params_of(opt)),
+        )  # fmt: skip
         for optimizer in optimizers:
             self._optimizers.add(optimizer)
 
@@ -253,10 +255,20 @@ class ZeroEngine:
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
         (``keep=False``: take part, return nothing)."""
-        return gather_full_state_dict(optimizer, self.params_of(optimizer), self.group, self.residency.compute_device, keep)
+        chunked = self._optimizers.chunked_state(optimizer)
+        return gather_full_state_dict(chunked, self.params_of(optimizer), self.group, self.residency.compute_device, keep)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        load_full_state_dict(optimizer, state_dict, self.params_of(optimizer))
+        self._optimizers.load_full_state(optimizer, state_dict)
+
+    def optimizer_chunked_state(self, optimizer: Optimizer) -> ChunkedState:
+        """``optimizer``'s state in this rank's chunks, however it steps (a collective; what a sharded
+        checkpoint saves: see ``optimizers.py``)."""
+        return self._optimizers.chunked_state(optimizer)
+
+    def load_optimizer_chunked_state(self, optimizer: Optimizer, state_dict: dict[str, Any], chunked: frozenset[tuple[int, str]]) -> None:
+        """The inverse of ``optimizer_chunked_state`` (a collective)."""
+        self._optimizers.load_chunked_state(optimizer, state_dict, chunked)
 
     def buckets_in_memory(self, writing: bool = False) -> Iterator[Sequence[ShardedParam]]:
         """Every sharded parameter, in groups whose ``ShardedParam.shard`` can be read (and with
@@ -383,7 +395,6 @@ class ZeroEngine:
         )  # fmt: skip
         self.averages.add(average)
         return average
-
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -4,20 +4,33 @@ Binding one (``ShardedOptimizers.add``) points its param groups at the shards
 (``optimizer/sharded_optimizer.py``), makes gradients assigned to ``param.grad`` reach the shards
 before each of its steps (``gradients/grad_window.py``), switches it to torch's fused host kernel
 under CPU offload (``optimizer/host_step.py``) and, with NVMe offload, moves its state to files
-(``offload/disk_tier.py``). ``clear`` undoes all of it, so a new ``fit`` can bring new optimizers.
+(``offload/disk_tier.py``). A whole-tensor optimizer (Muon, Adafactor, an unknown class) steps each
+parameter whole on an owner rank instead (``optimizer/whole_tensor_step.py``; see [Note: step
+granularity] in ``optimizer/optimizer_kinds.py``). An optimizer's ``train()``/``eval()`` that move the
+weights (schedule-free optimizers) reach the module (``optimizer/weight_swaps.py``). ``clear`` undoes
+all of it, so a new ``fit`` can bring new optimizers.
+
+Checkpoints read and write an optimizer's state as the chunk path holds it (``chunked_state`` /
+``load_chunked_state``), whichever way it steps.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.offload.disk_tier import DiskTier, GradientBucket
 from lightning_zero.engine.optimizer.host_step import FusedHostStep, fuse_host_steps
-from lightning_zero.engine.optimizer.sharded_optimizer import rebind_param_groups
+from lightning_zero.engine.optimizer.optimizer_kinds import StepGranularity, step_granularity
+from lightning_zero.engine.optimizer.sharded_optimizer import check_full_state_dict, chunked_entries, load_full_state_dict, rebind_param_groups
+from lightning_zero.engine.optimizer.weight_swaps import WeightSwaps
+from lightning_zero.engine.optimizer.whole_tensor_step import ChunkedState, WholeTensorStep
 from lightning_zero.engine.parameters.residency import HOST
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -26,7 +39,9 @@ class ShardedOptimizers:
     """``optimizers`` in the order they were added, and the sharded parameters each steps.
 
     ``before_step`` runs before every step of each (it takes the gradients assigned to
-    ``param.grad``); ``disk`` and ``buckets``: the NVMe tier and the gradient buckets its files follow.
+    ``param.grad``); ``disk`` and ``buckets``: the NVMe tier and the gradient buckets its files follow;
+    ``group`` and ``compute_device``: where whole-tensor optimizers' owners exchange tensors;
+    ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step.
     """
 
     def __init__(
@@ -36,6 +51,9 @@ class ShardedOptimizers:
         before_step: Callable[[], None],
         disk: Optional[DiskTier],
         buckets: Sequence[GradientBucket],
+        group: collectives.ProcessGroup,
+        compute_device: torch.device,
+        refresh: Callable[[Optimizer], None],
     ) -> None:
         self._sharded = {id(sp.param): sp for sp in params}
         self._config = config
@@ -46,6 +64,12 @@ class ShardedOptimizers:
         self._params_of: list[list[ShardedParam]] = []
         self._step_hooks: list[RemovableHandle] = []
         self._fused_host_steps: list[FusedHostStep] = []
+        self._group = group
+        self._compute_device = compute_device
+        self._refresh = refresh
+        self._whole: dict[int, WholeTensorStep] = {}
+        """The whole-tensor optimizers' steps, by ``id`` of the optimizer (kept after hooks go, for checkpoints)."""
+        self._swaps: list[WeightSwaps] = []
 
     def __contains__(self, optimizer: Optimizer) -> bool:
         return any(opt is optimizer for opt in self.optimizers)
@@ -53,13 +77,54 @@ class ShardedOptimizers:
     def add(self, optimizer: Optimizer) -> None:
         """Point ``optimizer``'s param groups at the shards (offloaded: with the fused host step);
         gradients assigned to ``param.grad`` reach the shards before it steps."""
+        granularity = step_granularity(optimizer, self._config.elementwise_optimizers)
+        if granularity is StepGranularity.WHOLE_TENSORS and self._disk is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__} steps whole tensors (see docs/optimizers.md), which"
+                " `offload_optimizer='nvme'` does not stream yet. Use `offload_optimizer=True` (host memory),"
+                " or declare it element-wise with `elementwise_optimizers` if its update is."
+            )
+        params = rebind_param_groups(optimizer, self._sharded)
         self.optimizers.append(optimizer)
-        self._params_of.append(rebind_param_groups(optimizer, self._sharded))
+        self._params_of.append(params)
         self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_step()))
-        if self._config.offload_optimizer and self._config.fused_host_step:
+        whole = None
+        if granularity is StepGranularity.WHOLE_TENSORS:
+            whole = self._whole[id(optimizer)] = WholeTensorStep(optimizer, params, self._group, self._compute_device)
+        elif self._config.offload_optimizer and self._config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
         if self._disk is not None:
-            self._disk.attach(optimizer, self._params_of[-1], self._buckets)
+            self._disk.attach(optimizer, params, self._buckets)
+        self._swaps.append(WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext))
+
+    def granularity(self, optimizer: Optimizer) -> StepGranularity:
+        return StepGranularity.WHOLE_TENSORS if id(optimizer) in self._whole else StepGranularity.CHUNKS
+
+    def whole_tensor_step(self, optimizer: Optimizer) -> Optional[WholeTensorStep]:
+        return self._whole.get(id(optimizer))
+
+    # ---- state, as the chunk path holds it ---------------------------------------------------
+    def chunked_state(self, optimizer: Optimizer) -> ChunkedState:
+        """``optimizer``'s ``state_dict`` in this rank's chunks (a collective for whole-tensor ones)."""
+        state_dict = optimizer.state_dict()
+        whole = self._whole.get(id(optimizer))
+        if whole is not None:
+            return whole.chunk_state(state_dict)
+        return ChunkedState(state_dict, chunked_entries(state_dict, self.params_of(optimizer)))
+
+    def load_chunked_state(self, optimizer: Optimizer, state_dict: dict[str, Any], chunked: frozenset[tuple[int, str]]) -> None:
+        """The inverse of ``chunked_state`` (a collective for whole-tensor optimizers)."""
+        whole = self._whole.get(id(optimizer))
+        optimizer.load_state_dict(whole.load_chunk_state(state_dict, chunked) if whole is not None else state_dict)
+
+    def load_full_state(self, optimizer: Optimizer, full_state_dict: dict[str, Any]) -> None:
+        """Load an unsharded (DDP-format) ``state_dict``: this rank's chunks, or its owned tensors' state."""
+        whole = self._whole.get(id(optimizer))
+        if whole is None:
+            load_full_state_dict(optimizer, full_state_dict, self.params_of(optimizer))
+            return
+        check_full_state_dict(full_state_dict, self.params_of(optimizer))
+        optimizer.load_state_dict(whole.owners_part(full_state_dict))
 
     def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
         """The sharded parameters `optimizer` steps, in its `state_dict` order."""
@@ -79,12 +144,18 @@ class ShardedOptimizers:
         self.remove_step_hooks()
         if self._disk is not None:
             self._disk.detach_all()
-        self.optimizers, self._params_of = [], []
+        self.optimizers, self._params_of, self._whole = [], [], {}
 
     def remove_step_hooks(self) -> None:
+        """The optimizers step (and ``train()``/``eval()``) as configured, on whatever they hold now."""
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
+        for whole in self._whole.values():
+            whole.close()
+        for swaps in self._swaps:
+            swaps.close()
+        self._swaps = []
 
     def close_fused_host_steps(self) -> None:
         """The optimizers step with their configured kernels again."""

@@ -67,6 +67,7 @@ class ZeroFabricStrategy(DDPStrategy):
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
+        elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         accelerator: Optional[Accelerator] = None,
@@ -77,6 +78,7 @@ class ZeroFabricStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        elementwise_optimizers = elementwise_optimizers or ()
         self.zero_config = config_from_options(locals())  # validates before anything else happens
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size

@@ -85,6 +85,11 @@ class ZeroStrategy(ZeroStepHooks):
         fused_host_step: with offload, step Adam/AdamW/SGD/Adagrad with torch's fused CPU kernel
             (default; matches a non-offloaded run to float rounding, not bitwise). False keeps the
             optimizer's configured kernel.
+        elementwise_optimizers: optimizer classes lightning-zero does not know, declared
+            element-wise (each element's update reads only that element), by class name or
+            qualified name (``["MyAdam"]``): they step flat chunks like Adam instead of whole tensors
+            on one owner rank each, which is faster. An optimizer it does not know steps whole
+            tensors (always right). See docs/optimizers.md.
         shard_group_size: hybrid sharding: states are sharded within groups of this many
             consecutive ranks and replicated across the groups ("node": the ranks of one node), so
             parameter all-gathers stay within a group and only the reduced gradient chunks (1/K
@@ -123,6 +128,7 @@ class ZeroStrategy(ZeroStepHooks):
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
+        elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         start_method: StartMethod = "popen",
@@ -134,6 +140,7 @@ class ZeroStrategy(ZeroStepHooks):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        elementwise_optimizers = elementwise_optimizers or ()
         self.zero_config = config_from_options(locals())  # validates before anything else happens
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -215,7 +222,7 @@ class ZeroStrategy(ZeroStepHooks):
         if fitting:  # evaluation leaves the optimizers' state as the finished run left it
             self._finished = None
         self._engine = start_engine(self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups())
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # after the engine: Lightning's optimizer wrappers copy its classes (weight_swaps.py)
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group): (None, None) when every rank shards; with hybrid

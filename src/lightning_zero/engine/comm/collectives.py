@@ -127,6 +127,19 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
     return PendingCollective(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
+def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup) -> Tensor:
+    """Rank r sends ``inputs``' r'-th slice (``input_splits[r']`` elements, 1D, in rank order) to
+    rank r' and receives rank r''s slice for it into ``output`` (``output_splits[r']`` elements,
+    in rank order); the host waits for it (the whole-tensor optimizer step, once per step)."""
+    COLLECTIVE_STATS.record("all_to_all", inputs, group)
+    check_compute_tensors("all-to-all", (output, inputs))
+    if world_size(group) == 1:
+        output.copy_(inputs)
+        return output
+    dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group)
+    return output
+
+
 class _AllOf(PendingCollective):
     """Several collectives that finish together (``_reduce_scatter_gloo``)."""
 

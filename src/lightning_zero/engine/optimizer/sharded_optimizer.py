@@ -7,13 +7,12 @@ state only for this rank's chunks. Its ``state_dict`` indices keep meaning "the 
 which is how a full (unsharded) optimizer state maps onto shards and back.
 
 Only element-wise optimizers give the same update on a flat chunk as on the whole tensor. Ones that
-look across a tensor (per-tensor norms, factored second moments, line searches) would silently
-train a different model, so they are refused.
+look across a tensor (per-tensor norms, factored second moments, orthogonalization) step each
+parameter whole on an owner rank instead (see [Note: step granularity] in ``optimizer_kinds.py``).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -21,21 +20,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.optimizer.optimizer_kinds import check_steppable
+from lightning_zero.engine.optimizer.whole_tensor_step import STEP_KEY, ChunkedState
 from lightning_zero.engine.shards.partition import copy_rows_into_flat
 from lightning_zero.engine.shards.sharded_param import ShardedParam
-
-ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
-    if hasattr(torch.optim, name)
-)
-NOT_ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
-    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor") if hasattr(torch.optim, name)
-)
-
-STEP_KEY = "step"
-"""torch's optimizers keep their step count under this key: a scalar, never sharded, even for a
-0-dimensional parameter whose other state is 0-dimensional too."""
 
 
 def check_optimizer_type(optimizer: object) -> None:
@@ -54,8 +42,7 @@ need a consolidation step our checkpoints never make."""
 
 
 def check_optimizer(optimizer: object) -> None:
-    """Raise for anything that cannot be sharded element-wise; warn for optimizer classes we
-    cannot vouch for."""
+    """Raise for an optimizer no path can step (see ``optimizer_kinds.py``)."""
     check_optimizer_type(optimizer)
     assert isinstance(optimizer, Optimizer)  # for type checkers
     cls = type(optimizer)
@@ -65,19 +52,7 @@ def check_optimizer(optimizer: object) -> None:
             " its state itself, and lightning-zero already shards the optimizer state. HINT: return the"
             " plain optimizer it wraps from `configure_optimizers` (e.g. `torch.optim.AdamW(self.parameters())`)."
         )
-    if isinstance(optimizer, NOT_ELEMENTWISE_OPTIMIZERS):
-        raise ValueError(
-            f"{type(optimizer).__name__} is not element-wise (it looks across whole tensors), so"
-            " stepping flat shards would train a different model. Use an element-wise optimizer"
-            f" such as {', '.join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)}."
-        )
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        warnings.warn(
-            f"lightning-zero steps {type(optimizer).__name__} on flat shards of each parameter. This"
-            " matches unsharded training only if its update is element-wise (no per-tensor norms"
-            " or shapes, as in LAMB, LARS, Adafactor or Shampoo).",
-            stacklevel=2,
-        )
+    check_steppable(optimizer)
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameters"
@@ -96,25 +71,28 @@ def rebind_param_groups(optimizer: Optimizer, sharded: dict[int, ShardedParam]) 
     return ordered
 
 
-def _sharded_keys(state: dict[str, Any], param: ShardedParam) -> list[str]:
-    """State entries that are per-element, i.e. have the shard's shape (a rank-local test that
-    every rank answers the same way, since all ranks hold the same keys)."""
-    return sorted(
-        key
+def chunked_entries(state_dict: dict[str, Any], params: Sequence[ShardedParam]) -> frozenset[tuple[int, str]]:
+    """The chunk path's per-element state entries, ``(position, key)``: those with the shard's shape
+    (a rank-local test that every rank answers the same way, since all ranks hold the same keys).
+    torch's optimizers keep their step count under ``STEP_KEY``: a scalar, never sharded, even for
+    a 0-dimensional parameter whose other state is 0-dimensional too."""
+    return frozenset(
+        (index, key)
+        for index, state in state_dict["state"].items()
         for key, value in state.items()
-        if key != STEP_KEY and isinstance(value, Tensor) and value.shape == param.shard.shape
+        if key != STEP_KEY and isinstance(value, Tensor) and value.shape == params[index].shard.shape
     )
 
 
 def gather_full_state_dict(
-    optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup, device: torch.device, keep: bool = True
+    chunked: ChunkedState, params: Sequence[ShardedParam], group: collectives.ProcessGroup, device: torch.device, keep: bool = True
 ) -> dict[str, Any]:
-    """The optimizer's ``state_dict`` as an unsharded optimizer would have it (same format as
-    under DDP), on the CPU. A collective: every rank must call it; ranks with ``keep=False`` take
-    part but drop each gathered tensor at once and return an empty dict. Each state tensor is
-    gathered on ``device``, the compute device (an offloaded optimizer's state is on the host, and
-    NCCL gathers device tensors only), one at a time."""
-    state_dict = optimizer.state_dict()
+    """An optimizer's ``state_dict`` as an unsharded optimizer would have it (same format as under
+    DDP), on the CPU, from its state in chunks. A collective: every rank must call it; ranks with
+    ``keep=False`` take part but drop each gathered tensor at once and return an empty dict. Each
+    state tensor is gathered on ``device``, the compute device (an offloaded optimizer's state is
+    on the host, and NCCL gathers device tensors only), one at a time."""
+    state_dict = chunked.state_dict
     n = collectives.world_size(group)
     full_state: dict[int, dict[str, Any]] = {}
     for index, param in enumerate(params):
@@ -122,7 +100,7 @@ def gather_full_state_dict(
             continue
         state = dict(state_dict["state"][index])
         c = param.padded_chunk_numel
-        for key in _sharded_keys(state, param):
+        for key in sorted(key for key in state if (index, key) in chunked.chunked):
             local = state[key]
             padded = torch.zeros(c, dtype=local.dtype, device=device)
             padded[: local.numel()].copy_(local.reshape(-1))
@@ -136,9 +114,9 @@ def gather_full_state_dict(
     return {"state": full_state, "param_groups": state_dict["param_groups"]} if keep else {}
 
 
-def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], params: Sequence[ShardedParam]) -> None:
-    """Load an unsharded optimizer ``state_dict`` (ours, or one saved by DDP) keeping this rank's chunks."""
-    state: dict[int, dict[str, Any]] = {}
+def check_full_state_dict(full_state_dict: dict[str, Any], params: Sequence[ShardedParam]) -> dict[int, dict[str, Any]]:
+    """An unsharded optimizer ``state_dict``'s state by position, checked against ``params``."""
+    states: dict[int, dict[str, Any]] = {}
     for index, saved in full_state_dict["state"].items():
         index = int(index)
         if index >= len(params):
@@ -147,16 +125,26 @@ def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], 
                 f" {len(params)} parameters: the checkpoint was saved for a different model or optimizer."
             )
         param = params[index]
+        for key, value in saved.items():
+            if key != STEP_KEY and isinstance(value, Tensor) and value.shape != param.shape and value.numel() == param.layout.numel > 1:
+                raise ValueError(
+                    f"Optimizer state {key!r} of parameter {param.name!r} has shape {tuple(value.shape)},"
+                    f" the parameter has shape {tuple(param.shape)}."
+                )
+        states[index] = saved
+    return states
+
+
+def load_full_state_dict(optimizer: Optimizer, full_state_dict: dict[str, Any], params: Sequence[ShardedParam]) -> None:
+    """Load an unsharded optimizer ``state_dict`` (ours, or one saved by DDP) keeping this rank's chunks."""
+    state: dict[int, dict[str, Any]] = {}
+    for index, saved in check_full_state_dict(full_state_dict, params).items():
+        param = params[index]
         start, end = param.layout.owned_range(param.rank)
         state[index] = {}
         for key, value in saved.items():
             if key != STEP_KEY and isinstance(value, Tensor) and value.shape == param.shape:
                 value = value.reshape(-1)[start:end].clone()
-            elif key != STEP_KEY and isinstance(value, Tensor) and value.numel() == param.layout.numel > 1:
-                raise ValueError(
-                    f"Optimizer state {key!r} of parameter {param.name!r} has shape {tuple(value.shape)},"
-                    f" the parameter has shape {tuple(param.shape)}."
-                )
             state[index][key] = value
     optimizer.load_state_dict({"state": state, "param_groups": full_state_dict["param_groups"]})
 
