@@ -183,6 +183,9 @@ def preempt_and_resume(ctx: RankContext, folder: str, setup: Setup, signals: Sen
             setup.fit(preempted)
         except SystemExit as exit:
             exit_code = exit.code
+        # this rank's own signal arriving after the stop (a scheduler signals tasks one by one)
+        # must not kill it: it is logged and dropped
+        os.kill(os.getpid(), signals.signum)
         saved = sorted(set(os.listdir(root)) - {"bin", "scontrol_calls"})
         L.seed_everything(1, verbose=False)  # the checkpoint decides the weights, not this seed
         recorder, start = WeightRecorder(), StepAtStart()

@@ -22,6 +22,7 @@ from lightning_zero.checkpoint.atomic import commit, recover, temporary_sibling
 from lightning_zero.checkpoint.directory import load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_zip
+from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
@@ -90,6 +91,7 @@ class ZeroCheckpointing:
         ``write_file``) so that it appears only once complete: an interrupted save leaves the previous
         checkpoint there untouched. A collective; if any rank fails, every rank raises the same
         ``CheckpointWriteError``, the cause and the file on its first line."""
+        local_checkpoint_path(filepath)  # every rank, before any collective: a URL would become a local folder
         path = Path(ranks.broadcast(str(filepath)))
         temporary = temporary_sibling(path, ranks.broadcast(uuid.uuid4().hex[:8]))
         try:
@@ -122,7 +124,7 @@ class ZeroCheckpointing:
         was being replaced is moved back first. ``weights_only``: how the pickles are read, as
         ``torch.load`` reads a file (``read_file`` is given it already; see [Note: untrusted
         checkpoints] in ``pickles.py``). ``averaging_states``: see ``load_directory``."""
-        path = Path(checkpoint_path)
+        path = local_checkpoint_path(checkpoint_path)
         recover(path)  # every rank: they agree on which sibling, whoever moves it
         self.restored_from_directory = path.is_dir()
         if path.is_dir():

@@ -26,6 +26,7 @@ from lightning_zero.checkpoint.atomic import commit, temporary_sibling
 from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY, read_callback_shards
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
 from lightning_zero.checkpoint.integrity import check_directory
+from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.pickles import save_torch_file
 from lightning_zero.checkpoint.sharded import CURRENT_PREFIX, SHARDED, TENSOR, read_full_state
@@ -41,7 +42,7 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
     the checksum in its manifest first); an existing ``dst`` file is replaced only once the new one
     is complete.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = local_checkpoint_path(src), local_checkpoint_path(dst, "Destination")
     if dst.resolve() == src.resolve():
         raise ValueError(f"convert_checkpoint would overwrite its source {str(src)!r}; choose another destination.")
     if dst.is_dir():
@@ -67,7 +68,7 @@ def checkpoint_file(path: PathLike, weights_only: Optional[bool] = None) -> Unio
 
         model = MyModel.load_from_checkpoint(checkpoint_file(trainer.checkpoint_callback.best_model_path))
     """
-    path = Path(path)
+    path = local_checkpoint_path(path)
     if not path.is_dir():
         return path
     buffer = io.BytesIO()
@@ -80,7 +81,7 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only
     """The sharded checkpoint ``src`` as the one dict a plain Lightning checkpoint file holds
     (checked against its checksums first); see the module's docstring. ``weights_only``: see
     ``convert_checkpoint``."""
-    src = Path(src)
+    src = local_checkpoint_path(src)
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src, weights_only)
     checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}

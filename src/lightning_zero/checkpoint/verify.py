@@ -23,6 +23,7 @@ import torch
 
 from lightning_zero.checkpoint.errors import CorruptCheckpointError, UntrustedCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_directory, check_zip
+from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.manifest import META_NAME, PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, load_torch_file
 from lightning_zero.checkpoint.storage import read_meta, storage_items
@@ -32,7 +33,7 @@ def verify_checkpoint(path: PathLike, weights_only: bool = True) -> str:
     """A one-line summary of what was checked; raises naming the first damaged file
     (``CorruptCheckpointError``) or the first global that a pickle names and a load under
     ``weights_only`` would refuse (``UntrustedCheckpointError``)."""
-    path = Path(path)
+    path = local_checkpoint_path(path)
     if path.is_file():
         check_zip(path)
         pickled = _check_pickle(path, weights_only, lambda: load_torch_file(path, True, path, "it", mmap=True))

@@ -19,6 +19,7 @@ from lightning_zero.checkpoint.atomic import recover
 from lightning_zero.checkpoint.checkpointing import RankCoordination, ZeroCheckpointing
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
+from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.pickles import checkpoint_globals
 from lightning_zero.compat.lightning_api import load_passing_weights_only
 from lightning_zero.fabric.checkpoint_io import file_writer
@@ -121,7 +122,7 @@ class FabricCheckpointing:
         restored. ``state=None``: the whole checkpoint as plain full tensors. ``load_plain``: how
         Fabric's DDP loads a state that holds no module set up here."""
         self._modules.close_steps()
-        path = Path(path)
+        path = local_checkpoint_path(path)
         recover(path)
 
         def read_file(file: Path) -> Any:

@@ -7,11 +7,13 @@ launchers that recover interrupted checkpoints before a run are in ``launchers.p
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.checkpointing import StateDictType
+from lightning_zero.checkpoint.locations import check_local_locations
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -20,6 +22,7 @@ except ImportError:  # Lightning before 2.6 has no weight-averaging callbacks of
 
 __all__ = [
     "check_callbacks_can_save",
+    "check_checkpoint_locations",
     "has_weight_averaging",
     "unwrap_optimizer",
 ]
@@ -52,3 +55,15 @@ def check_callbacks_can_save(trainer: "pl.Trainer", state_dict_type: StateDictTy
                 ' and a ModelCheckpoint would save one. HINT: `ZeroStrategy(..., state_dict_type="full")` saves'
                 " one file instead, or `ModelPruning(..., make_pruning_permanent=False)` keeps the masks apart."
             )
+
+
+def check_checkpoint_locations(trainer: "pl.Trainer") -> None:
+    """At setup, on every rank: the directories checkpoints will be saved in are local (see
+    ``checkpoint/locations.py``): each checkpointing callback's (ModelCheckpoint's, resolved by its
+    own setup, which ran before the strategy's; OnExceptionCheckpoint's), and ``default_root_dir``
+    where a preemption under SLURM saves there."""
+    locations = [(f"{type(c).__name__}(dirpath=...)", getattr(c, "dirpath", None)) for c in trainer.callbacks]
+    environment = trainer.strategy.cluster_environment
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        locations.append(("`default_root_dir`, where a preemption saves,", trainer.default_root_dir))
+    check_local_locations(locations)

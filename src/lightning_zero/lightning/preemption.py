@@ -21,6 +21,12 @@ Under ``ZeroStrategy`` instead (see [Note: stop votes] in ``engine/comm/stop_vot
 
 Outside ``fit`` (validate, test, predict) there is no training state to keep: SIGTERM stops each
 rank's loop at its next batch as Lightning's does, and the requeue signal only requeues.
+
+After a stop for preemption the ranks leave ``fit`` at once, but each rank's own signal may still be
+on its way (a scheduler signals the tasks of a job one by one): Lightning's teardown would put the
+handlers from before ``fit`` back — for SIGUSR1 and SIGTERM usually the default, which kills the
+process (exit code -10 or -15) while it exits cleanly or writes its last logs. So once the ranks
+agreed to stop, the teardown leaves handlers that log such a late signal and drop it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 from types import FrameType
 from typing import Any, Optional
@@ -68,6 +75,27 @@ class PreemptionSignals(_SignalConnector):
             launcher.kill(signum)
         self._request(StopReason.EXIT, signum)
 
+    stopped_for_preemption = False
+    """Set by ``StopAtAgreedStep`` when this run stops for a preemption signal (see the module docstring)."""
+
+    @override
+    def register_signal_handlers(self) -> None:
+        # a new run in this process: the handlers an earlier preempted run left (see `teardown`) go,
+        # else Lightning would take them for the user's and not register its own
+        for signum, before in list(_REPLACED_BY_LATE_SIGNAL_DROP.items()):
+            if signal.getsignal(signum) is _drop_late_signal:
+                self._register_signal(signum, before)
+        _REPLACED_BY_LATE_SIGNAL_DROP.clear()
+        super().register_signal_handlers()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # the handlers from before `fit`
+        if self.stopped_for_preemption:
+            for signum in PREEMPTION_SIGNALS:
+                _REPLACED_BY_LATE_SIGNAL_DROP.setdefault(signum, signal.getsignal(signum))
+                self._register_signal(signum, _drop_late_signal)
+
     def _request(self, reason: StopReason, signum: Any) -> None:
         engine = getattr(self.trainer.strategy, "engine", None)
         if engine is not None and self.trainer.state.fn == TrainerFn.FITTING:
@@ -98,7 +126,20 @@ class StopAtAgreedStep(Callback):
             if StopReason.REQUEUE in reasons and trainer.is_global_zero:
                 requeue_slurm_job()
         trainer._signal_connector.received_sigterm = True
+        if isinstance(trainer._signal_connector, PreemptionSignals):
+            trainer._signal_connector.stopped_for_preemption = True
         raise PreemptedExit()
+
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else (signal.SIGTERM,)
+
+
+_REPLACED_BY_LATE_SIGNAL_DROP: dict[int, Any] = {}
+"""The handlers ``_drop_late_signal`` replaced after a preempted run, put back when a new run starts."""
+
+
+def _drop_late_signal(signum: int, _: Optional[FrameType]) -> None:
+    log.info(f"Received signal {signum} after the ranks stopped for preemption: nothing left to do, ignored.")
 
 
 def handle_preemption(trainer: "pl.Trainer") -> None:

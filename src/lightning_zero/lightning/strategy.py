@@ -37,7 +37,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.fabric.checkpoint_io import file_writer
 from lightning_zero.lightning import checkpoint_hooks
-from lightning_zero.lightning.checkpointing import check_callbacks_can_save
+from lightning_zero.lightning.checkpointing import check_callbacks_can_save, check_checkpoint_locations
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
@@ -214,6 +214,7 @@ class ZeroStrategy(ZeroStepHooks):
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
+        check_checkpoint_locations(trainer)  # a URL would become a local folder (checkpoint/locations.py)
         gather_around_parameter_hooks(trainer, self)  # pruning reads and writes parameters between steps
         handle_preemption(trainer)  # signals only record a request; the ranks stop together
         self.accelerator.setup(trainer)
