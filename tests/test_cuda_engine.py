@@ -53,10 +53,11 @@ def _engine_run(
     seed: int = 0,
     device: Any = None,
     optimizer_options: Optional[dict] = None,
+    optimizer_class: Any = None,
     **options: Any,
 ):
-    """A GPT on ``device`` (default cuda:0), AdamW (with ``optimizer_options``), and the engine with
-    the options ``variant`` names and ``options`` on top; a batch of tokens."""
+    """A GPT on ``device`` (default cuda:0), AdamW (or ``optimizer_class``, with ``optimizer_options``),
+    and the engine with the options ``variant`` names and ``options`` on top; a batch of tokens."""
     import torch
 
     from lightning_zero.engine import ZeroConfig, ZeroEngine
@@ -66,7 +67,7 @@ def _engine_run(
     device = torch.device("cuda", 0) if device is None else torch.device(device)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**shape)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **(optimizer_options or {}))
+    optimizer = (optimizer_class or torch.optim.AdamW)(model.parameters(), lr=1e-3, **(optimizer_options or {}))
     engine = ZeroEngine(model, [optimizer], ZeroConfig(**STRATEGY_NAMES[variant], **options), device=device)
     tokens = torch.randint(0, 256, (batch_size, shape["block_size"] + 1), device=device)  # (B, T + 1)
     return model, optimizer, engine, tokens
@@ -339,6 +340,54 @@ def nvme_offload(ctx: RankContext) -> dict:
 GROUP.case(nvme_offload, name="nvme_offload")
 
 
+def whole_tensor_optimizer(ctx: RankContext, variant: str) -> dict:
+    """Adafactor, a whole-tensor optimizer (each parameter stepped whole on its owner rank; on the host
+    under offload), 3 fp32 steps: the weights, against the same steps with no engine, and where its
+    state lives."""
+    import torch
+
+    setup_rank(deterministic=True)
+    runs = {}
+    for label in ("plain", variant):
+        model, optimizer, engine, tokens = _engine_run(variant, SYNC_SHAPE, optimizer_class=torch.optim.Adafactor)
+        if label == "plain":
+            engine.close()  # the optimizer steps the module's own parameters again
+            model, optimizer = _plain_copy(model, torch.optim.Adafactor)
+        for _ in range(3):
+            if label != "plain":
+                engine.begin_step()
+            loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+            loss.backward()
+            if label != "plain":
+                engine.finish_backward()
+                engine.end_step()
+            optimizer.step()
+            if label != "plain":
+                engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        state_devices = sorted({t.device.type for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()})
+        weights = engine.full_state_dict(model) if label != "plain" else model.state_dict()
+        runs[label] = {"weights": {k: v.detach().cpu() for k, v in weights.items()}, "state_devices": state_devices}
+        if label != "plain":
+            engine.close()
+    return runs
+
+
+def _plain_copy(model: Any, optimizer_class: Any) -> tuple:
+    """A fresh copy of ``model``'s initial weights (same seed) with its own optimizer."""
+    import torch
+
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**SYNC_SHAPE)).to("cuda")
+    return plain, optimizer_class(plain.parameters(), lr=1e-3)
+
+
+for _variant in VARIANTS:
+    GROUP.case(whole_tensor_optimizer, name=f"whole_tensor_{_variant}", variant=_variant)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("cuda_engine"))
@@ -428,3 +477,13 @@ def test_nvme_offload_trains_bitwise_like_cpu_offload_with_pinned_chunks(results
     chunks = r["zero3_offload_nvme_params"]
     assert chunks["masters"] > 0 and chunks["pinned"] and all(chunks["pinned"])  # read back into pinned memory
     assert chunks["at_rest"] == [0, 0, 0]  # and out of host memory between steps
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_whole_tensor_optimizer_steps_as_without_the_engine(results, variant):
+    (runs,) = results[f"whole_tensor_{variant}"]
+    plain, zero = runs["plain"]["weights"], runs[variant]["weights"]
+    # offloaded, the owner steps on the host: the same arithmetic on another processor
+    tolerance = 1e-5 if "offload" in variant else 0.0
+    assert max((plain[k].float() - zero[k].float()).abs().max().item() for k in plain) <= tolerance
+    assert runs[variant]["state_devices"] == (["cpu"] if "offload" in variant else ["cuda"])

@@ -6,7 +6,8 @@ size 1 every collective returns before reaching NCCL). Three contracts, each wit
 - **NCCL takes device tensors only.** Under ``device_roles.tracking_host_tensors()`` every
   collective refuses host memory (offloaded chunks and their gradients, pinned buffers, NVMe
   staging, what is computed from them; see [Note: device roles]). Clipping by norm,
-  ``strategy.grad_norm`` and the full optimizer state, through the Trainer at ``zero2_offload`` and
+  ``strategy.grad_norm``, the full optimizer state and a whole-tensor optimizer's exchanges with its
+  owner ranks (with a sharded save and resume), through the Trainer at ``zero2_offload`` and
   ``zero3_offload`` on two ranks, each against DDP doing the same.
 - **On NCCL, ``wait()`` does not block the host: it makes the compute stream wait.** So waiting,
   inside backward, for a reduce-scatter a peer has not joined yet stalls this rank's later
@@ -146,7 +147,22 @@ def lifecycle(ctx: RankContext, strategy: str) -> dict[str, Tensor]:
     return full_weights(module, resumed.strategy)
 
 
-CHECKS = {"clip_by_norm": clip_by_norm, "grad_norms": grad_norms, "full_optimizer_state": full_optimizer_state}
+def whole_tensor_optimizer(ctx: RankContext, strategy: str) -> list[dict[str, Tensor]]:
+    """A whole-tensor optimizer (Adafactor: each parameter stepped whole on its owner rank, which
+    steps on the host under offload) clipped by norm, saved sharded and resumed: the weights after
+    every step of the resumed fit."""
+    import os
+
+    from lightning_helpers import fit_and_record
+
+    kwargs = dict(module_kwargs={"optimizer": "adafactor_groups"}, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+    trainer = fit_and_record(_strategy(strategy), 2, **kwargs)[2]
+    path = os.path.join(ctx.tmpdir, f"whole_tensor_{strategy}")
+    trainer.save_checkpoint(path)  # the owners' state scattered to every rank's chunks
+    return fit_and_record(_strategy(strategy), 4, ckpt_path=path, **kwargs)[1]  # and gathered back to the owners
+
+
+CHECKS = {"whole_tensor_optimizer": whole_tensor_optimizer, "clip_by_norm": clip_by_norm, "grad_norms": grad_norms, "full_optimizer_state": full_optimizer_state}
 for _check, _run in CHECKS.items():
     for _strategy_name in ("ddp", *OFFLOADED):
         GROUP.case(tracked, name=f"{_check}_{_strategy_name}", run=_run, strategy=_strategy_name)
@@ -177,6 +193,15 @@ def test_clipping_by_norm_with_an_offloaded_optimizer_hands_no_host_tensor_to_a_
     from lightning_helpers import max_abs_diff
 
     for ddp, zero in zip(results["clip_by_norm_ddp"], results[f"clip_by_norm_{strategy}"]):
+        assert len(zero) == len(ddp) == 2
+        assert max(max_abs_diff(a, b) for a, b in zip(ddp, zero)) < TOLERANCE
+
+
+@pytest.mark.parametrize("strategy", OFFLOADED)
+def test_a_whole_tensor_optimizer_with_offload_exchanges_device_tensors_only(results, strategy):
+    from lightning_helpers import max_abs_diff
+
+    for ddp, zero in zip(results["whole_tensor_optimizer_ddp"], results[f"whole_tensor_optimizer_{strategy}"]):
         assert len(zero) == len(ddp) == 2
         assert max(max_abs_diff(a, b) for a, b in zip(ddp, zero)) < TOLERANCE
 
