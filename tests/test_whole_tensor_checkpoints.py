@@ -120,6 +120,53 @@ def _fit_schedule_free(strategy) -> list:
     return module.outputs
 
 
+@GROUP.case
+def muon_adamw_fabric(ctx: RankContext) -> dict:
+    """Fabric, Muon on the matrices and AdamW on the rest (two optimizers), clipped by norm: zero3's
+    losses and weights against Fabric's DDP, and a ``fabric.save``/``fabric.load`` round trip."""
+    if not hasattr(torch.optim, "Muon"):
+        return {"skipped": "this torch has no torch.optim.Muon (torch >= 2.9)"}
+    runs = {strategy: _fabric_muon(ctx, strategy) for strategy in ("ddp", "zero3")}
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(runs["ddp"]["losses"], runs["zero3"]["losses"])),
+        "weight_diff": max((runs["ddp"]["weights"][k] - runs["zero3"]["weights"][k]).abs().max().item() for k in runs["ddp"]["weights"]),
+        "reloaded_diff": runs["zero3"]["reloaded_diff"],
+    }
+
+
+def _fabric_muon(ctx: RankContext, strategy: str) -> dict:
+    from fabric_loop import batches_for, fabric_for, full_weights, small_gpt
+
+    fabric = fabric_for(strategy)
+    fabric.seed_everything(0)
+    module = small_gpt()
+    matrices = [p for p in module.parameters() if p.ndim == 2]
+    rest = [p for p in module.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(matrices, lr=2e-2, momentum=0.9, weight_decay=0.01)
+    adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1)
+    model, muon, adamw = fabric.setup(module, muon, adamw)
+    losses = []
+    for batch in batches_for(ctx.rank, 3):
+        loss = model(batch[:, :-1], batch[:, 1:])[1]
+        fabric.backward(loss)
+        fabric.clip_gradients(model, muon, max_norm=0.05)
+        fabric.clip_gradients(model, adamw, max_norm=0.05)
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    weights = full_weights(fabric, model)
+    path = os.path.join(ctx.tmpdir, f"fabric_muon_{strategy}")
+    fabric.save(path, {"model": model, "muon": muon, "adamw": adamw})
+    states = [opt.state_dict() for opt in (muon, adamw)] if strategy == "ddp" else None
+    fabric.load(path, {"model": model, "muon": muon, "adamw": adamw})
+    reloaded = full_weights(fabric, model)
+    return {
+        "losses": losses, "weights": weights, "states": states,
+        "reloaded_diff": max((weights[k] - reloaded[k]).abs().max().item() for k in weights),
+    }  # fmt: skip
+
+
 def _state_at_start(rank: int, world_size: int, source: str) -> list:
     """Resumed at world size 1: the full optimizer states before the first step."""
     from lightning.pytorch.callbacks import Callback
@@ -185,3 +232,12 @@ def test_reshard_2_to_1(results, root):
     results["adafactor_saved"]
     (states,) = run_on_ranks(_state_at_start, str(root / CHECKPOINTS / "epoch=0-step=2.ckpt"), world_size=1, init_process_group=False)
     _assert_states_equal(states, results["adafactor_ddp_state"][0])
+
+
+def test_muon_adamw_under_fabric_trains_as_ddp_and_round_trips(results):
+    for result in results["muon_adamw_fabric"]:
+        if "skipped" in result:
+            pytest.skip(result["skipped"])
+        # the same arithmetic; only clipping's norm is summed in another order
+        assert result["loss_diff"] <= TOLERANCE and result["weight_diff"] <= TOLERANCE, result
+        assert result["reloaded_diff"] == 0.0
