@@ -127,3 +127,18 @@ def test_nvme_offload_refuses_whole_tensor_optimizers(tmp_path):
     config = ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path))
     with pytest.raises(ValueError, match="steps whole tensors"):
         ZeroEngine(model, [torch.optim.Adafactor(model.parameters())], config)
+
+
+def test_a_bound_schedule_free_optimizer_pickles_and_copies_as_its_own_class():
+    import copy
+    import pickle
+
+    schedulefree = pytest.importorskip("schedulefree")
+    model = nn.Linear(3, 2)
+    opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.5)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=2))
+    assert isinstance(opt, schedulefree.AdamWScheduleFree) and type(opt) is not schedulefree.AdamWScheduleFree  # train/eval wrapped
+    for clone in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert type(clone) is schedulefree.AdamWScheduleFree and clone.param_groups[0]["lr"] == 0.5
+    engine.close()
+    assert type(opt) is schedulefree.AdamWScheduleFree

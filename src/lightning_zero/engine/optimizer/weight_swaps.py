@@ -38,12 +38,7 @@ class WeightSwaps:
 
             def __reduce_ex__(self: Optimizer, protocol: Any) -> Any:  # noqa: N807
                 # pickled and copied as the user's class: the engine's wrapping stays in this process
-                swapped = self.__class__
-                self.__class__ = cls
-                try:
-                    return self.__reduce_ex__(protocol)
-                finally:
-                    self.__class__ = swapped
+                return _rebuilt, (cls, self.__getstate__())
 
             names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__}
             optimizer.__class__ = type(cls.__name__, (cls,), {**methods, **names})
@@ -56,6 +51,13 @@ class WeightSwaps:
         """The optimizer's own class again."""
         if self.wraps:
             self._optimizer.__class__ = self._user_class
+
+
+def _rebuilt(cls: type, state: Any) -> Any:
+    """An instance of ``cls`` with ``state`` (what ``pickle`` and ``copy`` make of a wrapped optimizer)."""
+    obj = cls.__new__(cls)
+    obj.__setstate__(state)
+    return obj
 
 
 def _then_refresh(method: Callable[..., Any], refresh: Callable[[], None], around: Callable[[], AbstractContextManager]) -> Callable[..., Any]:
