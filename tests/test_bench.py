@@ -14,6 +14,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ from lightning_zero.cli import main
 
 TINY = dict(n_layer=2, n_embd=64, n_head=2, block_size=32, batch_size=2, devices=2, warmup=1, steps=1)
 """~120k parameters: each variant's processes spend far longer starting than stepping."""
-OURS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
+OURS = ("zero1", "zero2", "zero3", "zero2_whole", "zero3_whole", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
+"""In the table's order; `zero2_whole` and `zero3_whole` are the ownership path (not in the default run)."""
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +142,54 @@ def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResul
     assert list(nvme_path.iterdir()) == []  # every rank removed its scratch directory
 
 
+def test_ownership_path_rows_show_its_communication_and_state(bench: BenchResult) -> None:
+    """Issue 42: `zero2_whole` / `zero3_whole` step AdamW whole on owner ranks. Next to the chunk
+    path's row of the same stage they add exactly the all-to-alls the owner plan and the chunk
+    layouts predict, and each rank holds its owned parameters' moments whole, within the bound."""
+    from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+    from lightning_zero.engine.shards.partition import ChunkLayout
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    by_name = {v.name: v for v in bench.variants}
+    config = GPTConfig(**bench.model["config"])
+    with torch.device("meta"):
+        numels = [p.numel() for p in GPT(config).parameters()]  # the optimizer's order
+    n = bench.environment["world_size"]
+    plan = plan_owners(numels, n)
+    owned = plan.elements_per_rank(numels)
+    owned_tensors = [plan.owners.count(rank) for rank in range(n)]
+    text = Path(bench.files["markdown"]).read_text()
+    for name, chunk_name in (("zero2_whole", "zero2"), ("zero3_whole", "zero3")):
+        whole, chunk = by_name[name], by_name[chunk_name]
+        assert whole.status == OK and chunk.status == OK, (whole.reason, chunk.reason)
+        assert whole.losses == chunk.losses  # AdamW's arithmetic, bitwise: only where it runs differs
+        for rank in whole.ranks:
+            counted = rank.collectives
+            # per dtype (fp32 only here) two all-to-alls in, gradients and weights, and one out
+            assert counted.calls["all_to_all"] == 3
+            # in: this rank's chunk of every parameter, twice; out: every parameter it owns, whole
+            chunks = sum(ChunkLayout(numel, n).owned_numel(rank.rank) for numel in numels)
+            sent = 4 * (2 * chunks + owned[rank.rank])
+            assert counted.buffer_bytes["all_to_all"] == sent > 0
+            assert counted.wire_bytes["all_to_all"] == pytest.approx(sent * (n - 1) / n)
+            # everything else is the chunk path's
+            others = {kind: b for kind, b in counted.buffer_bytes.items() if kind != "all_to_all"}
+            assert others == chunk.ranks[rank.rank].collectives.buffer_bytes
+            # the owner's moments (2 × 4 B per owned element) and step counters (4 B per owned tensor)
+            state = rank.phases["step"].optimizer_state
+            assert state == 8 * owned[rank.rank] + 4 * owned_tensors[rank.rank]
+            assert state <= 1.1 * (8 * sum(numels) / n + 8 * max(numels))  # issue 42's bound
+            assert state <= whole.theory.optimizer_state_bound_bytes
+        exchange = whole.comm_bytes_by_kind["all_to_all"]
+        assert exchange == pytest.approx(whole.theory.owner_exchange_bytes_per_step)
+        assert whole.comm_bytes_per_step == pytest.approx(chunk.comm_bytes_per_step + exchange)
+        assert whole.theory.comm_bytes_per_step == pytest.approx(chunk.theory.comm_bytes_per_step + exchange)
+        assert whole.aten_ops_per_step > 0 and whole.targets["step_time"] is None and whole.targets["overhead"] is None
+        assert whole.targets["model_state"] is True
+        assert f"| `{name}` | " in text.split("The ownership path")[1]
+    assert "Communication per step by kind" in text and "all_to_all" in text
+
+
 def test_every_variant_trained_the_same_model(bench: BenchResult) -> None:
     """Same seed, data and optimizer: the losses of all three steps agree up to reduction order."""
     ran = [v for v in bench.variants if v.status == OK]
@@ -226,6 +276,47 @@ def test_console_script_rejects_unknown_variants(tmp_path: Path, capsys: pytest.
 
 
 # --- single-process pieces ---------------------------------------------------------------------
+
+
+def test_ownership_rows_are_asked_for_by_name() -> None:
+    whole = {v.name for v in variants.VARIANTS if v.whole_tensor}
+    assert whole == {"zero2_whole", "zero3_whole"}
+    assert not whole & set(BenchOptions().variants)  # the default run (and CI's) stays as it was
+    assert set(BenchOptions().variants) | whole == set(variants.BY_NAME)
+    with pytest.raises(ValueError, match="does not search zero2_whole"):
+        BenchOptions(capacity="model", memory_budget=10**9, variants=("ddp", "zero2_whole"))
+
+
+def test_owned_adamw_is_adamw_on_the_ownership_path() -> None:
+    """The ownership row's optimizer: AdamW's update bitwise, in a class the engine steps whole."""
+    from lightning_zero.bench.owned_adamw import OwnedAdamW
+    from lightning_zero.engine.optimizer.optimizer_kinds import StepGranularity, step_granularity
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(3))]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    settings = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    for fused in (False, True):
+        owned, adamw = OwnedAdamW(ours, fused=fused, **settings), torch.optim.AdamW(reference, fused=fused, **settings)
+        for _ in range(3):
+            for p, q in zip(ours, reference):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            owned.step()
+            adamw.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, reference)), f"fused={fused}"
+        assert owned.state_dict()["state"][0].keys() == adamw.state_dict()["state"][0].keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the engine's one hint per process for a class it does not know
+        assert step_granularity(owned) is StepGranularity.WHOLE_TENSORS
+    assert step_granularity(adamw) is StepGranularity.CHUNKS
+
+
+def test_owner_exchange_theory() -> None:
+    """`theory.owner_exchange_bytes` on sizes worked by hand: 3 ranks, parameters of 10, 4 and 3
+    elements; owners 0, 1, 2 (largest first, each to the least loaded); chunks of ⌈numel/3⌉."""
+    # rank 0's chunks: 4 + 2 + 1 = 7 elements; rank 1's: 4 + 2 + 1; rank 2's: 2 + 0 + 1
+    assert theory.owner_exchange_bytes([10, 4, 3], 3, element_bytes=1) == [2 * 7 + 10, 2 * 7 + 4, 2 * 3 + 3]
 
 
 def test_options_checks() -> None:

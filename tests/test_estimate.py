@@ -1,6 +1,7 @@
 """The memory estimator's arithmetic against the ZeRO paper's figures, its recommendation, the meta-device
 parameter counter and the `lightning-zero estimate` command line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -317,6 +318,92 @@ def test_largest_model_fits_and_one_more_parameter_does_not(scheme, devices, gpu
             assert not sizing.fits(est.estimate(more, layout, scheme, topology), gpu_memory, host_memory), layout.label
 
 
+# --- whole-tensor optimizers --------------------------------------------------------------------------
+
+
+def gpt_numels(**shape) -> list[int]:
+    """Each parameter's size of a real (not meta) GPT, in the order an optimizer over it steps them."""
+    from lightning_zero.models import gpt
+
+    return [p.numel() for p in gpt.GPT(gpt.GPTConfig(**shape)).parameters()]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_whole_tensor_optimizer_state_is_the_owner_plans(ranks):
+    """See [Note: whole-tensor optimizer state]: each rank keeps its owned parameters' moments whole
+    (the busiest rank under the engine's own plan is priced), and the master chunk stays a chunk."""
+    from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+
+    numels = gpt_numels(block_size=64, n_layer=3, n_head=2, n_embd=48)
+    psi, owned = sum(numels), est.OwnedParameters(numels)
+    busiest = max(plan_owners(numels, ranks).elements_per_rank(numels))
+    assert owned.busiest(ranks) == busiest
+    shard = est.shard_numel(psi, ranks)
+    for scheme in (MIXED, FP32, HALF):
+        whole = {e.layout.label: e for e in est.estimate_all(psi, scheme, est.Topology(ranks), owned=owned)}
+        chunks = {e.layout.label: e for e in est.estimate_all(psi, scheme, est.Topology(ranks))}
+        assert not any("nvme" in label for label in whole)  # NVMe offload refuses whole-tensor optimizers
+        assert whole["ddp"] == chunks["ddp"]  # DDP steps every parameter whole anyway
+        for label, e in whole.items():
+            if label == "ddp":
+                continue
+            chunk = chunks[label]
+            optimizer_state = scheme.master_bytes * shard + scheme.moment_bytes * busiest
+            held = e.host_per_rank if e.layout.offload_optimizer else e.device
+            chunk_held = chunk.host_per_rank if e.layout.offload_optimizer else chunk.device
+            assert held.optimizer_state - chunk_held.optimizer_state == scheme.moment_bytes * (busiest - shard), label
+            if not e.layout.offload_optimizer:
+                assert e.device.optimizer_state == optimizer_state, label
+            # the rest is the chunk path's
+            assert (held.parameters, held.gradients) == (chunk_held.parameters, chunk_held.gradients), label
+            assert e.pinned_per_rank == chunk.pinned_per_rank, label
+            # issue 42's bound: per-rank state ≤ 1.1 × (total / N, the chunk path's, + the largest parameter's)
+            bound = chunk_held.optimizer_state + scheme.moment_bytes * max(numels)
+            assert chunk_held.optimizer_state <= held.optimizer_state <= 1.1 * bound, label
+            # while it steps, the owner holds its parameters' full weights and gradients in the master dtype
+            step_bytes = scheme.offload_chunk_bytes if e.layout.offload_optimizer else (4 if scheme.master_bytes else scheme.weight_bytes)
+            assert e.step_transient_per_rank == 2 * step_bytes * busiest, label
+            assert chunk.step_transient_per_rank == 0
+            if e.layout.offload_optimizer:
+                # per node: every rank on it is an owner
+                assert (e.device_during_step, e.host_during_step) == (e.device.total, e.host.total + ranks * e.step_transient_per_rank)
+            else:
+                assert (e.device_during_step, e.host_during_step) == (e.device.total + e.step_transient_per_rank, 0)
+
+
+def test_whole_tensor_optimizer_over_some_parameters():
+    """Muon's recipe: the matrices whole on their owners, the rest on the chunk path."""
+    from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+    from lightning_zero.models import gpt
+
+    model = gpt.GPT(gpt.GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32))
+    psi = sum(p.numel() for p in model.parameters())
+    matrices = [p.numel() for p in model.parameters() if p.ndim == 2]
+    busiest = max(plan_owners(matrices, 4).elements_per_rank(matrices))
+    e = est.estimate(psi, Layout(ZeroStage.GRADIENTS), FP32, est.Topology(4), owned=est.OwnedParameters(matrices))
+    assert e.device.optimizer_state == 8 * (est.shard_numel(psi - sum(matrices), 4) + busiest)
+    assert e.step_transient_per_rank == 2 * 4 * busiest
+
+
+def test_whole_tensor_optimizer_misuse_is_refused():
+    owned = est.OwnedParameters([10, 20])
+    with pytest.raises(ValueError, match="exceed the model's 29 parameters"):
+        est.estimate(29, Layout(ZeroStage.GRADIENTS), FP32, est.Topology(2), owned=owned)
+    with pytest.raises(ValueError, match="nvme"):
+        est.estimate(30, Layout(ZeroStage.GRADIENTS, offload_optimizer="nvme"), FP32, est.Topology(2), owned=owned)
+    with pytest.raises(ValueError, match="one positive size per parameter"):
+        est.OwnedParameters([])
+
+
+def test_fits_charges_the_owners_step():
+    numels = gpt_numels(block_size=64, n_layer=2, n_head=2, n_embd=32)
+    owned = est.OwnedParameters(numels)
+    zero2 = est.estimate(sum(numels), Layout(ZeroStage.GRADIENTS), FP32, est.Topology(2), owned=owned)
+    assert zero2.step_transient_per_rank > 0
+    assert sizing.fits(zero2, zero2.device_during_step)
+    assert not sizing.fits(zero2, zero2.device_during_step - 1)  # the model states alone would fit
+
+
 # --- counting parameters on the meta device ---------------------------------------------------------
 
 
@@ -438,9 +525,30 @@ def test_cli_counts_a_model(capsys):
     assert f"Model states of {expected:,} parameters, precision fp32" in out
 
 
+def test_cli_prices_a_whole_tensor_optimizer(capsys):
+    from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+
+    shape = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32}
+    numels = gpt_numels(**shape)
+    busiest = max(plan_owners(numels, 2).elements_per_rank(numels))
+    args = ["estimate", "--model", f"{GPT_FILE}:GPT", "--init-args", json.dumps({"config": shape}), "--devices", "2"]
+    assert main(args + ["--precision", "fp32", "--whole-tensor-optimizer", "--gpu-memory", "1GB"]) == 0
+    out = capsys.readouterr().out
+    assert f"the busiest owning {busiest:,} elements" in out and f"largest parameter {max(numels):,}" in out
+    assert "+ owner's step (MB)" in out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    assert "zero3 + offload optimizer, params" in rows and not any("(nvme)" in label for label in rows)
+    # per device, weights, gradients, optimizer, ..., + owner's step, fits
+    assert float(rows["zero2"][4]) == pytest.approx(8 * busiest / 1e6, abs=5e-4)
+    assert float(rows["zero2"][-2]) == pytest.approx(2 * 4 * busiest / 1e6, abs=5e-4)
+    assert rows["ddp"][-2] == "-"
+    assert "Largest model: not searched for a whole-tensor optimizer" in out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--params", "7e9", "--devices", "8", "--whole-tensor-optimizer"], "--whole-tensor-optimizer needs --model"),
         (["--params", "lots", "--devices", "8"], "expected a positive whole number such as"),
         (["--params", "1.5", "--devices", "8"], "not a whole number of parameters"),
         (["--params", "7e9", "--devices", "0"], "not a positive whole number"),

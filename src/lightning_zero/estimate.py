@@ -63,6 +63,24 @@ files as well (NVMe: + `offload_chunk_bytes`·S, so 12 B/parameter/N with Adam),
 it only the buckets read in at a time: min(buffer_count, buckets) · `offload_chunk_bytes` · ⌈P/N⌉
 (the optimizer's stream; the gathers read `prefetch_units` + 1 units ahead). The gradient chunk stays
 in host memory.
+
+[Note: whole-tensor optimizer state]
+An optimizer that looks across whole tensors (Muon, Adafactor, LAMB, SOAP, any class the engine does
+not know; see docs/optimizers.md) steps each of its parameters whole on one owner rank
+(`engine/optimizer/tensor_owners.py`), which keeps that parameter's optimizer state full-shaped.
+The owners are balanced by size, largest parameter first, and every rank computes the same plan
+from the parameters' sizes alone, so the estimate runs the engine's `plan_owners` on them
+(`OwnedParameters`): per rank, the moments (`moment_bytes`) of the elements it owns, at most
+Ψ'/N plus the largest parameter's (Ψ' the elements stepped this way), instead of its Ψ'/N chunk;
+the busiest rank is priced. The master chunk, where there is one, stays a chunk
+(`master_bytes`·S), as do weights and gradients. During the step the owner also holds the full
+weight and gradient of every parameter it owns, in the master dtype (fp32 with a master copy, else
+the weights'; the host's `offload_chunk_bytes` with offload), on the device, or on the host with
+offload: `MemoryEstimate.step_transient_per_rank`, 2 · that dtype's bytes · its owned elements,
+in no total (it is gone after the step, as activations are before it) but charged by `sizing.fits`
+(the exchange's receive buffer adds one dtype's owned elements more for an instant). Stage 0 (DDP)
+holds everything anyway, and NVMe offload refuses whole-tensor optimizers, so `estimate_all`
+leaves those layouts out.
 """
 
 from __future__ import annotations
@@ -70,9 +88,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from lightning_zero.engine.config import ZeroConfig, check_shard_group_size
+from lightning_zero.engine.config import ZeroConfig, ZeroStage, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
-from lightning_zero.estimate_schemes import LAYOUTS, Layout, PrecisionScheme
+from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+from lightning_zero.estimate_schemes import FP32_BYTES, LAYOUTS, Layout, PrecisionScheme
 
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
@@ -147,6 +166,38 @@ class Topology:
 
 
 @dataclass(frozen=True)
+class OwnedParameters:
+    """The parameters a whole-tensor optimizer steps, each whole on one owner rank (see [Note:
+    whole-tensor optimizer state]): their sizes in elements, in the optimizer's order (its param
+    groups', as `model.parameters()` lists them for an optimizer over the whole model)."""
+
+    numels: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numels", tuple(self.numels))
+        if not self.numels or any(n < 1 for n in self.numels):
+            raise ValueError(f"numels must be one positive size per parameter, got {self.numels!r}")
+
+    @property
+    def total(self) -> int:
+        """Ψ': the elements stepped whole."""
+        return sum(self.numels)
+
+    @property
+    def largest(self) -> int:
+        """The largest parameter's elements: what an owner may hold beyond Ψ'/N."""
+        return max(self.numels)
+
+    def elements_per_rank(self, sharding_ranks: int) -> list[int]:
+        """The elements each rank owns under the engine's owner plan (`plan_owners`)."""
+        return plan_owners(self.numels, sharding_ranks).elements_per_rank(self.numels)
+
+    def busiest(self, sharding_ranks: int) -> int:
+        """The most elements one rank owns: at least ⌈Ψ'/N⌉, less than Ψ'/N + `largest`."""
+        return max(self.elements_per_rank(sharding_ranks))
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Model-state bytes for one layout: on each device and on each host."""
 
@@ -161,6 +212,22 @@ class MemoryEstimate:
     gradient chunks the copies read and fill (see [Note: offloaded state])."""
     disk_per_rank: int = 0
     """Bytes in NVMe files for each rank (`offload_optimizer="nvme"`): not memory, and in no total."""
+    step_transient_per_rank: int = 0
+    """With a whole-tensor optimizer (`OwnedParameters`): the full weights and gradients the busiest
+    owner holds while it steps, on the device, or on the host with offload; in no total (see [Note:
+    whole-tensor optimizer state])."""
+
+    @property
+    def device_during_step(self) -> int:
+        """Bytes on each device while the optimizer steps: `device`, plus the owner's full tensors
+        where they are on the device."""
+        return self.device.total + (0 if self.layout.offload_optimizer else self.step_transient_per_rank)
+
+    @property
+    def host_during_step(self) -> int:
+        """Bytes on each node's host while the optimizer steps: `host`, plus the owners' full
+        tensors with offload."""
+        return self.host.total + (self.step_transient_per_rank * self.devices_per_node if self.layout.offload_optimizer else 0)
 
     @property
     def host(self) -> StateBytes:
@@ -186,7 +253,12 @@ def shard_numel(num_params: int, world_size: int) -> int:
 
 
 def estimate(
-    num_params: int, layout: Layout, scheme: PrecisionScheme, topology: Topology, nvme: NvmeStaging = NvmeStaging()
+    num_params: int,
+    layout: Layout,
+    scheme: PrecisionScheme,
+    topology: Topology,
+    nvme: NvmeStaging = NvmeStaging(),
+    owned: Optional[OwnedParameters] = None,
 ) -> MemoryEstimate:
     """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.sharding_ranks`
     (all ranks, or with hybrid sharding the shard group's).
@@ -196,23 +268,48 @@ def estimate(
     With offload the optimizer term leaves the device and the host keeps, per rank, the master and
     gradient chunks (pinned) and the optimizer's moments: see [Note: offloaded state]. With NVMe the
     moments go to disk and the host keeps `nvme`'s staging buffers instead: see [Note: optimizer
-    state on NVMe].
+    state on NVMe]. With `owned` (some or all of the Ψ parameters, stepped by a whole-tensor
+    optimizer) each rank keeps the moments of the parameters it owns instead of its chunk of
+    theirs, and holds their full weights and gradients while it steps: see [Note: whole-tensor
+    optimizer state].
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
-    shard = shard_numel(num_params, topology.sharding_ranks)
     stage = layout.stage
+    if owned is not None and stage is ZeroStage.NOTHING:
+        owned = None  # DDP steps every parameter whole on every rank: nothing changes
+    if owned is not None:
+        if owned.total > num_params:
+            raise ValueError(f"the whole-tensor optimizer's {owned.total:,} elements exceed the model's {num_params:,} parameters")
+        if layout.state_on_disk:
+            raise ValueError("offload_optimizer='nvme' does not stream a whole-tensor optimizer's state (the engine refuses it)")
+    ranks = topology.sharding_ranks
+    shard = shard_numel(num_params, ranks)
+    # the elements whose moments a rank keeps: its shard, or its shard of the chunk path's
+    # parameters plus the busiest owner's whole ones
+    owned_elements = 0 if owned is None else owned.busiest(ranks)
+    moment_elements = shard if owned is None else shard_numel(num_params - owned.total, ranks) + owned_elements
 
     def held(sharded: bool) -> int:
         return shard if sharded else num_params
 
     if not layout.offload_optimizer:
+        optimizer_state = scheme.optimizer_bytes * held(stage.shards_optimizer_state)
+        if owned is not None:
+            optimizer_state = scheme.master_bytes * shard + scheme.moment_bytes * moment_elements
         device = StateBytes(
             parameters=scheme.weight_bytes * held(stage.shards_parameters),
             gradients=scheme.gradient_bytes * held(stage.shards_gradients),
-            optimizer_state=scheme.optimizer_bytes * held(stage.shards_optimizer_state),
+            optimizer_state=optimizer_state,
         )
-        return MemoryEstimate(layout=layout, device=device, host_per_rank=StateBytes(), devices_per_node=topology.devices)
+        step_dtype_bytes = FP32_BYTES if scheme.master_bytes else scheme.weight_bytes  # the master dtype
+        return MemoryEstimate(
+            layout=layout,
+            device=device,
+            host_per_rank=StateBytes(),
+            devices_per_node=topology.devices,
+            step_transient_per_rank=2 * step_dtype_bytes * owned_elements,
+        )
 
     chunk = scheme.offload_chunk_bytes * shard  # the master chunk; the gradient chunk is as large
     # fp32 weights with offload_params: the host's master chunk is the weight's only copy
@@ -221,7 +318,7 @@ def estimate(
         parameters=0 if host_only_weights else scheme.weight_bytes * held(stage.shards_parameters),
         gradients=0 if stage.shards_gradients else scheme.gradient_bytes * num_params,
     )
-    moments = scheme.moment_bytes * shard
+    moments = scheme.moment_bytes * moment_elements
     in_host = nvme.host_bytes(num_params, scheme, topology.sharding_ranks) if layout.state_on_disk else moments
     # the master chunk: all of it in host memory, or with the parameters on NVMe the buckets read in
     master = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else chunk
@@ -237,11 +334,18 @@ def estimate(
         devices_per_node=topology.devices,
         pinned_per_rank=chunk + master,
         disk_per_rank=(moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
+        step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
     )
 
 
 def estimate_all(
-    num_params: int, scheme: PrecisionScheme, topology: Topology, nvme: NvmeStaging = NvmeStaging()
+    num_params: int,
+    scheme: PrecisionScheme,
+    topology: Topology,
+    nvme: NvmeStaging = NvmeStaging(),
+    owned: Optional[OwnedParameters] = None,
 ) -> tuple[MemoryEstimate, ...]:
-    """`estimate` for every layout in `LAYOUTS`, in their order of preference."""
-    return tuple(estimate(num_params, layout, scheme, topology, nvme) for layout in LAYOUTS)
+    """`estimate` for every layout in `LAYOUTS`, in their order of preference; with `owned` (a
+    whole-tensor optimizer) without the NVMe layouts, which refuse it."""
+    layouts = [layout for layout in LAYOUTS if owned is None or not layout.state_on_disk]
+    return tuple(estimate(num_params, layout, scheme, topology, nvme, owned) for layout in layouts)

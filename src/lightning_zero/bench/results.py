@@ -134,6 +134,9 @@ class VariantResult:
     """Ours with NVMe offload: reads, writes and waits per step, the worst rank's (`disk.py`)."""
     optimizer_step_s: Optional[float] = None
     """CPU only: median over timed steps of the slowest rank's optimizer step (`RankMeasurement`)."""
+    comm_bytes_by_kind: Optional[dict[str, float]] = None
+    """The busiest rank's ring bytes of one step by kind ("all_gather", "reduce_scatter",
+    "all_to_all", ...), summing to `comm_bytes_per_step`."""
 
 
 def summarize(
@@ -171,6 +174,7 @@ def summarize(
         collective_calls_per_step=max(r.collectives.total_calls for r in ranks),
         collective_calls_by_kind=dict(busiest.collectives.calls),
         comm_bytes_per_step=comm,
+        comm_bytes_by_kind=dict(busiest.collectives.wire_bytes),
         comm_buffer_bytes_per_step=max(r.collectives.total_buffer_bytes for r in ranks),
         comm_vs_theory=comm / theory.comm_bytes_per_step - 1 if theory.comm_bytes_per_step else None,
         aten_ops_per_step=max(r.overhead.aten_ops for r in ranks),

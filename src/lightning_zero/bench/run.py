@@ -36,7 +36,9 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
     config = model_config(options)
     psi = num_parameters(config)
     with torch.device("meta"):
-        unit_bytes = theory.largest_unit_bytes(GPT(config), Block)
+        model = GPT(config)
+        unit_bytes = theory.largest_unit_bytes(model, Block)
+        numels = tuple(p.numel() for p in model.parameters())  # the optimizer's order: the owner plan's input
     specs = variants.select(options.variants)
     log_dir = options.out / report.LOG_DIR_NAME
     results: list[VariantResult] = []
@@ -46,7 +48,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
             environment["nvme"] = measure_disk(nvme_path, progress)
         run_options = dataclasses.replace(options, nvme_path=nvme_path)
         for index, spec in enumerate(specs, start=1):
-            results.append(_run_one(spec, index, len(specs), run_options, config, psi, unit_bytes, log_dir, progress))
+            results.append(_run_one(spec, index, len(specs), run_options, config, numels, unit_bytes, log_dir, progress))
     judged, notes = targets.judge(results, options, environment["load_average_1min"])
     bench = BenchResult(
         environment=environment,
@@ -76,13 +78,14 @@ def _run_one(
     count: int,
     options: BenchOptions,
     config: GPTConfig,
-    psi: int,
+    numels: tuple[int, ...],
     unit_bytes: int,
     log_dir: Path,
     progress: Callable[[str], None],
 ) -> VariantResult:
-    """One variant in fresh processes, summarized (or why it did not run)."""
-    expected = theory.variant_theory(spec, psi, options.devices, unit_bytes, options.shard_group_size)
+    """One variant in fresh processes, summarized (or why it did not run); `numels`: each parameter's
+    size, in the optimizer's order."""
+    expected = theory.variant_theory(spec, sum(numels), options.devices, unit_bytes, options.shard_group_size, numels)
     progress(f"[{index}/{count}] {spec.name}: {spec.description} ...")
     run = worker.run_variant(spec, options, config, log_dir)
     if run.status == OK:

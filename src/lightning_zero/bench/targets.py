@@ -9,7 +9,8 @@ Targets (measured, never asserted):
 - engine overhead (issue 11): ours dispatch at most 1.15x DDP's aten ops per step at stages 1-2 and
   1.35x at stage 3, and make no host sync in forward and backward and at most one per step.
 The memory and communication targets are judged for every variant, so the baselines' distances
-from the floors show too; the speed targets are ours. A target missed by one of ours is a note
+from the floors show too (the ownership path's floors include its owners' state and all-to-alls);
+the speed targets are ours on the chunk path (the ownership path's rows measure what it adds). A target missed by one of ours is a note
 beginning "MISSED"; notes about baselines are information. A final loss far from DDP's is flagged
 for every variant: it means the variant trained a different model (e.g. DeepSpeed's default
 gradient clipping), and its other figures are not a like-for-like comparison.
@@ -135,18 +136,19 @@ def _communication(result: VariantResult) -> _Verdict:
     return _Verdict(
         False,
         f"{_missed(result)}communication {_mb(result.comm_bytes_per_step)}/step vs floor "
-        f"{_mb(theory.comm_bytes_per_step)} ({theory.comm_volume_psi}Ψ; {result.comm_vs_theory:+.1%}, "
+        f"{_mb(theory.comm_bytes_per_step)} ({theory.comm_volume_psi}Ψ{' + all-to-alls' if theory.owner_exchange_bytes_per_step else ''};"
+        f" {result.comm_vs_theory:+.1%}, "
         f"tolerance ±{COMM_RELATIVE_TOLERANCE:.0%}); calls: {_calls(result.collective_calls_by_kind or {})}",
     )
 
 
 def _step_time(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
-    """Ours without offload, against DDP (CPU offload trades time for memory and has no target);
-    NVMe offload against CPU offload (`NVME_STEP_TIME_TARGET`)."""
+    """Ours without offload, against DDP (CPU offload trades time for memory and has no target, nor
+    has the ownership path); NVMe offload against CPU offload (`NVME_STEP_TIME_TARGET`)."""
     spec = BY_NAME[result.name]
     if spec.state_on_disk:
         return _nvme_step_time(result, ran)
-    if not spec.is_ours or spec.offload_optimizer or result.step_time_ratio_to_ddp is None:
+    if not _speed_judged(result) or result.step_time_ratio_to_ddp is None:
         return _Verdict(None)
     limit = STEP_TIME_TARGETS[spec.stage]
     if result.step_time_ratio_to_ddp <= limit:
@@ -167,9 +169,9 @@ def _nvme_step_time(result: VariantResult, ran: dict[str, VariantResult]) -> _Ve
 
 
 def _overhead(result: VariantResult) -> _Verdict:
-    """Ours without offload: aten ops against DDP's, and host syncs (see `overhead.py`)."""
+    """Ours without offload, on the chunk path: aten ops against DDP's, and host syncs (see `overhead.py`)."""
     spec = BY_NAME[result.name]
-    if not spec.is_ours or spec.offload_optimizer or result.aten_ops_ratio_to_ddp is None:
+    if not _speed_judged(result) or result.aten_ops_ratio_to_ddp is None:
         return _Verdict(None)
     limit, ratio = ATEN_OPS_TARGETS[spec.stage], result.aten_ops_ratio_to_ddp
     syncs, in_passes = result.host_syncs_ours_per_step, result.host_syncs_ours_forward_backward
@@ -188,9 +190,9 @@ def _overhead(result: VariantResult) -> _Verdict:
 
 
 def _vs_peers(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
-    """Ours without offload, against the other implementations of its stage that ran."""
+    """Ours without offload, on the chunk path, against the other implementations of its stage that ran."""
     spec = BY_NAME[result.name]
-    if not spec.is_ours or spec.offload_optimizer:
+    if not _speed_judged(result):
         return _Verdict(None)
     rivals = [ran[p.name] for p in peers(spec, [BY_NAME[name] for name in ran])]
     if not rivals:
@@ -200,6 +202,12 @@ def _vs_peers(result: VariantResult, ran: dict[str, VariantResult]) -> _Verdict:
         return _Verdict(True)
     times = ", ".join(f"{r.name} {_ms(r.step_time_s)}" for r in faster)
     return _Verdict(False, f"MISSED target: not faster than {times} (ours {_ms(result.step_time_s)} per step)")
+
+
+def _speed_judged(result: VariantResult) -> bool:
+    """Whether the speed and overhead targets apply: ours, on the device, on the chunk path."""
+    spec = BY_NAME[result.name]
+    return spec.is_ours and not spec.offload_optimizer and not spec.whole_tensor
 
 
 def _loss(result: VariantResult, ddp_loss: Optional[float], precision: str) -> Optional[str]:

@@ -18,19 +18,27 @@ DDP and stages 1-2 move 2Ψ·b·(N-1)/N (a ring all-reduce = reduce-scatter + al
 (N-1)/N of the buffer); stage 3 moves 3Ψ·b·(N-1)/N (parameters are gathered twice, for forward and
 for backward, plus the gradient reduce-scatter). The (N-1)/N factor is the share of a buffer a rank
 receives in a ring collective; `comm.py` counts measured bytes the same way.
+
+The ownership path (`zero2_whole`, `zero3_whole`: a whole-tensor optimizer, here AdamW's arithmetic
+in `OwnedAdamW`) keeps each parameter's moments whole on its owner (`OwnedParameters`, the
+estimator's [Note: whole-tensor optimizer state]) and adds, per step and dtype, two all-to-alls in
+(every rank's gradient and weight chunks to the owners) and one out (the owners' updates to every
+rank's chunk): `owner_exchange_bytes`, exact from the engine's owner plan and chunk layouts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch import nn
 
 from lightning_zero import estimate as est
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.engine import ZeroStage
+from lightning_zero.engine.optimizer.tensor_owners import plan_owners
+from lightning_zero.engine.shards.partition import ChunkLayout
 from lightning_zero.estimate_schemes import SCHEMES, Layout, PrecisionScheme
 
 MODEL_STATE_RELATIVE_TOLERANCE = 0.05
@@ -77,14 +85,16 @@ def model_state_floor(
     offload_params: bool = False,
     scheme: PrecisionScheme = BENCH_SCHEME,
     nvme: est.NvmeStaging = est.NvmeStaging(),
+    owned: Optional[est.OwnedParameters] = None,
 ) -> StateFloor:
     """Per-rank model-state floor of Ψ = `num_params` parameters sharded at `stage` (0 = DDP);
     `offload_optimizer` may be "nvme" (its host buffers sized by `nvme`), and so may `offload_params`:
     the estimator then prices the master chunks read in while the optimizer streams, but the bench
-    measures between uses (after a phase of the step), where none is in memory, so they are left out."""
+    measures between uses (after a phase of the step), where none is in memory, so they are left out.
+    `owned`: the parameters a whole-tensor optimizer steps on owner ranks (the busiest rank's state)."""
     layout = Layout(ZeroStage(stage), offload_optimizer=offload_optimizer, offload_params=offload_params)
     topology = est.Topology(devices=world_size)
-    estimate = est.estimate(num_params, layout, scheme, topology, nvme)
+    estimate = est.estimate(num_params, layout, scheme, topology, nvme, owned)
     device, host = estimate.device, estimate.host_per_rank
     window = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else 0
     in_parameters = window if host.parameters else 0  # fp32: the master is the weight's only copy
@@ -115,6 +125,18 @@ def communication_floor(num_params: int, world_size: int, stage: int, element_by
     """Bytes one rank receives per step at the floor: `communication_volume(stage)`·Ψ·b·(N-1)/N."""
     share = Fraction(world_size - 1, world_size)
     return float(communication_volume(stage) * num_params * element_bytes * share)
+
+
+def owner_exchange_bytes(numels: Sequence[int], world_size: int, element_bytes: int = 4) -> list[int]:
+    """Full-buffer bytes (what each all-to-all sends, its input, as `comm.py` counts it) of one step's
+    owner exchange on each rank, for parameters of `numels` elements in the optimizer's order, all in
+    one dtype of `element_bytes`: the gradient and the weight chunks in, C_r elements each (rank r's
+    chunks of every parameter, `ChunkLayout`), and the updates out, L_r elements (the parameters r
+    owns, whole, `plan_owners`): b·(2·C_r + L_r), about 3Ψ'b/N. Of them a rank keeps its own
+    pieces, so what crosses the wire is the ring convention's (N-1)/N of it on average."""
+    owned = plan_owners(numels, world_size).elements_per_rank(numels)
+    chunks = [sum(ChunkLayout(n, world_size).owned_numel(rank) for n in numels) for rank in range(world_size)]
+    return [element_bytes * (2 * chunks[rank] + owned[rank]) for rank in range(world_size)]
 
 
 def traffic_by_group(num_params: int, stage: int, shard_group_size: int, element_bytes: int = 4) -> dict[str, float]:
@@ -159,27 +181,58 @@ class VariantTheory:
     comm_volume_psi: int
     """2 or 3: the floor of bytes moved per step in units of Ψ·b·(N-1)/N."""
     comm_bytes_per_step: float
-    """`communication_floor`: bytes one rank receives per step."""
+    """`communication_floor`: bytes one rank receives per step (with the ownership path, plus
+    `owner_exchange_bytes_per_step`)."""
+    owner_exchange_bytes_per_step: float = 0.0
+    """The ownership path (`whole_tensor` variants): its all-to-alls' bytes on the busiest rank, in
+    `comm.py`'s ring convention, (N-1)/N of `owner_exchange_bytes`; 0 on the chunk path."""
+    optimizer_state_bound_bytes: int = 0
+    """The ownership path: issue 42's bound on a rank's optimizer state, 1.1 × (the whole state / N
+    + the largest parameter's state); 0 on the chunk path."""
 
 
 def variant_theory(
-    spec: VariantSpec, num_params: int, world_size: int, unit_bytes: int, shard_group_size: Optional[int] = None
+    spec: VariantSpec,
+    num_params: int,
+    world_size: int,
+    unit_bytes: int,
+    shard_group_size: Optional[int] = None,
+    param_numels: Sequence[int] = (),
 ) -> VariantTheory:
     """The floors for `spec` on Ψ = `num_params` parameters and N = `world_size` ranks; `unit_bytes`
-    is `largest_unit_bytes` of the model. With hybrid sharding (`shard_group_size`, our variants
-    only) states are sharded over K ranks, and the traffic is compared by group instead
-    (`traffic_by_group`), so the flat communication floor is left out (0)."""
+    is `largest_unit_bytes` of the model; `param_numels`, each parameter's size in the optimizer's
+    order, prices the ownership path (`whole_tensor` variants need it). With hybrid sharding
+    (`shard_group_size`, our variants only) states are sharded over K ranks, and the traffic is
+    compared by group instead (`traffic_by_group`), so the flat communication floor is left out (0)."""
     hybrid = spec.is_ours and shard_group_size is not None and shard_group_size < world_size
     sharding_ranks = shard_group_size if hybrid else world_size
+    owned = None
+    if spec.whole_tensor:
+        if sum(param_numels) != num_params:
+            raise ValueError(f"{spec.name} needs each parameter's size (param_numels), summing to {num_params:,}")
+        owned = est.OwnedParameters(param_numels)
     offload = (spec.offload_optimizer, spec.offload_params)
-    floor = model_state_floor(num_params, sharding_ranks, spec.stage, *offload, nvme=nvme_staging(spec.stage, unit_bytes))
+    floor = model_state_floor(num_params, sharding_ranks, spec.stage, *offload, nvme=nvme_staging(spec.stage, unit_bytes), owned=owned)
     paper = model_state_floor(
-        num_params, sharding_ranks, spec.stage, *offload, PAPER_SCHEME, nvme_staging(spec.stage, unit_bytes, PAPER_SCHEME)
+        num_params, sharding_ranks, spec.stage, *offload, PAPER_SCHEME, nvme_staging(spec.stage, unit_bytes, PAPER_SCHEME), owned
     )
+    exchange = 0.0
+    if owned is not None and not hybrid:
+        share = Fraction(world_size - 1, world_size)
+        exchange = float(share * max(owner_exchange_bytes(param_numels, world_size, BENCH_SCHEME.weight_bytes)))
+    comm = 0.0 if hybrid else communication_floor(num_params, world_size, spec.stage, BENCH_SCHEME.gradient_bytes) + exchange
     return VariantTheory(
         model_state=floor,
         model_state_tolerance_bytes=model_state_tolerance(floor.total, unit_bytes),
         paper_mixed_precision_bytes=paper.total,
         comm_volume_psi=communication_volume(spec.stage),
-        comm_bytes_per_step=0.0 if hybrid else communication_floor(num_params, world_size, spec.stage, BENCH_SCHEME.gradient_bytes),
+        comm_bytes_per_step=comm,
+        owner_exchange_bytes_per_step=exchange,
+        optimizer_state_bound_bytes=0 if owned is None else int(1.1 * optimizer_state_bound(owned, sharding_ranks)),
     )
+
+
+def optimizer_state_bound(owned: est.OwnedParameters, world_size: int, scheme: PrecisionScheme = BENCH_SCHEME) -> float:
+    """The whole optimizer state over N ranks plus the largest owned parameter's: what issue 42 holds a
+    rank's optimizer state to (within 10%) on the ownership path."""
+    return scheme.optimizer_bytes * owned.total / world_size + scheme.moment_bytes * owned.largest

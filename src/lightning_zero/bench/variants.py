@@ -36,6 +36,11 @@ class VariantSpec:
     run's `--nvme-path`, stepped through a few host buffers."""
     offload_params: Union[bool, Literal["nvme"]] = False
     """Ours, stage 3: parameter shards in host memory too; "nvme": in NVMe files too."""
+    whole_tensor: bool = False
+    """Ours: the optimizer takes the ownership path of whole-tensor optimizers (each parameter
+    stepped whole on one owner rank, docs/optimizers.md) with AdamW's arithmetic (`OwnedAdamW`),
+    so the row differs from the same stage's chunk path by that path's cost alone. Not in
+    `DEFAULT_VARIANTS`."""
 
     @property
     def is_ours(self) -> bool:
@@ -55,6 +60,12 @@ VARIANTS: tuple[VariantSpec, ...] = (
     VariantSpec("zero1", Family.OURS, 1, "ZeroEngine stage 1"),
     VariantSpec("zero2", Family.OURS, 2, "ZeroEngine stage 2"),
     VariantSpec("zero3", Family.OURS, 3, "ZeroEngine stage 3, one unit per Block"),
+    VariantSpec(
+        "zero2_whole", Family.OURS, 2, "ZeroEngine stage 2, AdamW stepped whole on owner ranks (OwnedAdamW)", whole_tensor=True
+    ),
+    VariantSpec(
+        "zero3_whole", Family.OURS, 3, "ZeroEngine stage 3, AdamW stepped whole on owner ranks (OwnedAdamW)", whole_tensor=True
+    ),
     VariantSpec("zero2_offload", Family.OURS, 2, "ZeroEngine stage 2, optimizer on the CPU", offload_optimizer=True),
     VariantSpec(
         "zero3_offload",
@@ -86,6 +97,10 @@ VARIANTS: tuple[VariantSpec, ...] = (
 )
 
 BY_NAME: dict[str, VariantSpec] = {v.name: v for v in VARIANTS}
+DEFAULT_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if not v.whole_tensor)
+"""What a run compares unless `--variants` says otherwise: every implementation of the chunk path.
+The ownership path's rows are asked for by name: they measure what a whole-tensor optimizer costs
+over the chunk path, not an implementation to rank."""
 BASELINE = "ddp"
 """The variant step times are divided by."""
 

@@ -17,6 +17,7 @@ import abc
 import contextlib
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.bench.memory import StateTensors, module_and_optimizer_tensors
+from lightning_zero.bench.owned_adamw import OwnedAdamW
 from lightning_zero.bench.variants import Family, VariantSpec
 from lightning_zero.compat.fsdp2_cpu import check_fsdp2_runs_on
 from lightning_zero.models.gpt import Block
@@ -190,7 +192,8 @@ class FSDP2Wrapped(Wrapped):
 
 
 class OursWrapped(Wrapped):
-    """lightning-zero's `ZeroEngine` in a plain torch loop, with the engine's step API."""
+    """lightning-zero's `ZeroEngine` in a plain torch loop, with the engine's step API. A
+    `whole_tensor` variant steps the same AdamW as `OwnedAdamW`, which takes the ownership path."""
 
     def __init__(self, model: nn.Module, setup: Setup, spec: VariantSpec) -> None:
         super().__init__(model, setup)
@@ -198,12 +201,18 @@ class OursWrapped(Wrapped):
         from lightning_zero.engine.comm import collectives
 
         config = _zero_config(ZeroConfig, spec, setup)
-        self.optimizer = setup.make_optimizer(model.parameters())
+        if spec.whole_tensor:
+            self.optimizer: Optimizer = OwnedAdamW(model.parameters(), **setup.optimizer_kwargs)
+        else:
+            self.optimizer = setup.make_optimizer(model.parameters())
         shard_group = replicate_group = None
         if setup.shard_group_size is not None and setup.shard_group_size < collectives.world_size(None):
             shard_group, replicate_group = collectives.hybrid_groups(setup.shard_group_size)
         try:
-            self.engine = ZeroEngine(model, [self.optimizer], config, group=shard_group, replicate_group=replicate_group)
+            with warnings.catch_warnings():
+                # the engine's hint that an unknown class could be declared element-wise: it is, on purpose
+                warnings.filterwarnings("ignore", message=f"lightning-zero steps {OwnedAdamW.__name__}")
+                self.engine = ZeroEngine(model, [self.optimizer], config, group=shard_group, replicate_group=replicate_group)
         except (TypeError, ValueError, NotImplementedError) as error:
             raise VariantUnavailable(f"ZeroEngine does not run {config}: {error}") from error
 

@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_variant_list,
         metavar="A,B,...",
         help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS)
-        + " (default: all; with --capacity: " + ",".join(CAPACITY_VARIANTS) + ")",
+        + " (default: all but the ownership path's "
+        + ",".join(v.name for v in variants.VARIANTS if v.name not in variants.DEFAULT_VARIANTS)
+        + "; with --capacity: " + ",".join(CAPACITY_VARIANTS) + ")",
     )
     training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")

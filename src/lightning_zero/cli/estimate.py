@@ -1,7 +1,9 @@
 """`lightning-zero estimate`: the model-state table of `lightning_zero.estimate` for a parameter
 count or a model spec (`--model`, counted on the meta device by `model_spec`), with the host memory
 offload needs (and how much of it is pinned) and, for NVMe offload, the disk; given the device
-memory (and the host's), a recommendation and the largest model that fits."""
+memory (and the host's), a recommendation and the largest model that fits. With
+`--whole-tensor-optimizer`, the optimizer state of an optimizer that steps whole tensors on owner
+ranks ([Note: whole-tensor optimizer state] in `lightning_zero.estimate`)."""
 
 from __future__ import annotations
 
@@ -63,6 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory per node for offloaded states, e.g. 1TB; only used with --gpu-memory (without it, "
         "offload layouts are not limited by the host and the largest model is searched without offload)",
     )
+    parser.add_argument(
+        "--whole-tensor-optimizer",
+        action="store_true",
+        help="the optimizer steps whole tensors (Muon, Adafactor, LAMB, SOAP, a class lightning-zero does not"
+        " know): each parameter's state lives whole on one owner rank, as the engine plans it from --model's"
+        " parameter sizes, and the owner holds the full weights and gradients of its parameters while it steps"
+        " (the last column); bytes per element stay --precision's (Adam's moments: an upper bound for Muon or"
+        " Adafactor). Needs --model; no NVMe rows (NVMe offload refuses such optimizers)",
+    )
     defaults = est.NvmeStaging()
     nvme = parser.add_argument_group(
         "NVMe offload (the 'nvme' rows): the host keeps the master and gradient chunks plus a few"
@@ -90,7 +101,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--init-args needs --model")
     if args.host_memory is not None and args.gpu_memory is None:
         parser.error("--host-memory needs --gpu-memory")
-    num_params = args.params if args.model is None else _count_model(args.model, args.init_args, parser)
+    if args.whole_tensor_optimizer and args.model is None:
+        parser.error("--whole-tensor-optimizer needs --model: the owner of each parameter depends on its size")
+    owned = None
+    if args.model is None:
+        num_params = args.params
+    else:
+        numels = _parameter_numels(args.model, args.init_args, parser)
+        num_params = sum(numels)
+        owned = est.OwnedParameters(numels) if args.whole_tensor_optimizer else None
     scheme = precision_scheme(args.precision)
     try:
         shard_group_size = resolve_shard_group_size(args.shard_group_size, args.devices * args.nodes, args.devices)
@@ -101,12 +120,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         nvme = est.NvmeStaging(bucket_bytes=max(1, int(args.bucket_size_mb * 2**20)), buffer_count=args.nvme_buffer_count)
     except ValueError as error:
         parser.error(f"--nvme-buffer-count: {error}")
-    estimates = est.estimate_all(num_params, scheme, topology, nvme)
+    estimates = est.estimate_all(num_params, scheme, topology, nvme, owned)
     recommendation = largest = None
     if args.gpu_memory is not None:
         recommendation = sizing.recommend(estimates, args.gpu_memory, args.host_memory)
-        largest = sizing.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
-    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest)
+        if owned is None:  # a larger model's parameter sizes, and so its owners, are unknown
+            largest = sizing.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
+    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest, owned)
     if sys.stdout.isatty():
         _print_rich(report)
     else:
@@ -118,13 +138,13 @@ def _shard_group_size(text: str) -> Union[int, str]:
     return "node" if text == "node" else positive_int(text)
 
 
-def _count_model(spec: str, init_args: Optional[str], parser: argparse.ArgumentParser) -> int:
+def _parameter_numels(spec: str, init_args: Optional[str], parser: argparse.ArgumentParser) -> list[int]:
     # A console script runs with its own directory on sys.path, not the working directory as
     # `python -m` does; add it so `--model mypackage.model:Net` finds a package next to the user.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        return model_spec.count_parameters(spec, init_args)
+        return model_spec.parameter_numels(spec, init_args)
     except model_spec.ModelSpecError as error:
         parser.error(f"--model: {error}")
         raise  # parser.error exits; this line only tells type checkers so
@@ -138,6 +158,7 @@ class _EstimateReport:
     estimates: tuple[est.MemoryEstimate, ...]
     recommendation: Optional[sizing.Recommendation]
     largest: Optional[sizing.LargestModel]
+    owned: Optional[est.OwnedParameters] = None
 
     @property
     def title(self) -> str:
@@ -151,6 +172,18 @@ class _EstimateReport:
                 if t.shard_group_size
                 else ""
             )
+            + (f"; {self._owners_phrase}" if self.owned else "")
+        )
+
+    @property
+    def _owners_phrase(self) -> str:
+        """The owner plan in words: how many elements the busiest rank steps whole, against Ψ'/N."""
+        owned, ranks = self.owned, self.topology.sharding_ranks
+        assert owned is not None
+        return (
+            f"whole-tensor optimizer: {len(owned.numels)} parameters each stepped on one owner rank, the busiest"
+            f" owning {owned.busiest(ranks):,} elements (Ψ/N = {owned.total / ranks:,.0f}, largest parameter"
+            f" {owned.largest:,})"
         )
 
     @property
@@ -172,6 +205,8 @@ class _EstimateReport:
             "of which pinned",
             f"nvme per node ({unit})",
         ]
+        if self.owned:
+            headers.append(f"+ owner's step ({unit})")
         return headers + (["fits"] if self.recommendation else [])
 
     @property
@@ -194,6 +229,8 @@ class _EstimateReport:
                 number(e.pinned),
                 number(e.disk) if e.layout.state_on_disk else "-",
             ]
+            if self.owned:
+                row.append(number(e.step_transient_per_rank) if e.step_transient_per_rank else "-")
             if self.recommendation:
                 r = self.recommendation
                 row.append("yes" if sizing.fits(e, r.gpu_memory, r.host_memory) else "no")
@@ -202,9 +239,24 @@ class _EstimateReport:
 
     @property
     def footer(self) -> str:
+        lines = [WHOLE_TENSOR_NOTE] if self.owned else []
         if self.recommendation is None:
-            return est.LEFT_OUT
-        return f"{self.recommendation.message}\n{self.largest.message}"
+            lines.append(est.LEFT_OUT)
+        else:
+            lines.append(self.recommendation.message)
+            lines.append(self.largest.message if self.largest else LARGEST_NOT_SEARCHED)
+        return "\n".join(lines)
+
+
+WHOLE_TENSOR_NOTE = (
+    "Whole-tensor optimizer: each rank keeps the full optimizer state of the parameters it owns (the optimizer"
+    " column, for the busiest owner) and, while it steps them, their full weights and gradients (+ owner's step,"
+    " per device, or per rank on the host with offload; counted by 'fits'). NVMe rows are left out."
+)
+LARGEST_NOT_SEARCHED = (
+    "Largest model: not searched for a whole-tensor optimizer, whose owners depend on the sizes of a larger"
+    " model's parameters; try --model with larger --init-args."
+)
 
 
 def _print_plain(report: _EstimateReport) -> None:

@@ -1,6 +1,7 @@
 """Count a model's parameters without allocating it: build it on the meta device.
 
-`lightning-zero estimate --model SPEC` needs one number, Ψ. For a model that does not fit in this
+`lightning-zero estimate --model SPEC` needs one number, Ψ (with `--whole-tensor-optimizer`, each
+parameter's size: `parameter_numels`). For a model that does not fit in this
 machine's memory (the point of asking which ZeRO stage it needs) the only cheap way to get it is to
 run the constructor under `torch.device("meta")`, where every tensor has a shape and no storage.
 This module turns a `package.module:Class` or `path/to/file.py:Class` spec plus JSON init args into that
@@ -38,6 +39,13 @@ def count_parameters(spec: str, init_args: str | Mapping[str, Any] | None = None
     The meta device gives every tensor a shape and no storage, so a model of any size is counted in
     milliseconds and no memory. Tied parameters are counted once (`Module.parameters` deduplicates).
     """
+    return sum(parameter_numels(spec, init_args))
+
+
+def parameter_numels(spec: str, init_args: str | Mapping[str, Any] | None = None) -> list[int]:
+    """Each parameter's number of elements, in `Module.parameters` order (an optimizer's over the
+    whole model), for the model `spec` names, built as `count_parameters` builds it: what the owner
+    plan of a whole-tensor optimizer is computed from (`lightning_zero.estimate.OwnedParameters`)."""
     kwargs = _parse_init_args(init_args)
     factory = _load_attribute(spec)
     try:
@@ -51,7 +59,7 @@ def count_parameters(spec: str, init_args: str | Mapping[str, Any] | None = None
         ) from error
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{spec} built a {type(model).__name__}, not a torch.nn.Module")
-    return sum(p.numel() for p in model.parameters())
+    return [p.numel() for p in model.parameters()]
 
 
 def _parse_init_args(init_args: str | Mapping[str, Any] | None) -> dict[str, Any]:
