@@ -30,7 +30,7 @@ from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.pickles import save_torch_file
 from lightning_zero.checkpoint.sharded import CURRENT_PREFIX, SHARDED, TENSOR, read_full_state
-from lightning_zero.checkpoint.storage import read_meta, read_tensors, tensor_metadata
+from lightning_zero.checkpoint.storage import read_dcp_metadata, read_meta, read_tensors, tensor_metadata
 
 
 def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None) -> Path:
@@ -85,20 +85,21 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src, weights_only)
     checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}
-    checkpoint["state_dict"] = read_full_state(src, manifest)
+    dcp_metadata = read_dcp_metadata(src)  # once for every read below
+    checkpoint["state_dict"] = read_full_state(src, manifest, dcp_metadata=dcp_metadata)
     if meta.get(AVERAGED_KEY):  # a weight-averaging callback's average above; the training weights here
-        checkpoint[CURRENT_MODEL_STATE] = read_full_state(src, manifest, CURRENT_PREFIX)
-    read_callback_shards(checkpoint.get("callbacks", {}), lambda prefix: read_full_state(src, manifest, prefix))
+        checkpoint[CURRENT_MODEL_STATE] = read_full_state(src, manifest, CURRENT_PREFIX, dcp_metadata)
+    read_callback_shards(checkpoint.get("callbacks", {}), lambda prefix: read_full_state(src, manifest, prefix, dcp_metadata))
     if include_optimizer:
-        metadata = tensor_metadata(src)
         checkpoint["optimizer_states"] = [
-            _full_optimizer_state(src, manifest, meta, metadata, i) for i in range(len(manifest.optimizers))
+            _full_optimizer_state(src, manifest, meta, dcp_metadata, i) for i in range(len(manifest.optimizers))
         ]
     return checkpoint
 
 
-def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: dict, index: int) -> dict[str, Any]:
+def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, dcp_metadata: Any, index: int) -> dict[str, Any]:
     """One optimizer's state as ``torch.optim.Optimizer.state_dict()`` of an unsharded run."""
+    metadata = tensor_metadata(src, dcp_metadata)
     saved = meta[OPTIMIZERS_KEY][index]
     names = [name for group in saved["param_groups"] for name in group["params"]]
     layout = manifest.optimizers[index]
@@ -108,7 +109,7 @@ def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, metadata: d
             entry = f"optim/{index}/{name}/{key}"
             if kind in (SHARDED, TENSOR):
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    read_tensors(targets, src, None)
+    read_tensors(targets, src, None, dcp_metadata)
     state: dict[int, dict[str, Any]] = {}
     for position, name in enumerate(names):
         entries = {}

@@ -34,7 +34,7 @@ from lightning_zero.checkpoint.sharded import (
     mesh_of,
     read_chunks,
 )
-from lightning_zero.checkpoint.storage import CheckpointGroup, read_meta, verify_on_ranks, write_directory
+from lightning_zero.checkpoint.storage import CheckpointGroup, read_dcp_metadata, read_meta, verify_on_ranks, write_directory
 from lightning_zero.engine import ZeroEngine
 
 OPTIMIZERS_KEY = "lightning_zero_optimizers"
@@ -138,14 +138,15 @@ def load_directory(
     manifest = verify_on_ranks(directory, group)
     meta = read_meta(directory, weights_only)
     averaged = meta.pop(AVERAGED_KEY, False)
-    load_model(directory, manifest, module, engine, group, strict=strict)
+    dcp_metadata = read_dcp_metadata(directory)  # once for every read below
+    load_model(directory, manifest, module, engine, group, strict=strict, dcp_metadata=dcp_metadata)
     if engine is not None:
         for index, optimizer in enumerate(optimizers):
-            load_optimizer(directory, manifest, meta[OPTIMIZERS_KEY], engine, optimizer, index, group)
+            load_optimizer(directory, manifest, meta[OPTIMIZERS_KEY], engine, optimizer, index, group, dcp_metadata)
     checkpoint = {**meta, "state_dict": {}, "optimizer_states": [{} for _ in manifest.optimizers]}
 
     def chunks(prefix: str = "") -> dict[str, Tensor]:  # a mesh only when asked: a process with no process group loads too
-        return read_chunks(directory, manifest, group, mesh_of(group, engine), prefix)
+        return read_chunks(directory, manifest, group, mesh_of(group, engine), prefix, dcp_metadata)
 
     read_callback_shards(checkpoint.get("callbacks", {}), chunks)
     if averaging_states:  # the callback starts its average from `state_dict`, saved with one or not

@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.errors import CorruptCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
-from lightning_zero.checkpoint.storage import CheckpointGroup, read_tensors, tensor_metadata
+from lightning_zero.checkpoint.storage import CheckpointGroup, read_dcp_metadata, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
 from lightning_zero.engine.shards.partition import ChunkLayout
@@ -171,11 +171,15 @@ def true_shapes(module: nn.Module, engine: Optional[ZeroEngine]) -> dict[str, li
 
 
 # ---- what is loaded -----------------------------------------------------------------------------
-def read_chunks(directory: PathLike, manifest: Manifest, group: CheckpointGroup, mesh: DeviceMesh, prefix: str = "") -> dict[str, Tensor]:
+def read_chunks(
+    directory: PathLike, manifest: Manifest, group: CheckpointGroup, mesh: DeviceMesh, prefix: str = "", dcp_metadata: Any = None
+) -> dict[str, Tensor]:
     """The weights under ``prefix`` as shard entries: ``model/<param>`` this rank's chunk of it on
     ``mesh`` (the layout of the engine's chunks and of ``AveragedShards``), ``buffer/<key>`` whole.
-    A collective over ``group``; no rank reads more than its chunks and the buffers."""
-    metadata = tensor_metadata(directory)
+    A collective over ``group``; no rank reads more than its chunks and the buffers. ``dcp_metadata``
+    (here and below): DCP's metadata when the caller read it already (``read_dcp_metadata``)."""
+    dcp_metadata = read_dcp_metadata(directory) if dcp_metadata is None else dcp_metadata
+    metadata = tensor_metadata(directory, dcp_metadata)
     shard_dim = mesh.ndim - 1
     size, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     targets: dict[str, Tensor] = {}
@@ -186,14 +190,15 @@ def read_chunks(directory: PathLike, manifest: Manifest, group: CheckpointGroup,
     for buffer in manifest.buffers:
         key = f"{prefix}buffer/{buffer}"
         targets[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-    read_tensors(targets, directory, group)
+    read_tensors(targets, directory, group, dcp_metadata)
     return {key[len(prefix) :]: t.to_local() if isinstance(t, DTensor) else t for key, t in targets.items()}
 
 
-def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "") -> dict[str, Tensor]:
+def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "", dcp_metadata: Any = None) -> dict[str, Tensor]:
     """The module's full ``state_dict`` (tied weights under each of their keys), read from the
     entries under ``prefix`` in this process alone: every rank that calls it reads all of it."""
-    metadata = tensor_metadata(directory)
+    dcp_metadata = read_dcp_metadata(directory) if dcp_metadata is None else dcp_metadata
+    metadata = tensor_metadata(directory, dcp_metadata)
     flat: dict[str, Tensor] = {}
     for name, shape in manifest.params.items():
         key = f"{prefix}model/{name}"
@@ -201,7 +206,7 @@ def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "") -
     for buffer in manifest.buffers:
         key = f"{prefix}buffer/{buffer}"
         flat[key] = torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype)
-    read_tensors(flat, directory, None)
+    read_tensors(flat, directory, None, dcp_metadata)
     state = {name: flat[f"{prefix}model/{name}"].view(shape) for name, shape in manifest.params.items()}
     for alias, name in manifest.aliases.items():
         state[alias] = state[name]
@@ -227,13 +232,20 @@ def check_model_matches(manifest: Manifest, expected: dict[str, list[int]], dire
 
 
 def load_model(
-    directory: PathLike, manifest: Manifest, module: nn.Module, engine: Optional[ZeroEngine], group: CheckpointGroup, strict: bool
+    directory: PathLike,
+    manifest: Manifest,
+    module: nn.Module,
+    engine: Optional[ZeroEngine],
+    group: CheckpointGroup,
+    strict: bool,
+    dcp_metadata: Any = None,
 ) -> None:
     """Read each parameter as this rank needs it — its chunk where the engine shards it, else the
     whole tensor — and the buffers."""
     check_model_matches(manifest, true_shapes(module, engine), directory, strict)
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
-    metadata = tensor_metadata(directory)
+    dcp_metadata = read_dcp_metadata(directory) if dcp_metadata is None else dcp_metadata
+    metadata = tensor_metadata(directory, dcp_metadata)
     targets: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
         key = f"model/{name}"
@@ -254,7 +266,7 @@ def load_model(
     for key in manifest.buffers:
         if key in state and f"buffer/{key}" in metadata:
             targets[f"buffer/{key}"] = torch.empty(state[key].shape, dtype=metadata[f"buffer/{key}"].properties.dtype)
-    read_tensors(targets, directory, group)
+    read_tensors(targets, directory, group, dcp_metadata)
     names = {id(p): name for name, p in module.named_parameters() if f"model/{name}" in targets}
     with torch.no_grad():
         # chunks kept on disk between uses (offload_params="nvme") are read in a bucket at a time,
@@ -292,6 +304,7 @@ def load_optimizer(
     optimizer: Optimizer,
     index: int,
     group: CheckpointGroup,
+    dcp_metadata: Any = None,
 ) -> None:
     """Rebuild ``optimizer``'s state for this rank's chunks, matching parameters by name."""
     if index >= len(manifest.optimizers):
@@ -308,18 +321,20 @@ def load_optimizer(
             f" {[len(g['params']) for g in saved_groups]} parameters per group, now"
             f" {[len(g) for g in current_groups]}."
         )
-    metadata = tensor_metadata(directory)
+    dcp_metadata = read_dcp_metadata(directory) if dcp_metadata is None else dcp_metadata
+    metadata = tensor_metadata(directory, dcp_metadata)
     layout, values = manifest.optimizers[index], saved[index]["values"]
     targets: dict[str, Tensor] = {}
+    chunks: dict[str, Tensor] = {}  # what DCP fills of each DTensor target: the state's own tensor, no copy
     for sp in params:
         for key, kind in layout.get(sp.name, {}).items():
             entry = f"optim/{index}/{sp.name}/{key}"
             if kind == SHARDED:
-                local = torch.empty(sp.owned_numel, dtype=metadata[entry].properties.dtype)
-                targets[entry] = _flat_dtensor(local, sp.layout.numel, mesh_of(group, engine))
+                chunks[entry] = torch.empty(sp.owned_numel, dtype=metadata[entry].properties.dtype)
+                targets[entry] = _flat_dtensor(chunks[entry], sp.layout.numel, mesh_of(group, engine))
             elif kind == TENSOR:
                 targets[entry] = torch.empty(metadata[entry].size, dtype=metadata[entry].properties.dtype)
-    read_tensors(targets, directory, group)
+    read_tensors(targets, directory, group, dcp_metadata)
     state: dict[int, dict[str, Any]] = {}
     chunked: set[tuple[int, str]] = set()
     for position, sp in enumerate(params):
@@ -327,7 +342,7 @@ def load_optimizer(
         for key, kind in layout.get(sp.name, {}).items():
             entry = f"optim/{index}/{sp.name}/{key}"
             if kind == SHARDED:
-                entries[key] = targets[entry].to_local().clone()
+                entries[key] = chunks[entry]
                 chunked.add((position, key))
             elif kind == TENSOR:
                 entries[key] = targets[entry]
