@@ -138,11 +138,13 @@ class Setup:
     accumulate: int = 1
     validate: bool = False
     """Validate every 2 batches (changes no weight: the reference does not)."""
+    async_save: bool = False
+    """Sharded saves written in the background: the preemption save must still be complete at exit."""
 
     def trainer(self, callbacks: list, **trainer_kwargs: Any) -> L.Trainer:
         validation = dict(val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0) if self.validate else {}
         return make_trainer(
-            ZeroStrategy(stage=self.stage), STEPS, callbacks=callbacks,
+            ZeroStrategy(stage=self.stage, async_save=self.async_save), STEPS, callbacks=callbacks,
             accumulate_grad_batches=self.accumulate, **validation, **trainer_kwargs,
         )  # fmt: skip
 
@@ -169,7 +171,7 @@ class StepAtStart(Callback):
 def preempt_and_resume(ctx: RankContext, folder: str, setup: Setup, signals: SendSignals, slurm: bool = True) -> dict:
     """Fit until the signals stop the run, then start again and fit to the end: as SLURM tasks, the
     job resumes by itself; else from the checkpoint of an ``OnExceptionCheckpoint``."""
-    uninterrupted = replace(setup, validate=False, module="automatic")  # the manual steps are the same steps
+    uninterrupted = replace(setup, validate=False, module="automatic", async_save=False)  # the manual steps are the same steps
     final = ctx.once(uninterrupted, uninterrupted.reference)
     root = os.path.join(ctx.tmpdir, folder)
     os.makedirs(root, exist_ok=True)
@@ -212,6 +214,8 @@ CASES: dict[str, tuple[Optional[int], dict[str, Any]]] = {
     "usr1_zero1": (2, dict(setup=Setup(1), signals=SendSignals(USR1, {0: (1, "before"), 1: (3, "before")}))),
     # rank 1 alone, after the backward of batch 2: counted in the next step's vote
     "usr1_zero2": (4, dict(setup=Setup(2), signals=SendSignals(USR1, {1: (2, "after")}))),
+    # the same, the preemption checkpoint written in the background: complete before the ranks exit
+    "usr1_zero2_async_save": (4, dict(setup=Setup(2, async_save=True), signals=SendSignals(USR1, {1: (2, "after")}))),
     # timers 0.4 s apart, started at batch 1: each lands wherever its rank then is
     "usr1_zero3_timers": (
         None,

@@ -6,6 +6,8 @@ from); the engine and the module are handed in by the strategy at each call. The
 guarantees are in this package's other modules.
 
 Every save ends with one outcome shared by all ranks: each raises the same error, or none does.
+With ``async_save`` a sharded save's writes and commit run in the background and that outcome is
+raised by the next save, load or ``wait`` (see [Note: async saves] in ``async_save.py``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.async_save import AsyncSaves, FinishedSave
 from lightning_zero.checkpoint.atomic import commit, recover, temporary_sibling
-from lightning_zero.checkpoint.directory import load_directory, save_directory
+from lightning_zero.checkpoint.directory import DirectoryContents, directory_contents, load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.locations import local_checkpoint_path
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
-from lightning_zero.checkpoint.storage import CheckpointGroup
+from lightning_zero.checkpoint.storage import CheckpointGroup, on_every_rank, serialize_meta, write_directory
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
 
@@ -56,10 +59,16 @@ class RankCoordination(Protocol):
 class ZeroCheckpointing:
     """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
 
-    def __init__(self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None, async_save: bool = False) -> None:
         self.state_dict_type = check_state_dict_type(state_dict_type)
+        if not isinstance(async_save, bool):
+            raise TypeError(f"`async_save` must be True or False, got {async_save!r}.")
+        self.async_save = async_save
+        """Sharded saves write and commit in the background (see ``async_save.py``)."""
         self.group = CheckpointGroup(timeout)
         """DCP's gloo group, under the strategy's ``timeout`` like every group the strategy makes."""
+        self.saves = AsyncSaves(timeout)
+        """The save in flight (``async_save``), its staging buffers and its own gloo group."""
         self.restored_from_directory = False
         """Whether the last ``load`` read a directory (weights and optimizer state are then already
         in the shards, and Lightning's later ``load_*_state_dict`` calls must do nothing)."""
@@ -90,21 +99,76 @@ class ZeroCheckpointing:
         """Write ``filepath`` (a directory when sharded, else one file written by rank 0 with
         ``write_file``) so that it appears only once complete: an interrupted save leaves the previous
         checkpoint there untouched. A collective; if any rank fails, every rank raises the same
-        ``CheckpointWriteError``, the cause and the file on its first line."""
+        ``CheckpointWriteError``, the cause and the file on its first line.
+
+        With ``async_save`` a sharded save returns once this rank's shards are staged, and that error,
+        if any, is raised by the next save, load or ``wait`` (one save in flight at a time: this one
+        waits for the previous first). A file (``state_dict_type="full"``) is always written here."""
         local_checkpoint_path(filepath)  # every rank, before any collective: a URL would become a local folder
+        self.wait()
         path = Path(ranks.broadcast(str(filepath)))
         temporary = temporary_sibling(path, ranks.broadcast(uuid.uuid4().hex[:8]))
-        try:
-            if self.saves_directory(engine):
-                assert engine is not None
+        if self.saves_directory(engine):
+            assert engine is not None
+            if self.async_save:
+                contents = directory_contents(checkpoint, module, engine, engine.config.stage, ranks.world_size)
+                self._start_background_save(path, temporary, contents)
+                return
+
+            def write() -> None:
                 save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group)
-            else:
+
+        else:
+
+            def write() -> None:
                 _on_rank_zero(ranks, lambda: write_file(checkpoint, temporary), f"while writing {temporary.name}")
-            _on_rank_zero(ranks, lambda: commit(temporary, path), f"while moving {temporary.name} into its place")
+
+        _write_and_commit(ranks, path, temporary, write)
+
+    def _start_background_save(self, path: Path, temporary: Path, contents: DirectoryContents) -> None:
+        """Stage this rank's tensors (and rank 0's meta.pt) — every rank agreeing on the outcome, so a
+        failure raises here on all of them — then write and commit on the background thread."""
+
+        staged: dict[str, Any] = {}
+
+        def stage() -> None:
+            if self.group.rank == 0:
+                staged["meta"] = serialize_meta(temporary, contents.meta)
+            try:
+                staged["tensors"] = self.saves.staging.stage(contents.tensors)
+            except Exception as err:  # noqa: BLE001 - e.g. out of host memory; raised on every rank
+                detail = f"{describe(err)} while copying the shards into staging buffers (rank {self.group.rank})"
+                raise CheckpointWriteError(detail, detail) from err
+
+        try:
+            on_every_rank(self.group, stage)  # only outcomes travel, never the tensors
         except CheckpointWriteError as err:
-            raise CheckpointWriteError(
-                f"Checkpoint {str(path)!r} was not saved: {err.detail}; the checkpoint saved there before, if any, is untouched."
-            ) from err
+            raise _not_saved(path, err) from err
+        meta = staged.get("meta", b"")  # only rank 0 writes meta.pt
+
+        def write_in_background(ranks: RankCoordination, group: CheckpointGroup) -> None:
+            write = lambda: write_directory(temporary, staged["tensors"], meta, contents.manifest, group)  # noqa: E731
+            _write_and_commit(ranks, path, temporary, write)
+
+        self.saves.start_save(path, write_in_background)
+
+    def wait(self) -> Optional[FinishedSave]:
+        """Wait for the save in flight (``async_save``), if any; raise its ``CheckpointWriteError``
+        (on every rank alike) if it failed. Every load and save calls it first."""
+        return self.saves.finish_save()
+
+    def after_commit(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once the save in flight committed (now if none is; never if it fails)."""
+        self.saves.after_commit(work)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the asynchronous saves' staging buffers."""
+        return self.saves.staging.held_bytes
+
+    def release(self) -> None:
+        """At teardown: wait for the save in flight (raising its error) and free the staging buffers."""
+        self.saves.release()
 
     def load(
         self,
@@ -124,6 +188,7 @@ class ZeroCheckpointing:
         was being replaced is moved back first. ``weights_only``: how the pickles are read, as
         ``torch.load`` reads a file (``read_file`` is given it already; see [Note: untrusted
         checkpoints] in ``pickles.py``). ``averaging_states``: see ``load_directory``."""
+        self.wait()  # a save in flight may be the very checkpoint asked for
         path = local_checkpoint_path(checkpoint_path)
         recover(path)  # every rank: they agree on which sibling, whoever moves it
         self.restored_from_directory = path.is_dir()
@@ -153,6 +218,22 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
+
+
+def _write_and_commit(ranks: RankCoordination, path: Path, temporary: Path, write: Callable[[], None]) -> None:
+    """``write`` the checkpoint into ``temporary``, then move it to ``path`` (rank 0); every rank
+    raises the same ``CheckpointWriteError`` if either fails."""
+    try:
+        write()
+        _on_rank_zero(ranks, lambda: commit(temporary, path), f"while moving {temporary.name} into its place")
+    except CheckpointWriteError as err:
+        raise _not_saved(path, err) from err
+
+
+def _not_saved(path: Path, err: CheckpointWriteError) -> CheckpointWriteError:
+    return CheckpointWriteError(
+        f"Checkpoint {str(path)!r} was not saved: {err.detail}; the checkpoint saved there before, if any, is untouched."
+    )
 
 
 def _on_rank_zero(ranks: RankCoordination, work: Callable[[], None], doing: str) -> None:

@@ -19,12 +19,12 @@ with a stub left in meta.pt, and come back as this rank's chunks (whole, in ``co
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.manifest import PathLike
+from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.sharded import (
     CURRENT_PREFIX,
     SHARD_KEY_PREFIXES,
@@ -48,10 +48,24 @@ SHARDED_ENTRY = "lightning_zero_sharded_entry"
 """In meta.pt, the stub left for a callback's state entry that holds shards: the prefix of its DCP keys."""
 
 
+class DirectoryContents(NamedTuple):
+    """What a sharded directory holds, before it is written: the DCP entries (this rank's chunks,
+    DTensors, and plain tensors), meta.pt's dict and the manifest."""
+
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+    manifest: Manifest
+
+
 def save_directory(
     directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
 ) -> None:
     """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it)."""
+    write_directory(directory, *directory_contents(checkpoint, module, engine, stage, world_size), group)
+
+
+def directory_contents(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int) -> DirectoryContents:
+    """``checkpoint`` split into what each file of the directory holds (no communication)."""
     tensors, averaged = weight_entries(checkpoint)
     optimizers = checkpoint.get("optimizer_states", [])  # absent for weights-only checkpoints
     for shards in optimizers:
@@ -61,8 +75,7 @@ def save_directory(
         meta["callbacks"] = _move_callback_shards(meta["callbacks"], tensors)
     meta[OPTIMIZERS_KEY] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
     meta[AVERAGED_KEY] = averaged
-    manifest = build_manifest(module, engine, stage, world_size, optimizers)
-    write_directory(directory, tensors, meta, manifest, group)
+    return DirectoryContents(tensors, meta, build_manifest(module, engine, stage, world_size, optimizers))
 
 
 def _holds_shards(state: dict[str, Any]) -> bool:

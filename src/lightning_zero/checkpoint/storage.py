@@ -20,7 +20,7 @@ import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Optional, TypeVar
+from typing import Any, Callable, Generator, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -57,10 +57,13 @@ class CheckpointGroup:
     group (the calling process after spawned ranks finished) it is this process ``alone``.
 
     ``timeout``: how long a collective on the groups made here waits for its peers before failing
-    (the strategy's; None: torch's default). Under gloo training DCP uses the default group itself."""
+    (the strategy's; None: torch's default). Under gloo training DCP uses the default group itself,
+    unless ``dedicated``: a group of its own whatever the backend, for the saves written on a
+    background thread while training issues collectives (see [Note: async saves] in ``async_save.py``)."""
 
-    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, timeout: Optional[timedelta] = None, dedicated: bool = False) -> None:
         self.timeout = timeout
+        self.dedicated = dedicated
         self._group: Optional[dist.ProcessGroup] = None
         self._mesh: Optional[DeviceMesh] = None
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
@@ -69,7 +72,7 @@ class CheckpointGroup:
     def group(self) -> dist.ProcessGroup:
         if self._group is None:
             self._group = (
-                dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
+                dist.group.WORLD if dist.get_backend() == "gloo" and not self.dedicated else dist.new_group(backend="gloo", timeout=self.timeout)
             )
         return self._group
 
@@ -104,7 +107,7 @@ class CheckpointGroup:
 
     def __getstate__(self) -> dict[str, Any]:
         # a process group belongs to its process: made anew on use
-        return {"timeout": self.timeout, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
+        return {"timeout": self.timeout, "dedicated": self.dedicated, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
 
     @property
     def alone(self) -> bool:
@@ -253,10 +256,12 @@ def _dcp_failure(err: BaseException) -> tuple[Optional[str], str, str]:
 
 
 # ---- writing ------------------------------------------------------------------------------------
-def write_directory(directory: PathLike, tensors: dict[str, Tensor], meta: dict[str, Any], manifest: Manifest, group: CheckpointGroup) -> None:
+def write_directory(
+    directory: PathLike, tensors: dict[str, Tensor], meta: Union[dict[str, Any], bytes], manifest: Manifest, group: CheckpointGroup
+) -> None:
     """Every rank writes its chunks into ``directory`` and checksums them; rank 0 then writes meta.pt
-    and, last, the manifest with every file's size and checksum. If any of it fails, every rank
-    raises the same ``CheckpointWriteError``."""
+    (``meta``, or its bytes from ``serialize_meta``) and, last, the manifest with every file's size
+    and checksum. If any of it fails, every rank raises the same ``CheckpointWriteError``."""
     directory = Path(directory)
     try:
         dcp.save(tensors, storage_writer=_writer(directory), process_group=group.group)
@@ -278,16 +283,24 @@ def _checksum_own_files(directory: Path, rank: int, world_size: int) -> dict[str
         return checksum_files(directory, _written_by(directory, rank, world_size))
 
 
-def _write_meta_and_manifest(directory: Path, meta: dict[str, Any], manifest: Manifest, checksums: dict[str, int]) -> None:
-    buffer = io.BytesIO()  # serialized first, so that a full disk is reported as the OS words it
-    with _writing(directory, f"while writing {directory.name}/{META_NAME}", 0):
+def serialize_meta(directory: PathLike, meta: dict[str, Any]) -> bytes:
+    """meta.pt's bytes; a failure raises the ``CheckpointWriteError`` that writing it would (rank 0)."""
+    with _writing(Path(directory), f"while writing {Path(directory).name}/{META_NAME}", 0):
+        buffer = io.BytesIO()
         save_torch_file(meta, buffer)
+        return buffer.getvalue()
+
+
+def _write_meta_and_manifest(directory: Path, meta: Union[dict[str, Any], bytes], manifest: Manifest, checksums: dict[str, int]) -> None:
+    # serialized first, so that a full disk is reported as the OS words it
+    data = meta if isinstance(meta, bytes) else serialize_meta(directory, meta)
+    with _writing(directory, f"while writing {directory.name}/{META_NAME}", 0):
         with open(directory / META_NAME, "wb") as f:
-            f.write(buffer.getbuffer())
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
     with _writing(directory, f"while writing {directory.name}/{MANIFEST_NAME}", 0):
-        manifest.record_files(directory, {**checksums, META_NAME: bytes_checksum(buffer.getbuffer())})
+        manifest.record_files(directory, {**checksums, META_NAME: bytes_checksum(data)})
         manifest.write(directory)
 
 

@@ -74,6 +74,11 @@ class MemoryReport:
     master chunks as were ever in memory at once, although ``host`` counts none between uses (see
     [Note: pinned blocks] in ``engine/comm/copy_memory.py``). It overlaps ``host`` (a live buffer is
     counted there by kind) and is not in ``total``."""
+    checkpoint_staging: int = 0
+    """Bytes of host memory holding this rank's copy of its shards for asynchronous sharded saves
+    (``async_save=True``, see ``checkpoint/async_save.py``): about the rank's parameter chunks plus
+    its optimizer state, kept from the first such save on (pinned on CUDA). Filled in by the
+    strategies' ``memory_report``; not model state, not in ``total``; 0 without ``async_save``."""
     copy_buffers: int = 0
     """Bytes of device memory the engine's host-to-device copies (``CopyStream.to_device``) have
     needed at once at most. Each lands an offloaded bucket's master chunks (S elements in the master

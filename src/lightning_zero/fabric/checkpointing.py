@@ -122,6 +122,7 @@ class FabricCheckpointing:
         restored. ``state=None``: the whole checkpoint as plain full tensors. ``load_plain``: how
         Fabric's DDP loads a state that holds no module set up here."""
         self._modules.close_steps()
+        self._checkpointing.wait()  # a save in flight may be the very checkpoint asked for
         path = local_checkpoint_path(path)
         recover(path)
 

@@ -14,6 +14,7 @@ Fabric calls the strategy from the user's own loop; this class connects those ca
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -50,6 +51,12 @@ class ZeroFabricStrategy(DDPStrategy):
     Checkpoints (``fabric.save`` / ``fabric.load``) are the Trainer's formats: a Trainer checkpoint
     loads here and the other way round, at any world size and stage. ``summon_full_params()`` gives
     full parameters on every rank.
+
+    ``async_save=True``: ``fabric.save`` of a sharded checkpoint returns once this rank's shards are
+    staged in host memory and writes in the background, as ``ZeroStrategy``'s option does. Fabric
+    has no end of ``fit``: the save in flight is waited for (and a failure raised, on every rank) by
+    the next ``fabric.save`` / ``fabric.load``, by ``wait_for_checkpoint()``, by ``teardown()``, and
+    at the latest when the process exits (a failure no one waited for is then logged).
     """
 
     strategy_name = "zero_fabric"
@@ -70,6 +77,7 @@ class ZeroFabricStrategy(DDPStrategy):
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
+        async_save: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -83,7 +91,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save)
         self._modules = ShardedModules()
         self._checkpoints = FabricCheckpointing(self._modules, self._checkpointing)
         super().__init__(
@@ -256,12 +264,21 @@ class ZeroFabricStrategy(DDPStrategy):
         selected = self._modules.selected(module)
         if len(selected) != 1 or selected[0].ensure_engine() is None:
             raise RuntimeError("memory_report() needs one module set up with its optimizers; pass `module=`.")
-        return selected[0].engine.memory_report()  # type: ignore[union-attr]
+        report = selected[0].engine.memory_report()  # type: ignore[union-attr]
+        return replace(report, checkpoint_staging=self._checkpointing.staging_bytes)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the save in flight (``async_save``), if any, has committed; raise its
+        ``CheckpointWriteError`` if it failed. Call it on every rank."""
+        self._checkpointing.wait()
 
     @override
     def teardown(self) -> None:
-        self._modules.release()
-        super().teardown()
+        try:
+            self._checkpointing.release()  # the save in flight first; its error after the rest of teardown
+        finally:
+            self._modules.release()
+            super().teardown()
 
     # ---- state dicts and checkpoints (see ``checkpointing.py``) ------------------------------------------
     @override

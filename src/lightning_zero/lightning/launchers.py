@@ -37,6 +37,9 @@ class _RecoversCheckpoints:
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         if trainer is not None:
+            wait = getattr(getattr(trainer, "strategy", None), "wait_for_checkpoint", None)
+            if wait is not None:  # a save still in flight (async_save) is no interrupted one: let it commit
+                wait()
             for folder in checkpoint_folders(trainer) | {os.fspath(trainer.default_root_dir)}:
                 recover_folder(folder)
             discard_leftovers(trainer.default_root_dir, HPC_CHECKPOINT_PREFIX)

@@ -123,6 +123,7 @@ class StopAtAgreedStep(Callback):
             path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)  # rank 0's is used
             rank_zero_info(f"Preempted: saving {path} at step {trainer.global_step} on every rank.")
             trainer.save_checkpoint(path)
+            trainer.strategy.wait_for_checkpoint()  # with `async_save`: complete before the process may exit
             if StopReason.REQUEUE in reasons and trainer.is_global_zero:
                 requeue_slurm_job()
         trainer._signal_connector.received_sigterm = True

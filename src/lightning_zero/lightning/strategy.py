@@ -15,6 +15,7 @@ this class only connects Lightning's hooks to the engine (``lightning_zero.engin
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Generator, Mapping, Optional, Union
 
@@ -29,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
-from lightning_zero.checkpoint.errors import UntrustedCheckpointError
+from lightning_zero.checkpoint.errors import CheckpointWriteError, UntrustedCheckpointError
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.compat.lightning_api import load_passing_weights_only, trainer_takes_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
@@ -100,6 +101,14 @@ class ZeroStrategy(ZeroStepHooks):
             stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
             Lightning's usual format (full weights and DDP-format optimizer state, gathered onto
             rank 0 one unit at a time), readable by ``torch.load`` / ``load_from_checkpoint``.
+        async_save: sharded saves (``trainer.save_checkpoint``, ``ModelCheckpoint``) block training
+            only while this rank's shards are copied into host staging buffers (kept between saves,
+            pinned on CUDA; ``memory_report().checkpoint_staging``); the files and the commit are
+            written in the background. One save is in flight at a time (the next waits for it); a
+            failed one raises its ``CheckpointWriteError`` on every rank at the next save or load,
+            at the end of ``fit`` or at teardown, and the previous checkpoint stays. ``fit``'s end,
+            teardown, loads and a preemption stop wait for it; ``wait_for_checkpoint()`` does too.
+            A ``state_dict_type="full"`` file is always written synchronously. See docs/checkpoints.md.
         start_method: how the Trainer starts the ranks, as for ``DDPStrategy``: "popen" (default)
             re-runs the script once per rank; "spawn", "fork" and "forkserver" start them from the
             calling process (``fork`` is what notebooks need), which gets back rank 0's final
@@ -131,6 +140,7 @@ class ZeroStrategy(ZeroStepHooks):
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
+        async_save: bool = False,
         start_method: StartMethod = "popen",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -150,7 +160,7 @@ class ZeroStrategy(ZeroStepHooks):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
         # `trainer.save_checkpoint` still finds the optimizer's shards
@@ -297,7 +307,15 @@ class ZeroStrategy(ZeroStepHooks):
         super().on_exception(exception)
 
     @override
+    def on_train_end(self) -> None:
+        # `fit` ends with its last save committed, or raises its error (after the callbacks' hooks,
+        # which may have started that save)
+        super().on_train_end()
+        self.wait_for_checkpoint()
+
+    @override
     def teardown(self) -> None:
+        unsaved = self._wait_at_teardown()
         kept_sharded = False
         if self._engine is not None:
             if self._failed:
@@ -310,6 +328,18 @@ class ZeroStrategy(ZeroStepHooks):
             teardown_keeping_shards(self)
         else:
             super().teardown()
+        if unsaved is not None:
+            raise unsaved
+
+    def _wait_at_teardown(self) -> Optional[CheckpointWriteError]:
+        """Wait for the save in flight and free the staging buffers; a failed save's error, raised
+        once the rest of teardown is done — unless an exception is already ending the run, which it
+        would mask (it is logged when it happens)."""
+        try:
+            self._checkpointing.release()
+        except CheckpointWriteError as err:
+            return None if self._failed else err
+        return None
 
     def _end_engine(self) -> None:
         """The run's engine becomes the finished one: stage 3 keeps the module sharded at rest (see
@@ -334,11 +364,11 @@ class ZeroStrategy(ZeroStepHooks):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state this rank holds now (during ``fit``,
-        or what the finished run kept)."""
+        or what the finished run kept), and the asynchronous saves' staging buffers."""
         engine = self._state_engine
         if engine is None:
             raise RuntimeError("memory_report() is available once `trainer.fit` has set up the strategy.")
-        return engine.memory_report()
+        return replace(engine.memory_report(), checkpoint_staging=self._checkpointing.staging_bytes)
 
     # ---- checkpoints: see checkpoint_hooks.py ----------------------------------------------------
     @property
@@ -365,6 +395,17 @@ class ZeroStrategy(ZeroStepHooks):
         self._checkpointing.save(
             self, checkpoint, filepath, self.lightning_module, self._state_engine, file_writer(self.checkpoint_io)
         )
+
+    @override
+    def remove_checkpoint(self, filepath: PathLike) -> None:
+        # ModelCheckpoint removes what the checkpoint it just saved supersedes: with `async_save`
+        # only once that one committed, so a crash never leaves no complete checkpoint
+        self._checkpointing.after_commit(lambda: super(ZeroStrategy, self).remove_checkpoint(filepath))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the save in flight (``async_save``), if any, has committed; raise its
+        ``CheckpointWriteError`` if it failed. Call it on every rank (e.g. before copying the files)."""
+        self._checkpointing.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
