@@ -19,16 +19,10 @@ class MyAdamW(torch.optim.AdamW):
 
 
 class Normalized(torch.optim.SGD):
-    """Unknown to the engine, unless declared: SGD on the gradient over its tensor's norm."""
+    """A subclass of SGD whose `step` might not be element-wise: its known base decides (see the test)."""
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad / (p.grad.norm() + 1e-8), alpha=-group["lr"])
-        return loss
+        return super().step(closure)
 
 
 class Unknown(torch.optim.Optimizer):

@@ -97,12 +97,6 @@ class ShardedOptimizers:
             self._disk.attach(optimizer, params, self._buckets)
         self._swaps.append(WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext))
 
-    def granularity(self, optimizer: Optimizer) -> StepGranularity:
-        return StepGranularity.WHOLE_TENSORS if id(optimizer) in self._whole else StepGranularity.CHUNKS
-
-    def whole_tensor_step(self, optimizer: Optimizer) -> Optional[WholeTensorStep]:
-        return self._whole.get(id(optimizer))
-
     # ---- state, as the chunk path holds it ---------------------------------------------------
     def chunked_state(self, optimizer: Optimizer) -> ChunkedState:
         """``optimizer``'s ``state_dict`` in this rank's chunks (a collective for whole-tensor ones)."""
