@@ -89,7 +89,9 @@ def test_a_parameter_at_rest_refuses_to_be_read_and_names_itself():
     model = CalledTwiceInARow()
     engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
     weight = model.blocks[1].weight
-    assert weight.numel() == 0 and weight.requires_grad and weight.dtype == torch.float32 and weight.grad is None
+    # its true size at rest (as DDP's, and FSDP2's DTensors), its values refused
+    assert weight.numel() == 64 and weight.shape == (8, 8) and weight.requires_grad and weight.dtype == torch.float32 and weight.grad is None
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in CalledTwiceInARow().parameters())
     reads = {
         "clone": lambda: weight.clone(),
         "detach": lambda: weight.detach(),
@@ -103,8 +105,13 @@ def test_a_parameter_at_rest_refuses_to_be_read_and_names_itself():
         with pytest.raises(RuntimeError, match=r"parameter 'blocks\.[01]\.(weight|bias)', which lightning-zero holds sharded") as err:
             read()
         assert "summon_full_params" in str(err.value), what
+    from lightning_zero.engine.shards.at_rest import is_at_rest
+
+    assert is_at_rest(weight)
     with engine.gathered():
-        assert type(weight) is nn.Parameter and weight.clone().shape == (8, 8)
+        assert not is_at_rest(weight) and weight.clone().shape == (8, 8) and type(weight.clone()) is torch.Tensor
+        assert type(copy.deepcopy(weight)) is nn.Parameter  # copies are plain, never of the unit's class
+    assert is_at_rest(weight)
     assert model(torch.randn(2, 8)).isfinite()  # a unit's forward sees its full parameters
     engine.close()
     assert type(weight) is nn.Parameter  # the engine gone, a plain parameter again
@@ -121,7 +128,9 @@ def test_data_assigned_at_rest_is_adopted_and_a_new_shape_or_dtype_fails_naming_
     engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
     weight, value = model.blocks[1].weight, torch.randn(8, 8)
     weight.data = value
-    assert weight.numel() == 0  # still at rest
+    from lightning_zero.engine.shards.at_rest import is_at_rest
+
+    assert is_at_rest(weight)  # still at rest
     with engine.gathered():
         assert torch.equal(weight, value)
     for wrong, named in ((torch.zeros(3, 3), r"\(3, 3\) \(torch.float32\)"), (value.double(), r"\(8, 8\) \(torch.float64\)")):

@@ -29,6 +29,7 @@ from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.shards.gathered_storage import GatheredStorage
 from lightning_zero.engine.shards.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -96,6 +97,13 @@ class Bucket:
         """F: the columns after the gradient chunks in a reduce-scatter: used flags, then stop votes."""
         self.state = ReductionState.COLLECTING
         self._ready: set[int] = set()
+        self.gathered: Optional[GatheredStorage] = None
+        """Stage 3: the parameters' full values, gathered into and freed (see [Note: stage-3 storage]
+        in ``gathered_storage.py``)."""
+        if not self.params[0].keeps_full:
+            self.gathered = GatheredStorage(
+                [p.layout for p in self.params], [p.shape for p in self.params], self.dtype, self.device
+            )
         self.host: Optional[HostChunks] = None
         if copies is not None and self.params[0].offloaded:
             self.host = HostChunks(
@@ -255,8 +263,11 @@ class Bucket:
         if tags is not None:
             tags.check(rows[:, self.shard_numel])
         with torch.no_grad():
-            targets = [p.gather_target() for p in self.params]
-            unpack_rows(rows, targets, self._widths, [p.gather_target_rows() for p in self.params])
+            if self.gathered is not None:
+                self.gathered.grow()
+                unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
+            else:
+                unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
 
 
 def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:

@@ -108,7 +108,7 @@ def _shard_unit(
         for name, p in zip(names, params)
     ]
     for shard in shards:
-        shard.free_unsharded()
+        shard.rest_until_attached()
     return shards
 
 

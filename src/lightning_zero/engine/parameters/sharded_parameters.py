@@ -25,7 +25,7 @@ from lightning_zero.engine.parameters.gather_schedule import GatherSchedule
 from lightning_zero.engine.parameters.materialize import build_units
 from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopies, ParameterResidency
 from lightning_zero.engine.parameters.unit import UnitCommunication, UnitState
-from lightning_zero.engine.shards.at_rest import ParameterAtRest, wake
+from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -91,7 +91,6 @@ class ShardedParameters(ParameterResidency):
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
         ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
-        ParameterAtRest.grad_setters.update({id(p.param): weakref.WeakMethod(p.show_grad) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
@@ -258,11 +257,10 @@ class ShardedParameters(ParameterResidency):
     def close(self) -> None:
         self.schedule.close()
         self.pool.clear()
-        for p in self.params:  # plain parameters again (with their placeholders, unless released)
-            wake(p.param)
+        for p in self.params:  # plain parameters again (with empty placeholders, unless released)
+            p.let_go()
             ParameterAtRest.names.pop(id(p.param), None)
             ParameterAtRest.adopters.pop(id(p.param), None)
-            ParameterAtRest.grad_setters.pop(id(p.param), None)
 
 
 def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[Tensor], bool]:

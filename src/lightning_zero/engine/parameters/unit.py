@@ -32,6 +32,7 @@ from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.shards.at_rest import set_gathered, unit_parameter_class
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -113,6 +114,14 @@ class Unit:
         ]  # fmt: skip
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
+        # the parameters become views of their buckets' storages, of one class switched per unit
+        # (see [Note: stage-3 storage] in gathered_storage.py, [Note: parameters at rest] in at_rest.py)
+        self.param_class = unit_parameter_class(name)
+        for bucket in self.buckets:
+            for position, p in enumerate(bucket.params):
+                p.attach_gathered(bucket.gathered, position)
+                p.rest_class = self.param_class
+                p.param.__class__ = self.param_class
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, params={len(self.params)}, {self.state.value})"
@@ -147,8 +156,7 @@ class Unit:
             for pending in self._pending:
                 pending.finish()
             self._pending = []
-            for p in self.params:
-                p.show_unsharded()
+            set_gathered(self.param_class, True)
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -156,6 +164,14 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.unshard()  # a collective in flight must complete on every rank
         if self.state is UnitState.UNSHARDED:
-            for p in self.params:
-                p.free_unsharded()
+            # `param.data = tensor` while gathered (a callback, a forward): its values are kept
+            assigned = [p for b in self.buckets for p, flat in zip(b.params, b.gathered.flats) if p.param.data_ptr() != flat.data_ptr()]
+            for p in assigned:
+                p.adopt_assigned_data()
+            set_gathered(self.param_class, False)
+            for bucket in self.buckets:
+                if not bucket.gathered.free():  # held outside torch: left to its holder
+                    bucket.gathered.renew()
+                    for p in bucket.params:
+                        p.point_at_storage()
             self.state = UnitState.SHARDED

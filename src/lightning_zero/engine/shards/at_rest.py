@@ -1,14 +1,18 @@
-"""A stage-3 parameter at rest refuses to be read, instead of silently reading nothing.
+"""A stage-3 parameter at rest refuses to be read, instead of reading freed memory.
 
 [Note: parameters at rest]
-Between its unit's uses a stage-3 parameter holds an empty placeholder (see [Note: stage-3 storage]
-in ``sharded_param.py``). Code that reads it then — a callback averaging weights, ``p.clone()``,
-``module.state_dict()``, ``copy.deepcopy(module)`` — would compute on zero elements without an
-error and go on with wrong values. So while at rest the parameter's class is
-:class:`ParameterAtRest`, whose ``__torch_function__`` lets through what describes the tensor
+Between its unit's uses a stage-3 parameter is a view of a storage shrunk to 0 bytes (see [Note:
+stage-3 storage] in ``gathered_storage.py``), with its true shape. Code that reads it then — a
+callback averaging weights, ``p.clone()``, ``module.state_dict()``, ``copy.deepcopy(module)`` —
+would read freed memory. So a stage-3 parameter's class is its unit's subclass of
+:class:`UnitParameter` (made once per unit, ``unit_parameter_class``), whose ``__torch_function__``
+while the unit is at rest is :class:`ParameterAtRest`'s: it lets through what describes the tensor
 (shape, dtype, device, ``requires_grad``, ``grad``, ``numel``, hooks) and refuses everything that
-would read or write its values, naming the parameter and ``summon_full_params``. Gathering puts
-the parameter's own class back, so a unit's forward and backward pay nothing for this.
+would read or write its values, naming the parameter and ``summon_full_params``. Gathering the
+unit switches its class's ``__torch_function__`` off (``set_gathered``), one assignment for all
+its parameters, so a unit's forward and backward pay nothing for this and no parameter's class
+changes in the step. The engine's own reads of ``.grad`` at rest run under
+``torch._C.DisableTorchFunctionSubclass()``.
 
 One write is adopted where it happens: ``param.data = full_tensor`` (loading pretrained weights
 into a built model between steps) goes to the engine's adopter for the parameter, which keeps this
@@ -18,7 +22,6 @@ shape or dtype fails there, naming both).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -43,18 +46,11 @@ class ParameterAtRest(nn.Parameter):
     adopters: dict[int, Callable[[torch.Tensor], bool]] = {}
     """``id(param)`` → what takes a tensor assigned to its ``.data``, True once it did (filled and
     emptied by the engine)."""
-    grad_setters: dict[int, weakref.WeakMethod] = {}
-    """``id(param)`` → what assigns it a full-shaped gradient at rest (``ShardedParam.show_grad``:
-    torch would refuse one, comparing it with the empty placeholder)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if _adopted(func, args):
             return None
-        if _sets_grad(func) and isinstance(args[1], torch.Tensor) and args[1].shape != args[0].shape:
-            setter = ParameterAtRest.grad_setters.get(id(args[0]))
-            if setter is not None and setter() is not None:
-                return setter()(args[1])
         if _describes(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -74,11 +70,7 @@ class ParameterAtRest(nn.Parameter):
 
     def __repr__(self) -> str:
         name = ParameterAtRest.names.get(id(self), "?")
-        return f"ParameterAtRest({name!r}, shape=(0,) on this rank: sharded by lightning-zero stage 3)"
-
-
-def _sets_grad(func: Any) -> bool:
-    return getattr(func, "__name__", "") == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "grad"
+        return f"ParameterAtRest({name!r}, shape={tuple(self.shape)}: sharded by lightning-zero stage 3, at rest)"
 
 
 def _describes(func: Any) -> bool:
@@ -106,6 +98,53 @@ def _message(param: Any, operation: str) -> str:
     )
 
 
+class UnitParameter(ParameterAtRest):
+    """The base of the per-unit classes of stage-3 parameters (see [Note: parameters at rest]).
+
+    While its unit is gathered a parameter behaves as a plain ``nn.Parameter``: copies and pickles
+    are plain parameters too (never of the unit's class, which would refuse reads once it rests)."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        if not gathered(type(self)):
+            raise RuntimeError(type(self).refusal(self, "copy.deepcopy"))
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if not gathered(type(self)):
+            raise RuntimeError(type(self).refusal(self, "pickle"))
+        return nn.Parameter(self.data, self.requires_grad).__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        if gathered(type(self)):
+            return nn.Parameter.__repr__(self)
+        name = ParameterAtRest.names.get(id(self), "?")
+        return f"ParameterAtRest({name!r}, shape={tuple(self.shape)}: sharded by lightning-zero stage 3, at rest)"
+
+
+def unit_parameter_class(unit_name: str) -> type:
+    """A new class for one unit's parameters, at rest (see [Note: parameters at rest])."""
+    return type("UnitParameter", (UnitParameter,), {"__qualname__": f"UnitParameter[{unit_name or '<root>'}]"})
+
+
+def set_gathered(cls: type, is_gathered: bool) -> None:
+    """Switch the refusal of a unit's parameters off (gathered) or on (at rest): one class attribute."""
+    if is_gathered:
+        cls.__torch_function__ = torch._C._disabled_torch_function_impl
+    elif "__torch_function__" in cls.__dict__:
+        del cls.__torch_function__
+
+
+def gathered(cls: type) -> bool:
+    return "__torch_function__" in cls.__dict__
+
+
+def is_at_rest(param: Any) -> bool:
+    """Whether ``param`` refuses reads now (a stage-3 parameter whose unit is at rest)."""
+    return isinstance(param, ParameterAtRest) and not gathered(type(param))
+
+
 def put_to_rest(param: nn.Parameter) -> None:
     """After the placeholder is in: reads now fail loudly (plain ``nn.Parameter`` only)."""
     if type(param) is nn.Parameter:
@@ -113,6 +152,6 @@ def put_to_rest(param: nn.Parameter) -> None:
 
 
 def wake(param: nn.Parameter) -> None:
-    """Before the full data is in: the parameter's own class again."""
-    if type(param) is ParameterAtRest:
+    """A plain ``nn.Parameter`` again (the engine lets go of it, or lends it a full copy)."""
+    if type(param) is ParameterAtRest or isinstance(param, UnitParameter):
         param.__class__ = nn.Parameter

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from lightning_zero.engine.device_roles import mark_host
 from lightning_zero.engine.shards.at_rest import put_to_rest, wake
+from lightning_zero.engine.shards.gathered_storage import GatheredStorage
 from lightning_zero.engine.shards.partition import ChunkLayout
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -25,7 +26,9 @@ class ShardedParam:
     With ``keep_full=True`` (stages 1-2) the parameter stays a full tensor; where dtypes agree,
     ``shard`` is a view into it, so stepping the shard updates the parameter's own chunk in place
     at no memory cost. With ``keep_full=False`` (stage 3) ``shard`` owns its chunk and the
-    parameter's full data lives only while its unit is gathered; see [Note: stage-3 storage].
+    parameter is a view of its bucket's ``GatheredStorage``, whose memory exists only while the
+    unit is gathered (see [Note: stage-3 storage] in ``gathered_storage.py``); until the bucket
+    attaches it (``attach_gathered``) the parameter holds an empty placeholder.
     """
 
     def __init__(
@@ -49,7 +52,9 @@ class ShardedParam:
         self.layout = ChunkLayout(param.numel(), world_size)
         self.keeps_full = keep_full
         self.holds_master_copy = param.dtype in _HALF_DTYPES
-        self._unsharded: Optional[Tensor] = None  # stage 3: the full tensor whose storage is freed at rest
+        self.gathered: Optional[GatheredStorage] = None  # stage 3: the bucket's storage of full values
+        self._gathered_index = 0  # this parameter's place in it
+        self.rest_class: type = nn.Parameter  # stage 3: its unit's class (see [Note: parameters at rest])
         chunk = self._owned_chunk()
         self.aliases_param = keep_full and not self.holds_master_copy and host is None
         if self.aliases_param:
@@ -69,13 +74,11 @@ class ShardedParam:
         # stages 1-2: the flat view all-gathers write into, made once (``data_was_assigned`` tells
         # when it stopped being the parameter's storage)
         self._full_flat = param.detach().view(-1) if keep_full else None
-        self._unsharded_flat: Optional[Tensor] = None
         self._target_rows: Optional[Tensor] = None  # the gather target as (N, c), where it fills whole rows
         # made once, not per step (see [Note: batched copies] in partition.py): the alias of the
         # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
         self._shard_data = self.shard.detach()
         self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
-        self._shape_stand_in: Optional[Tensor] = None  # see show_grad
         self.master_in_memory: Callable[..., AbstractContextManager] = _always_in_memory
         """``master_in_memory(writing=...)``: a context in which ``shard`` can be read (and written);
         its bucket's where the chunk lives on disk between uses (see ``masters_on_disk.py``)."""
@@ -108,20 +111,10 @@ class ShardedParam:
             self.shard.grad.add_(grad_shard.to(self.shard.device))
 
     def show_grad(self, grad: Optional[Tensor]) -> None:
-        """Put ``grad`` (a full-shaped view of the gradient, or None) in ``param.grad``. torch checks
-        a gradient's size against its parameter's, and at stage 3 a parameter at rest is empty: for
-        that one assignment it shows a full-shaped stand-in (one element, expanded) instead."""
-        if grad is None or self.param.shape == self.shape:
+        """Put ``grad`` (a full-shaped view of the gradient, or None) in ``param.grad`` (at stage 3
+        too: a parameter at rest keeps its full shape)."""
+        with torch._C.DisableTorchFunctionSubclass():
             self.param.grad = grad
-            return
-        if self._shape_stand_in is None:
-            self._shape_stand_in = torch.empty((), dtype=self.param.dtype, device=self.device).expand(self.shape)
-        with torch._C.DisableTorchFunctionSubclass():  # not a `.data` assignment to adopt (at_rest.py)
-            self.param.data = self._shape_stand_in
-            try:
-                self.param.grad = grad
-            finally:
-                self.param.data = self._placeholder
 
     def chunk_to_send(self) -> Tensor:
         """This rank's (updated) chunk as the all-gather sends it: the device copy where one is
@@ -174,15 +167,18 @@ class ShardedParam:
         """``param.data`` is a tensor the engine did not place (at stage 3: while gathered)."""
         if self.keeps_full:
             return self.param.data_ptr() != self._storage_ptr
-        placed = self._unsharded.data_ptr() if self._unsharded is not None else None
-        return self.param.numel() != 0 and self.param.data_ptr() != placed
+        if self.gathered is None:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.param.data_ptr() != self.gathered.flats[self._gathered_index].data_ptr()
 
     def adopt_assigned_data(self, between_steps: bool = False) -> None:
         """``between_steps``: at stage 3, outside any forward and backward (a callback editing the
         gathered parameters inside ``summon_full_params(writeback=True)``), where the assigned tensor
         may become the storage the gathers fill, as at stages 1-2."""
-        new = self.param.data
-        placed = self._full_flat if self.keeps_full else self._placeholder
+        with torch._C.DisableTorchFunctionSubclass():
+            new = self.param.data
+        placed = self._full_flat if self.keeps_full else self.gathered.flat
         if (new.shape, new.dtype, new.device) != (self.shape, placed.dtype, placed.device):
             raise RuntimeError(
                 f"Parameter {self.name!r} was assigned a tensor of shape {tuple(new.shape)} ({new.dtype},"
@@ -200,7 +196,8 @@ class ShardedParam:
         with torch.no_grad():
             full = self.gather_target()  # the storage the engine placed (at stage 3 grown again if freed)
             full.copy_(new.reshape(-1))
-            self.param.data = full.view(self.shape)
+            with torch._C.DisableTorchFunctionSubclass():
+                self.param.data = full.view(self.shape)
             start, end = self.layout.owned_range(self.rank)
             if not self.aliases_param:
                 with self.master_in_memory(writing=True):
@@ -226,10 +223,10 @@ class ShardedParam:
         assigned, and reads it again at the next reset, inside the gathered context) sees the
         weights whenever the unit is gathered, as under DDP. At rest its storage is freed like any
         other gathered storage. Never mid-step: autograd keeps the previous storage's references."""
-        self._unsharded, self._unsharded_flat, self._target_rows = new, new.view(-1), None
+        self.gathered.own(self._gathered_index, new)
         start, end = self.layout.owned_range(self.rank)
         with torch.no_grad(), self.master_in_memory(writing=True):
-            self.shard.copy_(self._unsharded_flat[start:end].reshape(self.shard.shape))
+            self.shard.copy_(new.reshape(-1)[start:end].reshape(self.shard.shape))
         self.refresh_device_chunk()
 
     def adopt_at_rest(self, value: Tensor) -> None:
@@ -265,48 +262,42 @@ class ShardedParam:
                 if self.device_chunk is not None:
                     self.device_chunk.copy_(self._owned_chunk())
 
-    # ---- stage 3: full data only while gathered -------------------------------------------
-    # [Note: stage-3 storage]
-    # At rest the parameter holds an empty placeholder, so touching it outside its unit fails
-    # with a shape error instead of reading freed memory. While gathered, ``param.data`` is
-    # ``_unsharded``. Autograd saves that tensor's *storage* for backward; resharding shrinks the
-    # storage to 0 bytes (memory is really freed, also under the saved references) and gathering
-    # for backward grows the same storage again and refills it, so the saved references see the
-    # weights again without any graph surgery.
+    # ---- stage 3: full data only while gathered (see [Note: stage-3 storage]) ----------------
+    def attach_gathered(self, storage: GatheredStorage, index: int) -> None:
+        """Stage 3, once at setup: the parameter becomes view ``index`` of its bucket's storage."""
+        self.gathered, self._gathered_index = storage, index
+        self.point_at_storage()
+
+    def point_at_storage(self) -> None:
+        """``param.data`` is this parameter's view of the bucket's storage (at setup, after a lent
+        copy, after the storage was renewed)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self.param.data = self.gathered.views[self._gathered_index]
+
     def gather_target(self) -> Tensor:
-        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, the
-        (re)allocated unsharded tensor at stage 3."""
+        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, its
+        view of the bucket's storage at stage 3 (grown first, if freed)."""
         if self.keeps_full:
             return self._full_flat
-        if self._unsharded is None:
-            self._unsharded = torch.empty(self.shape, dtype=self.param.dtype, device=self.device)
-            self._unsharded_flat = self._unsharded.view(-1)  # a view stays valid across storage resizes
-        else:
-            storage = self._unsharded.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(self._unsharded.numel() * self._unsharded.element_size())
-        return self._unsharded_flat
+        self.gathered.grow()
+        return self.gathered.flats[self._gathered_index]
 
     def gather_target_rows(self) -> Optional[Tensor]:
         """``gather_target()`` viewed as the (N, c) block an all-gather delivers, when the parameter
-        fills whole rows (numel = N * c) and so can be copied into in one piece; else None. The view
-        is made once and stays valid across stage 3's storage resizes."""
+        fills whole rows (numel = N * c) and so can be copied into in one piece; else None. Made
+        once; at stage 3 it stays valid across the storage's resizes."""
         n, c = self.layout.world_size, self.padded_chunk_numel
+        if self.gathered is not None:
+            return self.gathered.rows[self._gathered_index]
         if self._target_rows is None and self.layout.numel == n * c and c > 0:
             self._target_rows = self.gather_target().view(n, c)
         return self._target_rows
 
-    def show_unsharded(self) -> None:
-        wake(self.param)  # first: what follows then costs no __torch_function__ call
-        at_rest = self.param.numel() == 0
-        if not at_rest and self.param.data_ptr() != self._unsharded.data_ptr():
-            raise RuntimeError(
-                f"Parameter {self.name!r} was replaced or resized while lightning-zero held it sharded"
-                f" (it has shape {tuple(self.param.shape)}). HINT: assign `.data` a tensor of its shape"
-                f" {tuple(self.shape)} and dtype (adopted, each rank keeping its chunk), or edit it inside"
-                " `strategy.summon_full_params(writeback=True)`."
-            )
-        self.param.data = self._unsharded
+    def rest_until_attached(self) -> None:
+        """Stage 3 setup, once this rank's chunk is taken: the full values go; until the bucket
+        attaches its storage the parameter holds an empty placeholder and refuses reads."""
+        self.param.data = self._placeholder
+        put_to_rest(self.param)
 
     def lend_full_copy(self, value: Tensor) -> None:
         """At rest: let the parameter show ``value``, a full copy made for the user (FSDP's
@@ -319,26 +310,14 @@ class ShardedParam:
         of the (possibly edited or reassigned) copy."""
         if writeback:
             self.load_full_value(self.param.data.to(self.device))
-        self.param.data = self._placeholder
-        put_to_rest(self.param)
+        self.point_at_storage()
+        self.param.__class__ = self.rest_class
 
-    def free_unsharded(self) -> None:
-        """Back to rest: release the full data (see [Note: stage-3 storage])."""
-        if self.data_was_assigned():
-            self.adopt_assigned_data()
+    def let_go(self) -> None:
+        """The engine lets go of the parameter (closed without handing back full values): a plain
+        parameter holding an empty placeholder, never a view of freed memory."""
+        wake(self.param)
         self.param.data = self._placeholder
-        put_to_rest(self.param)
-        if self._unsharded is None:
-            return
-        storage = self._unsharded.untyped_storage()
-        if storage.resizable():
-            storage.resize_(0)
-        else:
-            # someone holds the memory outside torch (``.numpy()`` makes a storage non-resizable,
-            # e.g. to export a weight inside ``summon_full_params``): leave it to them, with the
-            # values it had, and gather into a new tensor next time
-            self._unsharded = self._unsharded_flat = self._target_rows = None
-
 
 
 def _always_in_memory(writing: bool = False) -> AbstractContextManager:
