@@ -5,11 +5,14 @@ its parameters may be used anywhere in the step):
 
 - forward pre-hook: gather U (waiting for its prefetch), then prefetch the units that followed U
   in the previous forward;
-- forward post-hook: free U; under autograd, hook U's outputs so that the first gradient reaching
-  them gathers U again (see [Note: backward gather order]), and hook U's inputs so that once
-  their gradients are computed — U's backward is over — U is freed again; a module called several
-  times in one forward is freed after the backward of its last pending call only (its calls'
-  hooks fire in no fixed order where one call's output is the next one's input);
+- forward pre-hook, under autograd: U's inputs that need a gradient pass through
+  :class:`_UnitBackwardEnded`, an identity whose backward runs once their gradients are computed —
+  U's backward is over — and frees U again; a module called several times in one forward is freed
+  after the backward of its last pending call only (its calls' ends come in no fixed order where
+  one call's output is the next one's input);
+- forward post-hook: free U; under autograd, U's outputs pass through
+  :class:`_UnitBackwardStarts`, an identity whose backward runs before any of U's and gathers U
+  again (see [Note: backward gather order]);
 - if no input of U needs a gradient, U's backward ends with the last of its trainable parameters'
   gradient accumulation, which then frees it (``grad_accumulated``, called from the one
   post-accumulate-grad hook per parameter that the gradient sync registers);
@@ -36,9 +39,15 @@ reduced, gathered and freed at once. The forwards agree across ranks (the unit t
 hence so do the queues. A unit reached again after its backward freed it (a recomputing
 checkpoint) is gathered on demand, as every rank does alike.
 
+[Note: hooks registered once]
+The module hooks are registered once (``open``); each call then costs two identity autograd
+nodes (one on the inputs, one on the outputs), not two hooks registered on its tensors. The
+usual arguments — a tuple of tensors, a tensor out — are handled without flattening them.
+
 [Note: gathers under torch.compile]
-The unit hooks run eagerly under ``torch.compile`` (``torch._dynamo.disable``): the graph breaks at
-each unit boundary and each unit's own forward is captured whole. Traced into, the hooks' Python
+The unit hooks run eagerly under ``torch.compile`` (``torch._dynamo.disable``, reached only while
+Dynamo traces, so an eager step pays nothing for it): the graph breaks at each unit boundary and
+each unit's own forward is captured whole. Traced into, the hooks' Python
 state (unit states, the queue, counters keyed by buffer size) made Dynamo specialize on values
 that change from unit to unit and recompile until its cache limit with inductor; the collectives
 and storage resizes inside break the graph there anyway.
@@ -50,34 +59,85 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
+
+from lightning_zero.engine.host_work import HOST_WORK
 
 from lightning_zero.engine.parameters.unit import Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
-def _weakly(schedule: "GatherSchedule", method: Callable[["GatherSchedule", Unit], None], index: int) -> Callable[[Any], None]:
-    """An autograd hook calling ``method(schedule, unit)`` that holds the schedule weakly.
+class _UnitBackwardStarts(torch.autograd.Function):
+    """Identity on a unit call's outputs; its backward, which runs before any of the unit's, calls
+    ``schedule._pre_backward(unit)``. The schedule is held weakly (see ``_weakly``)."""
 
-    torch's ``register_multi_grad_hook(mode="all")`` keeps the hooked tensors' autograd nodes in
-    the hook's closure while the nodes keep the hook: a cycle through C++ that Python's garbage
-    collector cannot see, so a hook holding the schedule would keep the whole engine, the module and
-    the Trainer alive for the life of the process (measured: every stage-3 run's, before this)."""
-    ref = weakref.ref(schedule)
+    @staticmethod
+    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, *outputs: torch.Tensor) -> Any:
+        ctx.ref, ctx.index = ref, index
+        return _aliases(ctx, outputs)
 
-    def hook(_: Any) -> None:
-        alive = ref()
-        if alive is not None:
-            method(alive, alive.units[index])
-
-    return hook
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        _call(ctx.ref, GatherSchedule._pre_backward, ctx.index)
+        return (None, None, *grads)
 
 
-def _grad_tensors(*trees: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(trees)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+class _UnitBackwardEnded(torch.autograd.Function):
+    """Identity on a unit call's inputs that need a gradient; its backward, which runs once their
+    gradients are computed (the call's backward is over), calls ``schedule._call_backward_ended``."""
+
+    @staticmethod
+    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, *inputs: torch.Tensor) -> Any:
+        ctx.ref, ctx.index = ref, index
+        return _aliases(ctx, inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        _call(ctx.ref, GatherSchedule._call_backward_ended, ctx.index)
+        return (None, None, *grads)
+
+
+def _aliases(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
+    """The identity's outputs: ``detach()``ed aliases, not views, so that code may still modify
+    them in place (a custom Function's view outputs refuse that), with the version counter shared
+    as without the node; gradients of unused ones stay None rather than zeros."""
+    ctx.set_materialize_grads(False)
+    return tensors[0].detach() if len(tensors) == 1 else tuple(t.detach() for t in tensors)
+
+
+def _call(ref: "weakref.ref[GatherSchedule]", method: Callable[["GatherSchedule", Unit], None], index: int) -> None:
+    """``method(schedule, unit)``, if the schedule is alive: the autograd graph, which outlives a
+    step when a user keeps a loss, holds the schedule weakly, so it never keeps the engine, the
+    module and the Trainer alive."""
+    schedule = ref()
+    if schedule is not None:
+        method(schedule, schedule.units[index])
+
+
+_LEAVES = (torch.Tensor, int, float, bool, str)
+
+
+def _through(function: Any, ref: Any, index: int, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that need a gradient passed through ``function`` (one node for all
+    of them), and whether there were any. A tensor, or a tuple or list of tensors and other values,
+    is handled as it is; anything else (dicts, nested structures) is flattened."""
+    if isinstance(tree, torch.Tensor):
+        if not tree.requires_grad:
+            return tree, False
+        return function.apply(ref, index, tree), True
+    if isinstance(tree, (tuple, list)) and all(v is None or isinstance(v, _LEAVES) for v in tree):
+        leaves, rebuild = list(tree), lambda new: type(tree)(new) if type(tree) in (tuple, list) else type(tree)(*new)
+    else:
+        leaves, spec = tree_flatten(tree)
+        rebuild = lambda new: tree_unflatten(new, spec)  # noqa: E731
+    positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not positions:
+        return tree, False
+    passed = function.apply(ref, index, *(leaves[i] for i in positions))
+    for i, t in zip(positions, passed if len(positions) > 1 else (passed,)):
+        leaves[i] = t
+    return rebuild(leaves), True
 
 
 class GatherSchedule:
@@ -100,6 +160,8 @@ class GatherSchedule:
         self._queue_position: dict[int, int] = {}
         self._issued = 0  # queue entries whose gather has been issued
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
+        self._ref = weakref.ref(self)
+        self._inputs_with_grad: list[bool] = []  # per unit call in progress (nested calls stack)
         self.open()
 
     def open(self) -> None:
@@ -110,12 +172,14 @@ class GatherSchedule:
         for unit in self.units[1:]:
             self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(self._post_forward(unit), with_kwargs=True))
+            HOST_WORK.hook_registrations += 2
 
     # ---- step boundaries -----------------------------------------------------------------------
     def begin_step(self) -> None:
         if self._forward_order:
             self._previous_order = self._forward_order
         self._forward_order = []
+        self._inputs_with_grad.clear()  # a forward that raised may have left calls open
         self._forget_backward()
         for index in self._previous_order[: 1 + self.prefetch_units]:  # their reads overlap the root's
             self.units[index].read_ahead()
@@ -168,32 +232,39 @@ class GatherSchedule:
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
-        @torch._dynamo.disable  # see [Note: gathers under torch.compile]
-        def hook(module: Any, args: Any, kwargs: Any) -> None:
+        def eager(module: Any, args: Any, kwargs: Any) -> Any:
             unit.unshard()
             self._forward_order.append(unit.index)
             self._prefetch_after(unit.index, len(self._forward_order) - 1)
+            if not torch.is_grad_enabled():
+                return None
+            args, with_grad = _through(_UnitBackwardEnded, self._ref, unit.index, args)
+            if kwargs:
+                kwargs, kwargs_with_grad = _through(_UnitBackwardEnded, self._ref, unit.index, kwargs)
+                with_grad = with_grad or kwargs_with_grad
+            self._inputs_with_grad.append(with_grad)  # read by this call's post-hook
+            if not with_grad:
+                return None
+            self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
+            return args, kwargs
 
-        return hook
+        return _eager_under_compile(eager)
 
     def _post_forward(self, unit: Unit):
-        @torch._dynamo.disable  # see [Note: gathers under torch.compile]
-        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+        def eager(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
             unit.reshard()
             if not torch.is_grad_enabled():
-                return output
-            outputs, inputs = _grad_tensors(output), _grad_tensors(args, kwargs)
-            if outputs:
-                self._called_with_grad.append(unit.index)
-                register_multi_grad_hook(outputs, _weakly(self, GatherSchedule._pre_backward, unit.index), mode="any")
-            if outputs and not inputs:
+                return None
+            inputs_with_grad = self._inputs_with_grad.pop() if self._inputs_with_grad else False
+            output, with_grad = _through(_UnitBackwardStarts, self._ref, unit.index, output)
+            if not with_grad:
+                return None
+            self._called_with_grad.append(unit.index)
+            if not inputs_with_grad:  # the last parameter gradient ends this call's backward
                 self._grads_pending[unit.index] = {id(p) for p in unit.params if p.param.requires_grad}
-            if inputs:
-                self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
-                register_multi_grad_hook(inputs, _weakly(self, GatherSchedule._call_backward_ended, unit.index), mode="all")
             return output
 
-        return hook
+        return _eager_under_compile(eager)
 
     def _call_backward_ended(self, unit: Unit) -> None:
         remaining = self._backward_calls_pending.get(unit.index, 1) - 1
@@ -257,3 +328,16 @@ class GatherSchedule:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _eager_under_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run eagerly where Dynamo traces it (see [Note: gathers under torch.compile]); an
+    eager call costs one check."""
+    disabled = torch._dynamo.disable(hook)
+
+    def run(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args)
+        return hook(*args)
+
+    return run
