@@ -230,7 +230,7 @@ class Bucket:
         else:
             pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
             with torch.no_grad():  # the shards are parameters (of the optimizer)
-                torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.chunk_to_send() for p in self.params])
+                torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.send_source for p in self.params])
         if tags is not None:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)

@@ -13,8 +13,9 @@ users look] in ``sharded_grad.py``):
   gradient, which no rank holds here: reading it fails and says to read gradients after the last
   micro-batch. (Stage 1 keeps full unreduced gradients until the last micro-batch, as DDP does.)
 
-Installing a view is one attribute assignment per parameter; nothing is computed until user code
-reads ``.grad``.
+Installing a view is one attribute assignment per parameter (under
+``DisableTorchFunctionSubclass``, so a stage-3 parameter at rest takes it without a Python call);
+nothing is computed until user code reads ``.grad``.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ class GradientWindow:
         """After a backward: ``reduced`` when its gradients were reduced into the shards."""
         self.close()
         self.state = WindowState.REDUCED if reduced else WindowState.ACCUMULATING
-        for p in self._params:
-            if p.shard.grad is not None:
-                p.show_grad(self._view_of(p))
-                self._shown.append(p)
+        views = self._views
+        with torch._C.DisableTorchFunctionSubclass():  # see the module's docstring
+            for p in self._params:
+                if p.shard.grad is not None:
+                    p.param.grad = views[id(p)] if id(p) in views else self._view_of(p)
+                    self._shown.append(p)
 
     def show_again(self) -> None:
         """After something else held ``param.grad`` for a while (``summon_full_params(with_grads=True)``
@@ -66,9 +69,11 @@ class GradientWindow:
 
     def close(self) -> None:
         """Before the next backward, and after the optimizer step: ``.grad`` is None again."""
-        for p in self._shown:
-            if p.param.grad is self._views[id(p)]:  # not what a backward accumulated since (sharded_grad.py)
-                p.show_grad(None)
+        views = self._views
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in self._shown:
+                if p.param.grad is views[id(p)]:  # not what a backward accumulated since (sharded_grad.py)
+                    p.param.grad = None
         self._shown.clear()
         self.state = WindowState.CLOSED
 

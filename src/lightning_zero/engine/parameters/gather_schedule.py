@@ -307,6 +307,8 @@ class GatherSchedule:
     def grad_accumulated(self, param: ShardedParam) -> None:
         """``param``'s gradient for this backward is accumulated: the last one of a unit whose
         inputs need no gradient ends that unit's backward (see the module docstring)."""
+        if not self._grads_pending:  # the usual case: every unit's inputs need a gradient
+            return
         unit = self._unit_of.get(id(param))
         pending = self._grads_pending.get(unit.index) if unit is not None else None
         if pending is None:

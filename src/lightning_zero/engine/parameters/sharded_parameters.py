@@ -97,8 +97,9 @@ class ShardedParameters(ParameterResidency):
     def buckets_with_host(self) -> list[Bucket]:
         return [b for unit in self.units for b in unit.buckets if b.host is not None]
 
-    def grad_accumulated(self, param: ShardedParam) -> None:
-        self.schedule.grad_accumulated(param)
+    @property
+    def grad_accumulated(self) -> Callable[[ShardedParam], None]:
+        return self.schedule.grad_accumulated  # called per parameter in backward: no call in between
 
     def begin_step(self) -> None:
         self.schedule.begin_step()

@@ -79,6 +79,9 @@ class ShardedParam:
         # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
         self._shard_data = self.shard.detach()
         self._placeholder = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.send_source = self.device_chunk if self.device_chunk is not None else self._shard_data
+        """This rank's (updated) chunk as the all-gather sends it (``chunk_to_send``), kept as an
+        attribute so that a bucket's gather reads it without a call per parameter."""
         self.master_in_memory: Callable[..., AbstractContextManager] = _always_in_memory
         """``master_in_memory(writing=...)``: a context in which ``shard`` can be read (and written);
         its bucket's where the chunk lives on disk between uses (see ``masters_on_disk.py``)."""
@@ -128,6 +131,7 @@ class ShardedParam:
             storage.copy_(self._shard_data)
         self.shard.data = storage
         self._shard_data = self.shard.detach()
+        self.send_source = self.chunk_to_send()
 
     def write_chunk_to(self, out: Tensor) -> None:
         """Copy this rank's (updated) chunk into ``out`` (1D, ``owned_numel`` long), in ``out``'s dtype."""
@@ -214,6 +218,7 @@ class ShardedParam:
         if self.aliases_param:
             self.shard.data = self._owned_chunk()
             self._shard_data = self.shard.detach()
+            self.send_source = self.chunk_to_send()
         else:
             self.sync_master_from_param()
 
