@@ -138,7 +138,7 @@ class Bucket:
                 " optimizer synchronisations (use one backward over the summed losses)."
             )
         self._ready.add(id(param))
-        return self.is_ready
+        return len(self._ready) == len(self.params)  # is_ready, without a call per parameter
 
     @property
     def is_ready(self) -> bool:
