@@ -9,7 +9,6 @@ deterministic; no time is measured.
 from __future__ import annotations
 
 import sys
-import tempfile
 from typing import Callable
 
 import pytest
@@ -70,27 +69,29 @@ def _stepper(stage: int) -> tuple[Callable[[], None], object]:
 
 
 @pytest.fixture(scope="module")
-def counts():
+def counts(tmp_path_factory):
     """Per stage (0: DDP): Python calls per step and the engine's host work per step, after warm-up."""
-    with tempfile.NamedTemporaryFile() as store_file:
-        dist.init_process_group("gloo", store=dist.FileStore(store_file.name, 1), rank=0, world_size=1)
-        try:
-            out = {}
-            for stage in (0, 1, 2, 3):
-                step, engine = _stepper(stage)
-                for _ in range(3):
-                    step()
-                before = HOST_WORK.snapshot()
-                calls = _python_calls(step)
-                work = HOST_WORK.since(before)
-                units = len(engine.residency.units) if stage == 3 else 0
-                gathers = sum(len(u.buckets) for u in engine.residency.units[1:]) * 2 + len(engine.residency.units[0].buckets) if stage == 3 else 0
-                out[stage] = {"calls": calls, "work": work, "units": units, "bucket_gathers": gathers}
-                if engine is not None:
-                    engine.close()
-            return out
-        finally:
-            dist.destroy_process_group()
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        return {stage: _count_one_step(stage) for stage in (0, 1, 2, 3)}
+    finally:
+        dist.destroy_process_group()
+
+
+def _count_one_step(stage: int) -> dict:
+    step, engine = _stepper(stage)
+    for _ in range(3):
+        step()
+    before = HOST_WORK.snapshot()
+    calls = _python_calls(step)
+    out = {"calls": calls, "work": HOST_WORK.since(before)}
+    if engine is not None:
+        units = engine.residency.units if stage == 3 else []
+        # the root unit is gathered once per step, the others twice (forward, backward)
+        out["bucket_gathers"] = sum(len(u.buckets) for u in units[1:]) * 2 + (len(units[0].buckets) if units else 0)
+        engine.close()
+    return out
 
 
 def test_stage3_registers_no_hook_per_step(counts):

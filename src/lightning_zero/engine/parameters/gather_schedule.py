@@ -45,9 +45,11 @@ nodes (one on the inputs, one on the outputs), not two hooks registered on its t
 usual arguments — a tuple of tensors, a tensor out — are handled without flattening them.
 
 [Note: gathers under torch.compile]
-The unit hooks run eagerly under ``torch.compile`` (``torch._dynamo.disable``, reached only while
-Dynamo traces, so an eager step pays nothing for it): the graph breaks at each unit boundary and
-each unit's own forward is captured whole. Traced into, the hooks' Python
+The unit hooks run eagerly under ``torch.compile`` (``torch._dynamo.disable``): the graph breaks at
+each unit boundary and each unit's own forward is captured whole. An eager call pays the wrapper:
+4 Python calls and about 0.4 µs (measured on the CPU), 2 per unit call; a check of
+``torch.compiler.is_compiling()`` in an undecorated hook costs half that but makes Dynamo trace the
+hook's closure and recompile for every unit. Traced into, the hooks' Python
 state (unit states, the queue, counters keyed by buffer size) made Dynamo specialize on values
 that change from unit to unit and recompile until its cache limit with inductor; the collectives
 and storage resizes inside break the graph there anyway.
@@ -248,7 +250,7 @@ class GatherSchedule:
             self._backward_calls_pending[unit.index] = self._backward_calls_pending.get(unit.index, 0) + 1
             return args, kwargs
 
-        return _eager_under_compile(eager)
+        return torch._dynamo.disable(eager)  # see [Note: gathers under torch.compile]
 
     def _post_forward(self, unit: Unit):
         def eager(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
@@ -264,7 +266,7 @@ class GatherSchedule:
                 self._grads_pending[unit.index] = {id(p) for p in unit.params if p.param.requires_grad}
             return output
 
-        return _eager_under_compile(eager)
+        return torch._dynamo.disable(eager)  # see [Note: gathers under torch.compile]
 
     def _call_backward_ended(self, unit: Unit) -> None:
         remaining = self._backward_calls_pending.get(unit.index, 1) - 1
@@ -331,15 +333,3 @@ class GatherSchedule:
             handle.remove()
         self._handles.clear()
 
-
-def _eager_under_compile(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, run eagerly where Dynamo traces it (see [Note: gathers under torch.compile]); an
-    eager call costs one check."""
-    disabled = torch._dynamo.disable(hook)
-
-    def run(*args: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args)
-        return hook(*args)
-
-    return run

@@ -32,7 +32,7 @@ from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
-from lightning_zero.engine.shards.at_rest import set_gathered, unit_parameter_class
+from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -114,14 +114,16 @@ class Unit:
         ]  # fmt: skip
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
-        # the parameters become views of their buckets' storages, of one class switched per unit
-        # (see [Note: stage-3 storage] in gathered_storage.py, [Note: parameters at rest] in at_rest.py)
-        self.param_class = unit_parameter_class(name)
+        # the parameters become views of their buckets' storages (see [Note: stage-3 storage] in
+        # gathered_storage.py), guarded at rest by their class (see [Note: parameters at rest])
         for bucket in self.buckets:
             for position, p in enumerate(bucket.params):
                 p.attach_gathered(bucket.gathered, position)
-                p.rest_class = self.param_class
-                p.param.__class__ = self.param_class
+        self._guarded = [p.param for p in self.params if type(p.param) is ParameterAtRest]
+        # a parameter of the user's own subclass keeps its class: at rest it shows an empty placeholder
+        self._unguarded = [p for p in self.params if type(p.param) is not ParameterAtRest]
+        for p in self._unguarded:
+            p.hide_values()
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, params={len(self.params)}, {self.state.value})"
@@ -156,7 +158,10 @@ class Unit:
             for pending in self._pending:
                 pending.finish()
             self._pending = []
-            set_gathered(self.param_class, True)
+            for param in self._guarded:
+                param.__class__ = nn.Parameter
+            for p in self._unguarded:
+                p.point_at_storage()
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -168,10 +173,14 @@ class Unit:
             assigned = [p for b in self.buckets for p, flat in zip(b.params, b.gathered.flats) if p.param.data_ptr() != flat.data_ptr()]
             for p in assigned:
                 p.adopt_assigned_data()
-            set_gathered(self.param_class, False)
+            for param in self._guarded:
+                param.__class__ = ParameterAtRest
+            for p in self._unguarded:
+                p.hide_values()
             for bucket in self.buckets:
                 if not bucket.gathered.free():  # held outside torch: left to its holder
                     bucket.gathered.renew()
                     for p in bucket.params:
-                        p.point_at_storage()
+                        if type(p.param) is ParameterAtRest:
+                            p.point_at_storage()
             self.state = UnitState.SHARDED

@@ -54,7 +54,6 @@ class ShardedParam:
         self.holds_master_copy = param.dtype in _HALF_DTYPES
         self.gathered: Optional[GatheredStorage] = None  # stage 3: the bucket's storage of full values
         self._gathered_index = 0  # this parameter's place in it
-        self.rest_class: type = nn.Parameter  # stage 3: its unit's class (see [Note: parameters at rest])
         chunk = self._owned_chunk()
         self.aliases_param = keep_full and not self.holds_master_copy and host is None
         if self.aliases_param:
@@ -315,8 +314,17 @@ class ShardedParam:
         of the (possibly edited or reassigned) copy."""
         if writeback:
             self.load_full_value(self.param.data.to(self.device))
-        self.point_at_storage()
-        self.param.__class__ = self.rest_class
+        if self.param.__class__ is nn.Parameter:  # a user's own subclass shows a placeholder at rest
+            self.point_at_storage()
+            put_to_rest(self.param)
+        else:
+            self.hide_values()
+
+    def hide_values(self) -> None:
+        """At rest, for a parameter of a user's own ``nn.Parameter`` subclass (which keeps its
+        class, so nothing refuses reads): an empty placeholder instead of a view of freed memory."""
+        with torch._C.DisableTorchFunctionSubclass():
+            self.param.data = self._placeholder
 
     def let_go(self) -> None:
         """The engine lets go of the parameter (closed without handing back full values): a plain
