@@ -8,64 +8,9 @@ deterministic; no time is measured.
 
 from __future__ import annotations
 
-import sys
-from typing import Callable
-
 import pytest
-import torch
 import torch.distributed as dist
-from torch import nn
-
-from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.host_work import HOST_WORK
-from lightning_zero.models.gpt import GPT, GPTConfig
-
-LAUNCH_BOUND = GPTConfig(n_layer=12, n_embd=64, n_head=4, block_size=32)
-
-
-def _python_calls(step: Callable[[], None]) -> int:
-    calls = 0
-
-    def count(frame, event, arg):  # noqa: ANN001
-        nonlocal calls
-        if event == "call":
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
-def _stepper(stage: int) -> tuple[Callable[[], None], object]:
-    torch.manual_seed(0)
-    model = GPT(LAUNCH_BOUND)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, 256, (1, 32))
-    targets = torch.randint(0, 256, (1, 32))
-    if stage == 0:
-        ddp = nn.parallel.DistributedDataParallel(model)
-
-        def step() -> None:
-            ddp(idx, targets)[1].backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        return step, None
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
-
-    def step() -> None:
-        engine.begin_step()
-        model(idx, targets)[1].backward()
-        engine.finish_backward()
-        engine.end_step()
-        optimizer.step()
-        engine.after_optimizer_step(optimizer)
-        optimizer.zero_grad()
-
-    return step, engine
+from host_work_steps import count_one_step
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +19,9 @@ def counts(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        return {stage: _count_one_step(stage) for stage in (0, 1, 2, 3)}
+        return {stage: count_one_step(stage) for stage in (0, 1, 2, 3)}
     finally:
         dist.destroy_process_group()
-
-
-def _count_one_step(stage: int) -> dict:
-    step, engine = _stepper(stage)
-    for _ in range(3):
-        step()
-    before = HOST_WORK.snapshot()
-    calls = _python_calls(step)
-    out = {"calls": calls, "work": HOST_WORK.since(before)}
-    if engine is not None:
-        units = engine.residency.units if stage == 3 else []
-        # the root unit is gathered once per step, the others twice (forward, backward)
-        out["bucket_gathers"] = sum(len(u.buckets) for u in units[1:]) * 2 + (len(units[0].buckets) if units else 0)
-        engine.close()
-    return out
 
 
 def test_stage3_registers_no_hook_per_step(counts):

@@ -1,0 +1,86 @@
+"""One training step of the launch-bound GPT, stepped by DDP or the engine, and its host work counted:
+the helpers of ``test_host_work.py`` (CPU) and ``test_cuda_host_work.py`` (the GPU tier)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.host_work import HOST_WORK
+from lightning_zero.models.gpt import GPT, GPTConfig
+
+LAUNCH_BOUND = GPTConfig(n_layer=12, n_embd=64, n_head=4, block_size=32)
+
+
+def python_calls(step: Callable[[], None]) -> int:
+    calls = 0
+
+    def count(frame, event, arg):  # noqa: ANN001
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def stepper(stage: int, device: torch.device, precision: str) -> tuple[Callable[[], None], object]:
+    torch.manual_seed(0)
+    model = GPT(LAUNCH_BOUND).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 256, (1, 32), device=device)
+    targets = torch.randint(0, 256, (1, 32), device=device)
+
+    def forward(module: nn.Module) -> torch.Tensor:
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        with autocast:
+            return module(idx, targets)[1]
+
+    if stage == 0:
+        ddp = nn.parallel.DistributedDataParallel(model)
+
+        def step() -> None:
+            forward(ddp).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return step, None
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage), device=device)
+
+    def step() -> None:
+        engine.begin_step()
+        forward(model).backward()
+        engine.finish_backward()
+        engine.end_step()
+        optimizer.step()
+        engine.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+
+    return step, engine
+
+
+def count_one_step(stage: int, device: torch.device = torch.device("cpu"), precision: str = "fp32") -> dict:
+    """After 3 warm-up steps, one step of DDP (``stage`` 0) or the engine at ``stage`` (world size 1,
+    a process group of one rank must exist): its Python calls, ``HostWork`` and, at stage 3, how
+    many bucket gathers it made."""
+    step, engine = stepper(stage, device, precision)
+    for _ in range(3):
+        step()
+    before = HOST_WORK.snapshot()
+    calls = python_calls(step)
+    out = {"calls": calls, "work": HOST_WORK.since(before)}
+    if engine is not None:
+        units = engine.residency.units if stage == 3 else []
+        # the root unit is gathered once per step, the others twice (forward, backward)
+        out["bucket_gathers"] = sum(len(u.buckets) for u in units[1:]) * 2 + (len(units[0].buckets) if units else 0)
+        engine.close()
+    return out
