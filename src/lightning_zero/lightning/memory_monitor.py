@@ -144,7 +144,7 @@ class ZeroMemoryMonitor(Callback):
             )
             return
         assert strategy.engine is not None  # checked above; for type checkers
-        # the parameters the engine manages, at their full size (at stage 3 `p.numel()` is a chunk's)
+        # the parameters the engine manages, at their full size
         num_params = sum(sp.layout.numel for sp in strategy.engine.params)
         precision = str(trainer.precision)
         self._estimate = estimate_per_rank(num_params, strategy, precision, trainer.num_devices, trainer.num_nodes)
