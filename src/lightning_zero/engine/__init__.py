@@ -18,8 +18,8 @@ ones below it; ``parameters`` and ``gradients`` sit side by side and import neit
 - ``shards``: what a rank holds of each parameter (the chunk layout, ``ShardedParam``).
 
 Beside them: ``config`` (what the user chooses; imported by all), ``device_roles`` (which tensors
-are host memory, for the checks that stand in for NCCL's on a CPU) and ``module_link`` (both import
-nothing here), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
+are host memory, for the checks that stand in for NCCL's on a CPU), ``host_work`` (counts of the
+host work an aten-op count cannot see) and ``module_link`` (these import nothing here), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
 ``full_weights``, ``memory`` — which nothing below imports. ``tests/test_import_layers.py`` holds
 the tree to this.
 """
