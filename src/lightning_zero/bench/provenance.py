@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.options import BenchOptions, shaped
 
 
 def _version(distribution: str) -> Optional[str]:
@@ -68,8 +68,10 @@ def _load_average() -> Optional[float]:
 
 def command_line(options: BenchOptions) -> str:
     """The `lightning-zero bench` command that reproduces `options`."""
-    defaults = BenchOptions()
+    defaults = shaped(options.shape)
     parts = ["lightning-zero bench"]
+    if options.shape is not None:
+        parts.append(f"--shape {options.shape}")
     if options.params is not None:
         parts.append(f"--params {options.params}")
     flags = [
@@ -92,6 +94,8 @@ def command_line(options: BenchOptions) -> str:
             parts.append(f"{flag} {getattr(options, name)}")
     if options.variants != defaults.variants:
         parts.append(f"--variants {','.join(options.variants)}")
+    if options.paired:
+        parts.append("--paired")
     if options.fused:
         parts.append("--fused")
     if options.activation_checkpointing:
