@@ -108,7 +108,7 @@ def test_console_script_applies_the_shape_under_explicit_flags(
     assert main(["bench", "--shape", "launch-bound", "--devices", "1", "--paired", "--batch-size", "2"]) == 0
     (options,) = seen
     assert (options.shape, options.paired, options.devices) == ("launch-bound", True, 1)
-    assert (options.n_layer, options.n_embd, options.batch_size, options.steps) == (12, 64, 2, 30)
+    assert (options.n_layer, options.n_embd, options.batch_size, options.steps) == (12, 64, 2, 100)
     with pytest.raises(SystemExit):
         main(["bench", "--paired", "--capacity", "model", "--memory-budget", "1GB"])
     assert "`paired` times steps" in capsys.readouterr().err
@@ -145,6 +145,14 @@ def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
     assert alone[1].step_time_ratio_to_ddp == pytest.approx(30.0 / 20.0)  # not both paired: medians
 
 
+def test_median_interval_is_the_binomial_order_statistics() -> None:
+    assert ratios.median_interval([1.0] * 5) is None  # 2 / 2**5 > 5%: no pair of order statistics covers 95%
+    assert ratios.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)
+    assert ratios.median_interval([float(v) for v in range(1, 21)]) == (6.0, 15.0)  # the textbook's n = 20
+    low, high = ratios.median_interval([float(v) for v in range(1, 101)])
+    assert (low, high) == (40.0, 61.0)  # n = 100: ranks 40 and 61
+
+
 def test_what_cannot_share_a_process_says_why() -> None:
     assert paired.unpairable(variants.BY_NAME["zero3"]) is None
     assert paired.unpairable(variants.BY_NAME["fsdp2_z3"]) is None
@@ -176,6 +184,7 @@ def test_paired_run_reports_ratios_to_ddp_per_round(bench: BenchResult) -> None:
     assert ddp.step_time_ratio_to_ddp == 1.0
     low, high = zero3.step_time_ratio_quartiles
     assert 0 < low <= zero3.step_time_ratio_to_ddp <= high
+    assert zero3.step_time_ratio_ci95 is None  # too few rounds for a 95% interval
     # peak memory is no one variant's when they share a process
     assert ddp.peak_memory_bytes is None and zero3.peak_memory_bytes is None
     assert ddp.ranks[0].peak_memory_meaning == paired.PEAK_NOT_MEASURED

@@ -24,7 +24,9 @@ HOST_DEFINITIONS = """\
   one step of each in turn, the order rotated every round (`--paired`); *alone*, in processes of its
   own (without `--paired`, or where a variant cannot share a process: the reason is listed).
   **× DDP** paired is the median over rounds of (this step / DDP's step of the same round), each the
-  slowest rank's, with the quartiles in brackets: a load that comes and goes slows both alike.
+  slowest rank's (a load that comes and goes slows both alike); **95% CI**, the median's confidence
+  interval (order statistics, independent rounds assumed): a difference is resolved when it lies
+  outside; **rounds' quartiles**, how much single rounds vary.
 - **ms beyond DDP**: step time minus DDP's (paired: median of the per-round differences); **per
   unit**: divided by the units the variant gathers and releases as one (ours at stage 3, FSDP2's
   `fully_shard` groups: a `Block` each and the root); blank for variants without units (stages
@@ -36,13 +38,8 @@ def _number(value: Optional[float], fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def _ratio_cell(r: VariantResult) -> str:
-    """The step-time ratio to DDP, with its quartiles when paired."""
-    cell = _number(r.step_time_ratio_to_ddp, ".2f")
-    if r.step_time_ratio_quartiles is not None:
-        low, high = r.step_time_ratio_quartiles
-        cell += f" [{low:.2f}–{high:.2f}]"
-    return cell
+def _span(span: Optional[tuple[float, float]]) -> str:
+    return "—" if span is None else f"{span[0]:.2f}–{span[1]:.2f}"
 
 
 def _row(r: VariantResult) -> list[str]:
@@ -50,7 +47,9 @@ def _row(r: VariantResult) -> list[str]:
         f"`{r.name}`",
         "paired" if r.paired else "alone",
         _number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.1f"),
-        _ratio_cell(r),
+        _number(r.step_time_ratio_to_ddp, ".3f"),
+        _span(r.step_time_ratio_ci95),
+        _span(r.step_time_ratio_quartiles),
         _number(r.python_calls_per_step, ",d"),
         _number(r.python_calls_ratio_to_ddp, ".2f"),
         _number(r.storage_resizes_per_step, ",d"),
@@ -73,10 +72,10 @@ def host_section(variants: Sequence[VariantResult], paired: bool) -> list[str]:
         together = ", ".join(f"`{r.name}`" for r in ran if r.paired) or "none"
         intro += f"; paired over {rounds} rounds: {together}"
     headers = [
-        "variant", "timed", "step ms", "× DDP", "Python calls/step", "× DDP", "storage resizes/step",
+        "variant", "timed", "step ms", "× DDP", "95% CI", "rounds' quartiles", "Python calls/step", "× DDP", "storage resizes/step",
         "hook registrations/step", "collectives/step", "units", "ms beyond DDP", "per unit",
     ]  # fmt: skip
-    lines = ["", intro + ":", ""] + markdown_table(headers, [_row(r) for r in ran], "llrrrrrrrrrr")
+    lines = ["", intro + ":", ""] + markdown_table(headers, [_row(r) for r in ran], "llrrrrrrrrrrrr")
     alone = [r for r in variants if r.not_paired_because]
     if paired and alone:
         lines += ["", "Timed alone although `--paired` was given:", ""]

@@ -28,14 +28,15 @@ CAPACITY_VARIANTS = ("ddp", "fsdp2_z3", "zero1", "zero2", "zero3", "zero3_offloa
 BUDGET_SCOPES = ("device", "host")
 """What a capacity budget charges on the CPU (`budget.py`): what a GPU would hold, or the whole host."""
 SHAPES: dict[str, dict[str, int]] = {
-    "launch-bound": dict(n_layer=12, n_embd=64, n_head=4, block_size=32, batch_size=1, warmup=3, steps=30),
+    "launch-bound": dict(n_layer=12, n_embd=64, n_head=4, block_size=32, batch_size=1, warmup=5, steps=100),
 }
 """Named shapes (`--shape`): defaults for the options they set, which explicit options override.
 
 launch-bound: 12 blocks of width 64 (4 heads), 1 × 32 tokens per rank — compute is negligible, so
 the step is the host's work: what a fast GPU exposes (on one H200 in bf16 the 124M GPT's step is
 mostly host time too, and zero3's ratio to DDP there matches this shape's on a CPU). A step takes
-milliseconds, so it also sets 3 warm-up and 30 timed steps (rounds, with `paired`)."""
+milliseconds, so it also sets 5 warm-up and 100 timed steps (rounds, with `paired`): enough for the
+median's 95% interval to resolve a few % on shared cores."""
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,9 @@ class VariantResult:
     not_paired_because: Optional[str] = None
     """With `--paired`, why this variant was timed in processes of its own instead."""
     step_time_ratio_quartiles: Optional[tuple[float, float]] = None
-    """Paired: the first and third quartiles of the per-round ratios to DDP (the spread of the median)."""
+    """Paired: the first and third quartiles of the per-round ratios to DDP (how much rounds vary)."""
+    step_time_ratio_ci95: Optional[tuple[float, float]] = None
+    """Paired: a 95% confidence interval of `step_time_ratio_to_ddp`, the median (`ratios.median_interval`)."""
     python_calls_per_step: Optional[int] = None
     """Largest over ranks of the Python function calls of one step (`host_counts.py`)."""
     python_calls_ratio_to_ddp: Optional[float] = None

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--shape", choices=tuple(SHAPES),
         help="a named shape, defaults for the shape and step options below (which still override it):"
-        " launch-bound = 12 blocks × 64 wide, 4 heads, 1 × 32 tokens per rank, 3 warm-up + 30 timed steps;"
+        " launch-bound = 12 blocks × 64 wide, 4 heads, 1 × 32 tokens per rank, 5 warm-up + 100 timed steps;"
         " compute is negligible, so the step is host time, what a fast GPU exposes",
     )  # fmt: skip
     width = model.add_mutually_exclusive_group()
