@@ -81,14 +81,18 @@ def test_launch_bound_shape_sets_its_options_and_explicit_ones_override_it() -> 
     for name, value in SHAPES["launch-bound"].items():
         assert getattr(options, name) == value
     assert (options.n_layer, options.n_embd, options.n_head, options.block_size, options.batch_size) == (12, 64, 4, 32, 1)
+    assert options.threads == 1  # a GPU's host is one thread; two per rank spin-wait on a loaded machine
     overridden = shaped("launch-bound", n_layer=2, steps=4, paired=True)
     assert (overridden.n_layer, overridden.steps, overridden.n_embd) == (2, 4, 64)
     command = provenance.command_line(overridden)
     assert command.startswith("lightning-zero bench --shape launch-bound --n-layer 2")
-    assert "--steps 4" in command and "--paired" in command and "--n-embd" not in command
+    assert "--steps 4" in command and "--paired" in command and "--n-embd" not in command and "--threads" not in command
+    assert "--threads 2" in provenance.command_line(shaped("launch-bound", threads=2))
     assert shaped(None) == BenchOptions()
     with pytest.raises(ValueError, match="`shape` must be one of launch-bound"):
         shaped("tiny")
+    with pytest.raises(ValueError, match="`threads` must be a positive integer"):
+        BenchOptions(threads=0)
     with pytest.raises(ValueError, match="`paired` times steps"):
         BenchOptions(paired=True, capacity="model", memory_budget=10**9)
 
@@ -106,8 +110,10 @@ def test_console_script_applies_the_shape_under_explicit_flags(
 
     monkeypatch.setattr("lightning_zero.cli.bench.run_bench", fake_run)
     assert main(["bench", "--shape", "launch-bound", "--devices", "1", "--paired", "--batch-size", "2"]) == 0
-    (options,) = seen
-    assert (options.shape, options.paired, options.devices) == ("launch-bound", True, 1)
+    assert main(["bench", "--threads", "3"]) == 0
+    options, plain = seen
+    assert plain.threads == 3 and plain.shape is None and plain.n_layer == BenchOptions().n_layer
+    assert (options.shape, options.paired, options.devices, options.threads) == ("launch-bound", True, 1, 1)
     assert (options.n_layer, options.n_embd, options.batch_size, options.steps) == (12, 64, 2, 100)
     with pytest.raises(SystemExit):
         main(["bench", "--paired", "--capacity", "model", "--memory-budget", "1GB"])
@@ -220,6 +226,7 @@ def test_paired_run_is_written_down(bench: BenchResult) -> None:
     assert "Timed alone although `--paired` was given" in text and "- `ds_zero1`: DeepSpeed" in text
     written = json.loads(Path(bench.files["json"]).read_text())
     assert written["options"]["shape"] == "launch-bound" and written["options"]["paired"] is True
+    assert written["environment"]["threads_per_rank"] == 1
     zero3 = written["variants"][1]
     assert zero3["paired"] is True and len(zero3["step_time_ratio_quartiles"]) == 2
     assert zero3["ranks"][0]["host"]["top_functions"]

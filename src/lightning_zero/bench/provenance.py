@@ -53,7 +53,9 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "device": options.device,
         "backend": "nccl" if options.device == "cuda" else "gloo",
         "world_size": options.devices,
-        "threads_per_rank": max(1, cpus // options.devices) if options.device == "cpu" else torch.get_num_threads(),
+        "threads_per_rank": (options.threads or max(1, cpus // options.devices))
+        if options.device == "cpu"
+        else torch.get_num_threads(),
         "load_average_1min": _load_average(),
     }
 
@@ -86,6 +88,7 @@ def command_line(options: BenchOptions) -> str:
         ("device", "--device"),
         ("seed", "--seed"),
         ("bucket_size_mb", "--bucket-size-mb"),
+        ("threads", "--threads"),
     ]
     if options.params is None:
         flags.insert(1, ("n_embd", "--n-embd"))

@@ -189,6 +189,11 @@ def _silent_failure(
     return None
 
 
+def threads_per_rank(options: BenchOptions) -> int:
+    """A CPU rank's intra-op threads: `options.threads`, or by default the cores shared among the ranks."""
+    return options.threads or max(1, (os.cpu_count() or 1) // options.devices)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,7 +242,7 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
         if options.device == "cuda":
             torch.cuda.set_device(rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.devices))  # ranks share the cores
+            torch.set_num_threads(threads_per_rank(options))
         backend = "nccl" if options.device == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=options.devices, timeout=PROCESS_GROUP_TIMEOUT)
         reports.put((rank, OK, task.body(rank, task.spec, options, task.config)))

@@ -19,13 +19,14 @@ from lightning_zero.cli.arguments import (
 )  # fmt: skip
 
 _DEFAULTS = BenchOptions()
-_SHAPED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "warmup", "steps")
+_SHAPED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "warmup", "steps", "threads")
 """The options a `--shape` sets; given explicitly, they override it (their parser default is None)."""
 
 
 def _default(name: str) -> str:
     """An option's default, and each shape's where it sets one, for the help text."""
-    text = f"default: {getattr(_DEFAULTS, name)}"
+    value = getattr(_DEFAULTS, name)
+    text = f"default: {'the cores divided among the ranks' if value is None else value}"
     for shape, preset in SHAPES.items():
         if name in preset:
             text += f"; --shape {shape}: {preset[name]}"
@@ -50,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--shape", choices=tuple(SHAPES),
         help="a named shape, defaults for the shape and step options below (which still override it):"
-        " launch-bound = 12 blocks × 64 wide, 4 heads, 1 × 32 tokens per rank, 5 warm-up + 100 timed steps;"
-        " compute is negligible, so the step is host time, what a fast GPU exposes",
+        " launch-bound = 12 blocks × 64 wide, 4 heads, 1 × 32 tokens per rank, 5 warm-up + 100 timed steps,"
+        " 1 thread per rank; compute is negligible, so the step is host time, what a fast GPU exposes",
     )  # fmt: skip
     width = model.add_mutually_exclusive_group()
     width.add_argument("--params", type=parse_count, metavar="N", help="target parameter count, e.g. 20M or 1.2e8")
@@ -70,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks; 1 measures engine overhead alone (default: {d.devices})"
     )
     training.add_argument(
+        "--threads", type=positive_int, metavar="K",
+        help=f"CPU: intra-op threads per rank, torch.set_num_threads ({_default('threads')})",
+    )  # fmt: skip
+    training.add_argument(
         "--device", choices=DEVICES, default=d.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu"
     )
     training.add_argument(
@@ -82,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--paired", action="store_true",
         help="step the variants round-robin in the same processes (one step of each in turn, each its own"
         " model, optimizer and data) and report each one's step time against DDP's as the median of per-round"
-        " ratios, with quartiles: resolves a few %% on shared cores, where variants timed minutes apart see"
+        " ratios, with its 95%% interval and the rounds' quartiles: resolves a few %% on shared cores, where variants timed minutes apart see"
         " different loads. DeepSpeed and NVMe offload cannot share a process and run alone (the report says so);"
         " peak memory is not measured for paired variants",
     )  # fmt: skip
