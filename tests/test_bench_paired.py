@@ -123,32 +123,36 @@ def test_console_script_applies_the_shape_under_explicit_flags(
 # --- the paired ratio arithmetic ---------------------------------------------------------------
 
 
-def _timed(name: str, times_ms: list[float], units: object = None) -> object:
-    """A ran, paired result of `name` whose one rank took `times_ms` per round."""
+def _timed(name: str, times_ms: list[float], cpu_ms: list[float], units: object = None) -> object:
+    """A ran, paired result of `name` whose one rank took `times_ms` (wall) and `cpu_ms` (host CPU) per round."""
     spec = variants.BY_NAME[name]
     expected = theory.variant_theory(spec, 1000, 1, 100, None, (1000,))
-    rank = SimpleNamespace(step_times_s=tuple(t / 1e3 for t in times_ms))
-    median = sorted(times_ms)[len(times_ms) // 2] / 1e3
+    rank = SimpleNamespace(step_times_s=tuple(t / 1e3 for t in times_ms), step_cpu_times_s=tuple(t / 1e3 for t in cpu_ms))
+    median, cpu_median = (sorted(ms)[len(ms) // 2] / 1e3 for ms in (times_ms, cpu_ms))
     return dataclasses.replace(
-        not_run(spec, expected, OK, ""), status=OK, paired=True, ranks=(rank,), step_time_s=median, units=units
-    )
+        not_run(spec, expected, OK, ""), status=OK, paired=True, ranks=(rank,), step_time_s=median,
+        host_cpu_s=cpu_median, units=units,
+    )  # fmt: skip
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
     # round 0 of zero3 was slowed by a load that DDP's round 0 did not see: the median of per-round
     # ratios ignores it, the ratio of medians (30 / 20 = 1.5) would not
-    ddp = _timed("ddp", [10.0, 30.0, 20.0])
-    zero3 = _timed("zero3", [30.0, 33.0, 21.0], units=3)
+    ddp = _timed("ddp", [10.0, 30.0, 20.0], cpu_ms=[5.0, 15.0, 10.0])
+    zero3 = _timed("zero3", [30.0, 33.0, 21.0], cpu_ms=[7.0, 17.0, 11.0], units=3)
     by_name = {r.name: r for r in ratios.against_ddp([ddp, zero3])}
     assert by_name["zero3"].step_time_ratio_to_ddp == pytest.approx(1.1)
     low, high = by_name["zero3"].step_time_ratio_quartiles
     assert low == pytest.approx(1.075) and high == pytest.approx(2.05)  # of [1.05, 1.1, 3.0]
-    assert by_name["zero3"].ms_beyond_ddp == pytest.approx(3.0)  # per-round differences 20, 3, 1
-    assert by_name["zero3"].ms_beyond_ddp_per_unit == pytest.approx(1.0)
+    assert by_name["zero3"].step_time_ratio_ci95 is None  # 3 rounds are too few for a 95% interval
+    assert by_name["zero3"].host_cpu_ratio_to_ddp == pytest.approx(17.0 / 15.0)  # of [1.4, 1.133, 1.1]
+    assert by_name["zero3"].ms_beyond_ddp == pytest.approx(2.0)  # host CPU: per-round differences 2, 2, 1
+    assert by_name["zero3"].ms_beyond_ddp_per_unit == pytest.approx(2.0 / 3)
     assert by_name["ddp"].step_time_ratio_to_ddp == 1.0 and by_name["ddp"].step_time_ratio_quartiles is None
     assert by_name["ddp"].ms_beyond_ddp_per_unit is None  # no units
     alone = ratios.against_ddp([dataclasses.replace(ddp, paired=False), zero3])
     assert alone[1].step_time_ratio_to_ddp == pytest.approx(30.0 / 20.0)  # not both paired: medians
+    assert alone[1].ms_beyond_ddp == pytest.approx(11.0 - 10.0)
 
 
 def test_median_interval_is_the_binomial_order_statistics() -> None:
@@ -190,7 +194,9 @@ def test_paired_run_reports_ratios_to_ddp_per_round(bench: BenchResult) -> None:
     assert ddp.step_time_ratio_to_ddp == 1.0
     low, high = zero3.step_time_ratio_quartiles
     assert 0 < low <= zero3.step_time_ratio_to_ddp <= high
-    assert zero3.step_time_ratio_ci95 is None  # too few rounds for a 95% interval
+    assert zero3.step_time_ratio_ci95 is None and zero3.host_cpu_ratio_ci95 is None  # too few rounds
+    assert 0 < zero3.host_cpu_s and 0 < ddp.host_cpu_s and zero3.host_cpu_ratio_to_ddp > 0
+    assert len(zero3.ranks[0].step_cpu_times_s) == ROUNDS
     # peak memory is no one variant's when they share a process
     assert ddp.peak_memory_bytes is None and zero3.peak_memory_bytes is None
     assert ddp.ranks[0].peak_memory_meaning == paired.PEAK_NOT_MEASURED

@@ -12,8 +12,8 @@ ranks runs), `paired` (`--paired`: the variants round-robin in one process group
 figures), `report` (markdown, JSON; its side tables `report_sections`, host work `host_report`,
 building blocks `markdown`) and `chart` (PNG). `--capacity`: `capacity`
 (the search for the largest model or batch under a memory budget), `budget` (how the budget is
-enforced, per rank), `footprint` (the prediction beside each row), `capacity_report` (its table
-and chart). The console subcommand is `lightning_zero.cli.bench`.
+enforced, per rank), `footprint` (the prediction beside each row), `capacity_results` (its figures),
+`capacity_report` (its table and chart). The console subcommand is `lightning_zero.cli.bench`.
 """
 
 from lightning_zero.bench.options import BenchOptions

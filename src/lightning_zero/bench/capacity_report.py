@@ -9,7 +9,8 @@ from typing import Optional
 from lightning_zero.bench.chart import pyplot
 from lightning_zero.bench.markdown import format_mb, markdown_table
 from lightning_zero.bench.report_sections import raw_disk_line
-from lightning_zero.bench.results import OK, CapacityResult, CapacityRow
+from lightning_zero.bench.capacity_results import CapacityResult, CapacityRow
+from lightning_zero.bench.results import OK
 
 BUDGET_RULES = """\
 - **budget**: per rank. CUDA: `torch.cuda.set_per_process_memory_fraction` caps the caching

@@ -26,9 +26,13 @@ HOST_DEFINITIONS = """\
   **× DDP** paired is the median over rounds of (this step / DDP's step of the same round), each the
   slowest rank's (a load that comes and goes slows both alike); **95% CI**, the median's confidence
   interval (order statistics, independent rounds assumed): a difference is resolved when it lies
-  outside; **rounds' quartiles**, how much single rounds vary.
-- **ms beyond DDP**: step time minus DDP's (paired: median of the per-round differences); **per
-  unit**: divided by the units the variant gathers and releases as one (ours at stage 3, FSDP2's
+  outside (the rounds' quartiles are in the JSON).
+- **host CPU ms**: the rank process's CPU time per step (all its threads) until the step returns,
+  before waiting for the device; median, the busiest rank's. Where the step is host work (the
+  launch-bound shape, a fast GPU) it is that work, without the time spent waiting for a core, so its
+  ratios hold on a loaded machine where wall-time ratios spread.
+- **host ms beyond DDP**: host CPU ms per step minus DDP's (paired: median of the per-round
+  differences); **per unit**: divided by the units the variant gathers and releases as one (ours at stage 3, FSDP2's
   `fully_shard` groups: a `Block` each and the root); blank for variants without units (stages
   1-2, DDP, DeepSpeed), whose host work grows with parameters, not units. Peak memory is not
   measured in paired mode (the processes hold every paired variant at once)."""
@@ -49,7 +53,9 @@ def _row(r: VariantResult) -> list[str]:
         _number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.1f"),
         _number(r.step_time_ratio_to_ddp, ".3f"),
         _span(r.step_time_ratio_ci95),
-        _span(r.step_time_ratio_quartiles),
+        _number(None if r.host_cpu_s is None else r.host_cpu_s * 1e3, ",.1f"),
+        _number(r.host_cpu_ratio_to_ddp, ".3f"),
+        _span(r.host_cpu_ratio_ci95),
         _number(r.python_calls_per_step, ",d"),
         _number(r.python_calls_ratio_to_ddp, ".2f"),
         _number(r.storage_resizes_per_step, ",d"),
@@ -72,10 +78,11 @@ def host_section(variants: Sequence[VariantResult], paired: bool) -> list[str]:
         together = ", ".join(f"`{r.name}`" for r in ran if r.paired) or "none"
         intro += f"; paired over {rounds} rounds: {together}"
     headers = [
-        "variant", "timed", "step ms", "× DDP", "95% CI", "rounds' quartiles", "Python calls/step", "× DDP", "storage resizes/step",
-        "hook registrations/step", "collectives/step", "units", "ms beyond DDP", "per unit",
+        "variant", "timed", "step ms", "× DDP", "95% CI", "host CPU ms", "× DDP", "95% CI", "Python calls/step",
+        "× DDP", "storage resizes/step", "hook registrations/step", "collectives/step", "units",
+        "host ms beyond DDP", "per unit",
     ]  # fmt: skip
-    lines = ["", intro + ":", ""] + markdown_table(headers, [_row(r) for r in ran], "llrrrrrrrrrrrr")
+    lines = ["", intro + ":", ""] + markdown_table(headers, [_row(r) for r in ran], "llrrrrrrrrrrrrrr")
     alone = [r for r in variants if r.not_paired_because]
     if paired and alone:
         lines += ["", "Timed alone although `--paired` was given:", ""]

@@ -115,21 +115,28 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
 
 
 class StepTimer:
-    """Times whole steps, and on the CPU the optimizer step within each: on the CPU the clock at each
-    probe point is exact, so the optimizer step (with the parameter refresh after it) is timed on its
-    own; on a GPU that would need a sync per phase."""
+    """Times whole steps, wall and host CPU, and on the CPU the optimizer step within each: on the
+    CPU the clock at each probe point is exact, so the optimizer step (with the parameter refresh
+    after it) is timed on its own; on a GPU that would need a sync per phase.
+
+    Host CPU time is the rank process's (`time.process_time`: all its threads, gloo's and autograd's
+    included) until the step returns, before the device is waited for (a CUDA sync spins). Where the
+    step is host work (the launch-bound shape, a fast GPU) it is that work, and time the process
+    spends waiting for a core on a loaded machine is not in it."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.step_times: list[float] = []
+        self.cpu_times: list[float] = []
         self.optimizer_times: list[float] = []
         self._clock = _PhaseClock() if device.type == "cpu" else None
 
     def step(self, wrapped: Wrapped, x: Tensor, y: Tensor) -> Tensor:
         """One timed step of `wrapped`; returns its loss."""
         clock = self._clock
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = wrapped.step(x, y, clock.probe if clock is not None else no_probe)
+        self.cpu_times.append(time.process_time() - cpu_start)
         synchronize(self.device)
         self.step_times.append(time.perf_counter() - start)
         if clock is not None:
@@ -157,6 +164,7 @@ def closing_measurement(
     return RankMeasurement(
         rank=rank,
         step_times_s=tuple(timer.step_times),
+        step_cpu_times_s=tuple(timer.cpu_times),
         losses=tuple(float(loss) for loss in (*losses, counted_loss, instrumented.loss)),
         resting_memory_bytes=resting,
         peak_memory_bytes=peak_bytes,

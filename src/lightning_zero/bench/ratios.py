@@ -1,5 +1,5 @@
-"""Every variant against DDP in the same run: step time, aten ops, Python calls, and the time beyond
-DDP's per unit.
+"""Every variant against DDP in the same run: step time (wall and host CPU), aten ops, Python calls,
+and the host time beyond DDP's per unit.
 
 [Note: ratios to DDP]
 - Timed alone (each variant in processes of its own, one after the other), the step-time ratio is
@@ -11,7 +11,12 @@ DDP's per unit.
   slows both steps of a round alike, so it cancels in the ratio instead of landing on whichever
   variant ran while it lasted. Its 95% confidence interval is distribution-free (`median_interval`):
   what says whether a 3% difference is resolved, where the quartiles say how much rounds vary.
-- **ms beyond DDP per unit** divides the time beyond DDP by the variant's units, where it gathers
+- The same for the **host CPU time** of a step (`rank.StepTimer`: the rank process's CPU time until
+  the step returns). Where the step is host work it is that work without the time spent waiting for
+  a core, so on a loaded machine its ratios spread far less than the wall time's (measured at a load
+  of 10 on 2 cores: zero3 / DDP rounds' quartiles 1.53–1.75 in CPU time, 1.19–2.26 in wall time,
+  both medians 1.63).
+- **ms beyond DDP per unit** divides the host CPU ms beyond DDP's by the variant's units, where it gathers
   and releases parameters by unit: ours at stage 3 and both FSDP2 variants (one per `Block` and the
   root). That is the host work a stage-3 design pays per unit and step (on the launch-bound shape
   the whole step is host time). Stages 1-2, DDP, torch's ZeRO-1 and DeepSpeed have no units (their
@@ -23,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_zero.bench.results import OK, VariantResult, round_times
@@ -36,26 +42,44 @@ def against_ddp(results: Sequence[VariantResult]) -> tuple[VariantResult, ...]:
     return tuple(_against(r, ddp) if ddp is not None and r.status == OK else r for r in results)
 
 
-def _against(result: VariantResult, ddp: VariantResult) -> VariantResult:
+@dataclass(frozen=True)
+class _Versus:
+    """One series (wall or host CPU time per step) of a variant against DDP's."""
+
+    ratio: float
+    """The median ratio (see [Note: ratios to DDP])."""
+    quartiles: Optional[tuple[float, float]]
+    """Paired: the rounds' first and third quartiles."""
+    interval: Optional[tuple[float, float]]
+    """Paired: the median's 95% interval."""
+    beyond_s: float
+    """Seconds beyond DDP's (paired: the median of the per-round differences)."""
+
+
+def _versus(result: VariantResult, ddp: VariantResult, cpu: bool) -> _Versus:
+    if not (result.paired and ddp.paired):
+        mine, theirs = (result.host_cpu_s, ddp.host_cpu_s) if cpu else (result.step_time_s, ddp.step_time_s)
+        return _Versus(mine / theirs, None, None, mine - theirs)
+    rounds = list(zip(round_times(result.ranks, cpu), round_times(ddp.ranks, cpu)))
+    ratios = [mine / theirs for mine, theirs in rounds]
     quartiles = interval = None
-    if result.paired and ddp.paired:
-        rounds = list(zip(round_times(result.ranks), round_times(ddp.ranks)))
-        ratios = [mine / theirs for mine, theirs in rounds]
-        ratio = statistics.median(ratios)
-        if len(ratios) >= 2 and result is not ddp:
-            q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-            quartiles = (q1, q3)
-            interval = median_interval(ratios)
-        beyond_s = statistics.median(mine - theirs for mine, theirs in rounds)
-    else:
-        ratio = result.step_time_s / ddp.step_time_s
-        beyond_s = result.step_time_s - ddp.step_time_s
-    beyond_ms = beyond_s * 1e3
+    if len(ratios) >= 2 and result is not ddp:
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        quartiles, interval = (q1, q3), median_interval(ratios)
+    beyond_s = statistics.median(mine - theirs for mine, theirs in rounds)
+    return _Versus(statistics.median(ratios), quartiles, interval, beyond_s)
+
+
+def _against(result: VariantResult, ddp: VariantResult) -> VariantResult:
+    wall, cpu = _versus(result, ddp, cpu=False), _versus(result, ddp, cpu=True)
+    beyond_ms = cpu.beyond_s * 1e3
     return dataclasses.replace(
         result,
-        step_time_ratio_to_ddp=ratio,
-        step_time_ratio_quartiles=quartiles,
-        step_time_ratio_ci95=interval,
+        step_time_ratio_to_ddp=wall.ratio,
+        step_time_ratio_quartiles=wall.quartiles,
+        step_time_ratio_ci95=wall.interval,
+        host_cpu_ratio_to_ddp=cpu.ratio,
+        host_cpu_ratio_ci95=cpu.interval,
         aten_ops_ratio_to_ddp=_ratio(result.aten_ops_per_step, ddp.aten_ops_per_step),
         python_calls_ratio_to_ddp=_ratio(result.python_calls_per_step, ddp.python_calls_per_step),
         ms_beyond_ddp=beyond_ms,

@@ -32,6 +32,8 @@ class RankMeasurement:
     """The rank that measured."""
     step_times_s: tuple[float, ...]
     """Wall time of each timed step on this rank."""
+    step_cpu_times_s: tuple[float, ...]
+    """Host CPU time of each timed step on this rank (`rank.StepTimer`)."""
     losses: tuple[float, ...]
     """The loss of every step: warm-up, timed, then the instrumented one."""
     resting_memory_bytes: Optional[int]
@@ -152,6 +154,12 @@ class VariantResult:
     """Paired: the first and third quartiles of the per-round ratios to DDP (how much rounds vary)."""
     step_time_ratio_ci95: Optional[tuple[float, float]] = None
     """Paired: a 95% confidence interval of `step_time_ratio_to_ddp`, the median (`ratios.median_interval`)."""
+    host_cpu_s: Optional[float] = None
+    """Median over timed steps of the busiest rank's host CPU time per step (`rank.StepTimer`)."""
+    host_cpu_ratio_to_ddp: Optional[float] = None
+    """`host_cpu_s` / DDP's (paired: the median of per-round ratios, as the step time's)."""
+    host_cpu_ratio_ci95: Optional[tuple[float, float]] = None
+    """Paired: a 95% confidence interval of `host_cpu_ratio_to_ddp`."""
     python_calls_per_step: Optional[int] = None
     """Largest over ranks of the Python function calls of one step (`host_counts.py`)."""
     python_calls_ratio_to_ddp: Optional[float] = None
@@ -163,7 +171,7 @@ class VariantResult:
     units: Optional[int] = None
     """Units gathered and released as one: ours at stage 3, FSDP2's `fully_shard` groups; None otherwise."""
     ms_beyond_ddp: Optional[float] = None
-    """Step time minus DDP's, in ms (paired: the median over rounds of the per-round difference)."""
+    """Host CPU ms per step beyond DDP's (paired: the median over rounds of the per-round difference)."""
     ms_beyond_ddp_per_unit: Optional[float] = None
     """`ms_beyond_ddp` / `units`, where the variant has units (see `ratios.py`)."""
 
@@ -227,12 +235,14 @@ def summarize(
         storage_resizes_per_step=_largest([r.host.storage_resizes if r.host else None for r in ranks]),
         hook_registrations_per_step=_largest([r.host.hook_registrations if r.host else None for r in ranks]),
         units=ranks[0].units,
+        host_cpu_s=statistics.median(round_times(ranks, cpu=True)),
     )
 
 
-def round_times(ranks: Sequence[RankMeasurement]) -> list[float]:
-    """Each timed step's time, the slowest rank's: a step ends when its last rank does."""
-    return [max(times) for times in zip(*(r.step_times_s for r in ranks))]
+def round_times(ranks: Sequence[RankMeasurement], cpu: bool = False) -> list[float]:
+    """Each timed step's wall time, the slowest rank's: a step ends when its last rank does; `cpu`:
+    its host CPU time, the busiest rank's."""
+    return [max(times) for times in zip(*(r.step_cpu_times_s if cpu else r.step_times_s for r in ranks))]
 
 
 def _largest(values: Sequence[Optional[int]]) -> Optional[int]:
@@ -310,89 +320,3 @@ class RunReport(Generic[Row]):
 @dataclass(frozen=True)
 class BenchResult(RunReport[VariantResult]):
     """A benchmark run: every variant's measurements (`run.py`)."""
-
-
-# --- capacity (`--capacity`) ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TryMeasurement:
-    """What one rank measured in one capacity try (see `budget.py`, [Note: enforcing a memory budget])."""
-
-    rank: int
-    """The rank that measured."""
-    baseline_bytes: int
-    """Memory in use before the model was built: the process itself (RSS on CPU; 0 on CUDA)."""
-    peak_bytes: int
-    """Peak memory charged to the budget over setup and the steps."""
-    uncharged_bytes: int
-    """Host-side state of an offload variant on a CPU machine, left out of `peak_bytes` (0 otherwise)."""
-    final_loss: float
-    """The last step's loss: the try trained."""
-
-
-@dataclass(frozen=True)
-class CapacityTry:
-    """One size tried for one variant."""
-
-    size: int
-    """The value of the knob grown (`n_layer` or `batch_size`)."""
-    num_params: int
-    """Ψ of the GPT tried."""
-    status: str
-    """`OK` (every rank stayed under the budget), `OVER_BUDGET`, `UNAVAILABLE` or `FAILED`."""
-    reason: Optional[str]
-    """Why it did not fit or failed; None when it fit."""
-    peak_bytes: Optional[int]
-    """Largest over ranks of the charged peak (None where the ranks were stopped before reporting)."""
-    baseline_bytes: Optional[int]
-    """Largest over ranks of the memory in use before the model was built."""
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """The figures of a capacity row that `bench.json` promises under `capacity`."""
-
-    mode: str
-    """"model" (`n_layer` grown at a fixed width) or "batch" (sequences per rank grown, model fixed)."""
-    budget_bytes: int
-    """Memory every rank had to stay under."""
-    largest: int
-    """The largest that trained: parameters (model) or samples per rank (batch); 0 when none did."""
-    estimate: int
-    """The same, predicted from `footprint.py` (the `estimate` arithmetic plus activations and baseline)."""
-
-
-@dataclass(frozen=True)
-class CapacityRow:
-    """One variant's capacity search."""
-
-    name: str
-    """`variants.VariantSpec.name`."""
-    stage: int
-    """The ZeRO stage it corresponds to (0 = DDP)."""
-    description: str
-    """How it is configured, in one line."""
-    status: str
-    """`OK` when the search ended at the budget; `UNAVAILABLE` or `FAILED` when it ended otherwise."""
-    reason: Optional[str]
-    """Why the search ended: the first try that did not fit, or what broke."""
-    capacity: Capacity
-    """The figures (see `Capacity`)."""
-    knob: str
-    """What was grown: "n_layer" or "batch_size"."""
-    largest_size: int
-    """The knob's value at `capacity.largest` (0: none fit)."""
-    estimate_size: int
-    """The knob's value at `capacity.estimate`."""
-    estimate_bytes: dict[str, int]
-    """The predicted per-rank footprint at `estimate_size`, by term (see `footprint.Footprint`)."""
-    tries: tuple[CapacityTry, ...]
-    """Every try, in the order run."""
-    notes: tuple[str, ...] = ()
-    """Targets met or missed and anything else a reader must know."""
-
-
-@dataclass(frozen=True)
-class CapacityResult(RunReport[CapacityRow]):
-    """A `--capacity` run: every variant's search (`capacity.py`)."""
