@@ -127,7 +127,8 @@ def _timed(name: str, times_ms: list[float], cpu_ms: list[float], units: object 
     """A ran, paired result of `name` whose one rank took `times_ms` (wall) and `cpu_ms` (host CPU) per round."""
     spec = variants.BY_NAME[name]
     expected = theory.variant_theory(spec, 1000, 1, 100, None, (1000,))
-    rank = SimpleNamespace(step_times_s=tuple(t / 1e3 for t in times_ms), step_cpu_times_s=tuple(t / 1e3 for t in cpu_ms))
+    seconds = lambda ms: tuple(t / 1e3 for t in ms)  # noqa: E731
+    rank = SimpleNamespace(step_times_s=seconds(times_ms), step_cpu_times_s=seconds(cpu_ms))
     median, cpu_median = (sorted(ms)[len(ms) // 2] / 1e3 for ms in (times_ms, cpu_ms))
     return dataclasses.replace(
         not_run(spec, expected, OK, ""), status=OK, paired=True, ranks=(rank,), step_time_s=median,

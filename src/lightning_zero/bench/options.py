@@ -123,7 +123,8 @@ class BenchOptions:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"`warmup` must be a non-negative integer, got {self.warmup!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+        threads = self.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"`threads` must be a positive integer or None, got {self.threads!r}")
         if self.params is not None and self.params < 1:
             raise ValueError(f"`params` must be a positive parameter count, got {self.params!r}")

@@ -64,9 +64,10 @@ def measure_paired(
     round-robin and measure each (see [Note: paired timing]); `spec` only names the group's logs."""
     built: dict[str, BuiltRank] = {}
     unavailable: dict[str, str] = {}
+    steps = options.warmup + options.steps + UNTIMED_AFTER
     for name in names:
         try:
-            built[name] = build_rank(rank, BY_NAME[name], options, config, options.warmup + options.steps + UNTIMED_AFTER)
+            built[name] = build_rank(rank, BY_NAME[name], options, config, steps)
         except VariantUnavailable as error:  # raised while building, the same on every rank
             unavailable[name] = str(error)
     order = list(built)

@@ -91,8 +91,8 @@ class _Runs:
     progress: Callable[[str], None]
 
     def expected(self, spec: variants.VariantSpec) -> theory.VariantTheory:
-        o = self.options
-        return theory.variant_theory(spec, sum(self.numels), o.devices, self.unit_bytes, o.shard_group_size, self.numels)
+        o, numels = self.options, self.numels
+        return theory.variant_theory(spec, sum(numels), o.devices, self.unit_bytes, o.shard_group_size, numels)
 
     def alone(self, spec: variants.VariantSpec, label: str) -> VariantResult:
         """One variant in fresh processes of its own, summarized (or why it did not run)."""
@@ -109,8 +109,10 @@ class _Runs:
         names = tuple(spec.name for spec in specs)
         self.progress(f"[paired] {', '.join(names)}: round-robin in the same processes ...")
         body = functools.partial(paired.measure_paired, names=names)
-        timeout_s = self.options.timeout_s * len(specs)
-        run = worker.run_variant(specs[0], self.options, self.config, self.log_dir, body, name="paired", timeout_s=timeout_s)
+        timeout_s = self.options.timeout_s * len(specs)  # the group runs them all
+        run = worker.run_variant(
+            specs[0], self.options, self.config, self.log_dir, body, name="paired", timeout_s=timeout_s
+        )
         if run.status != OK:
             self.progress(f"      {run.status}: {run.reason}")
             return {}, f"{run.status}: {run.reason}"
@@ -122,16 +124,14 @@ class _Runs:
                 results[spec.name] = not_run(spec, self.expected(spec), UNAVAILABLE, unavailable)
                 continue
             measured = [rank.measurements[spec.name] for rank in run.ranks]
-            self.progress(f"      {spec.name}:")
-            results[spec.name] = self._ran(
-                summarize(spec, self.expected(spec), measured, self.options.tokens_per_step, paired=True)
-            )
+            summary = summarize(spec, self.expected(spec), measured, self.options.tokens_per_step, paired=True)
+            results[spec.name] = self._ran(summary, f"{spec.name}: ")
         return results, None
 
-    def _ran(self, result: VariantResult) -> VariantResult:
-        """Tell what `result` measured; return it."""
+    def _ran(self, result: VariantResult, name: str = "") -> VariantResult:
+        """Tell what `result` measured (after `name`); return it."""
         self.progress(
-            f"      model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
+            f"      {name}model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
             f"step {result.step_time_s * 1e3:,.1f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step, "
             f"{result.python_calls_per_step:,} Python calls/step"
         )
@@ -156,7 +156,7 @@ def _paired_then_alone(runs: _Runs, specs: Sequence[variants.VariantSpec]) -> li
             continue
         why = paired.unpairable(spec)
         if why is None:
-            why = f"the paired run failed ({failure}), so it was timed alone" if failure else "no other variant to pair it with"
+            why = f"the paired run failed ({failure}), so it was timed alone" if failure else "nothing to pair it with"
         result = runs.alone(spec, f"[alone {index}/{len(specs)}]")
         results.append(dataclasses.replace(result, not_paired_because=why))
     return results

@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--paired", action="store_true",
         help="step the variants round-robin in the same processes (one step of each in turn, each its own"
         " model, optimizer and data) and report each one's step time against DDP's as the median of per-round"
-        " ratios, with its 95%% interval and the rounds' quartiles: resolves a few %% on shared cores, where variants timed minutes apart see"
-        " different loads. DeepSpeed and NVMe offload cannot share a process and run alone (the report says so);"
-        " peak memory is not measured for paired variants",
+        " ratios, with its 95%% interval: resolves a few %% on shared cores, where variants timed minutes"
+        " apart see different loads. DeepSpeed and NVMe offload cannot share a process and run alone (the"
+        " report says so); peak memory is not measured for paired variants",
     )  # fmt: skip
     training.add_argument(
         "--variants",
