@@ -4,13 +4,16 @@ on one model, one data stream and one machine, each next to the ZeRO paper's flo
     from lightning_zero.bench import BenchOptions, run_bench
     result = run_bench(BenchOptions(devices=2, steps=5, variants=("ddp", "zero2")))
 
-Modules: `options` (what to run), `variants` (the table), `wrappers` (how each variant is built
-and stepped), `worker` (one process group per variant) and `rank` (what each of its ranks runs),
-`memory` and `comm` (what is measured and how), `theory` (the floors), `targets` (issue 8's targets
-and the notes), `results` (the figures), `report` (markdown, JSON, PNG). `--capacity`: `capacity`
+Modules: `options` (what to run, the named `--shape`s), `variants` (the table), `wrappers` (how each
+variant is built and stepped), `worker` (one process group per variant) and `rank` (what each of its
+ranks runs), `paired` (`--paired`: the variants round-robin in one process group), `memory`, `comm`,
+`overhead` and `host_counts` with `python_calls` (what is measured and how), `theory` (the floors),
+`ratios` (each variant against DDP), `targets` (issue 8's targets and the notes), `results` (the
+figures), `report` (markdown, JSON; its side tables `report_sections`, host work `host_report`,
+building blocks `markdown`) and `chart` (PNG). `--capacity`: `capacity`
 (the search for the largest model or batch under a memory budget), `budget` (how the budget is
-enforced, per rank), `footprint` (the prediction beside each row), `capacity_report` (its table
-and chart). The console subcommand is `lightning_zero.cli.bench`.
+enforced, per rank), `footprint` (the prediction beside each row), `capacity_results` (its figures),
+`capacity_report` (its table and chart). The console subcommand is `lightning_zero.cli.bench`.
 """
 
 from lightning_zero.bench.options import BenchOptions

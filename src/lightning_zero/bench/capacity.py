@@ -35,9 +35,8 @@ from lightning_zero.bench.budget import ChargedPeak, RssWatchdog, limit_device
 from lightning_zero.bench.footprint import ActivationBytes, Footprint, count_activations, footprint, model_states
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
 from lightning_zero.bench.rank import build_rank, rank_device, synchronize
-from lightning_zero.bench.results import (
-    FAILED, OK, OVER_BUDGET, UNAVAILABLE, Capacity, CapacityResult, CapacityRow, CapacityTry, TryMeasurement,
-)  # fmt: skip
+from lightning_zero.bench.capacity_results import Capacity, CapacityResult, CapacityRow, CapacityTry, TryMeasurement
+from lightning_zero.bench.results import FAILED, OK, OVER_BUDGET, UNAVAILABLE
 from lightning_zero.bench.run import check_devices, measure_disk
 from lightning_zero.bench.variants import BASELINE, VariantSpec
 from lightning_zero.models.gpt import GPT, Block, GPTConfig

@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lightning_zero.bench.report import format_mb, markdown_table, pyplot, raw_disk_line
-from lightning_zero.bench.results import OK, CapacityResult, CapacityRow
+from lightning_zero.bench.chart import pyplot
+from lightning_zero.bench.markdown import format_mb, markdown_table
+from lightning_zero.bench.report_sections import raw_disk_line
+from lightning_zero.bench.capacity_results import CapacityResult, CapacityRow
+from lightning_zero.bench.results import OK
 
 BUDGET_RULES = """\
 - **budget**: per rank. CUDA: `torch.cuda.set_per_process_memory_fraction` caps the caching

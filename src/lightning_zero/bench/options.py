@@ -27,6 +27,18 @@ CAPACITY_VARIANTS = ("ddp", "fsdp2_z3", "zero1", "zero2", "zero3", "zero3_offloa
 """The variants a capacity run compares unless `--variants` names others."""
 BUDGET_SCOPES = ("device", "host")
 """What a capacity budget charges on the CPU (`budget.py`): what a GPU would hold, or the whole host."""
+SHAPES: dict[str, dict[str, int]] = {  # (options set by a shape are `cli/bench.py`'s _SHAPED)
+    "launch-bound": dict(n_layer=12, n_embd=64, n_head=4, block_size=32, batch_size=1, warmup=5, steps=100, threads=1),
+}
+"""Named shapes (`--shape`): defaults for the options they set, which explicit options override.
+
+launch-bound: 12 blocks of width 64 (4 heads), 1 × 32 tokens per rank — compute is negligible, so
+the step is the host's work: what a fast GPU exposes (on one H200 in bf16 the 124M GPT's step is
+mostly host time too, and zero3's ratio to DDP there matches this shape's on a CPU). A step takes
+milliseconds, so it also sets 5 warm-up and 100 timed steps (rounds, with `paired`): enough for the
+median's 95% interval to resolve a few % on shared cores. And one intra-op thread per rank: a GPU's
+host is one thread, and on a loaded machine two OpenMP threads per rank spin-wait for each other
+(measured: DDP's step 15 ms with one thread; 57 ms to 3.5 s with two, other jobs running)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,15 @@ class BenchOptions:
     """Where `zero3_offload_nvme` keeps its files (each rank in a directory of its own inside): an
     existing directory on the disk to measure. None: a fresh directory under the current directory,
     removed after the run."""
+    threads: Optional[int] = None
+    """CPU: intra-op threads per rank (`torch.set_num_threads`); None: the cores divided among the ranks."""
+    shape: Optional[str] = None
+    """The name of the `SHAPES` entry the shape options came from (recorded with the run; build
+    options from a shape with `shaped`)."""
+    paired: bool = False
+    """Step the variants round-robin in the same processes, one step of each in turn, and report
+    each one's ratio to DDP as the median of per-round ratios (`paired.py`); variants that cannot
+    share a process run alone, as without it."""
 
     def __post_init__(self) -> None:
         positive = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "steps")
@@ -102,6 +123,9 @@ class BenchOptions:
                 raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"`warmup` must be a non-negative integer, got {self.warmup!r}")
+        threads = self.threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"`threads` must be a positive integer or None, got {self.threads!r}")
         if self.params is not None and self.params < 1:
             raise ValueError(f"`params` must be a positive parameter count, got {self.params!r}")
         if self.precision not in PRECISIONS:
@@ -115,6 +139,10 @@ class BenchOptions:
         if self.shard_group_size is not None:
             check_shard_group_size(self.shard_group_size, self.devices)
         self._check_capacity()
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ValueError(f"`shape` must be one of {', '.join(SHAPES)}, got {self.shape!r}")
+        if self.paired and self.capacity is not None:
+            raise ValueError("`paired` times steps; `capacity` searches sizes under a budget: use one or the other")
         if not self.variants:
             raise ValueError("`variants` must name at least one variant")
         variants.select(self.variants)  # raises for unknown names
@@ -158,6 +186,14 @@ class BenchOptions:
     def tokens_per_step(self) -> int:
         """Tokens all ranks together train on per step."""
         return self.devices * self.batch_size * self.block_size
+
+
+def shaped(shape: Optional[str], **options: object) -> BenchOptions:
+    """`BenchOptions(**options)` with the defaults of `SHAPES[shape]` for what `options` leaves out."""
+    if shape is not None and shape not in SHAPES:
+        raise ValueError(f"`shape` must be one of {', '.join(SHAPES)}, got {shape!r}")
+    preset = SHAPES[shape] if shape is not None else {}
+    return BenchOptions(**{**preset, **options, "shape": shape})  # type: ignore[arg-type]
 
 
 def _count(config: GPTConfig) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.options import BenchOptions, shaped
 
 
 def _version(distribution: str) -> Optional[str]:
@@ -53,7 +53,9 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "device": options.device,
         "backend": "nccl" if options.device == "cuda" else "gloo",
         "world_size": options.devices,
-        "threads_per_rank": max(1, cpus // options.devices) if options.device == "cpu" else torch.get_num_threads(),
+        "threads_per_rank": (options.threads or max(1, cpus // options.devices))
+        if options.device == "cpu"
+        else torch.get_num_threads(),
         "load_average_1min": _load_average(),
     }
 
@@ -68,8 +70,10 @@ def _load_average() -> Optional[float]:
 
 def command_line(options: BenchOptions) -> str:
     """The `lightning-zero bench` command that reproduces `options`."""
-    defaults = BenchOptions()
+    defaults = shaped(options.shape)
     parts = ["lightning-zero bench"]
+    if options.shape is not None:
+        parts.append(f"--shape {options.shape}")
     if options.params is not None:
         parts.append(f"--params {options.params}")
     flags = [
@@ -84,6 +88,7 @@ def command_line(options: BenchOptions) -> str:
         ("device", "--device"),
         ("seed", "--seed"),
         ("bucket_size_mb", "--bucket-size-mb"),
+        ("threads", "--threads"),
     ]
     if options.params is None:
         flags.insert(1, ("n_embd", "--n-embd"))
@@ -92,6 +97,8 @@ def command_line(options: BenchOptions) -> str:
             parts.append(f"{flag} {getattr(options, name)}")
     if options.variants != defaults.variants:
         parts.append(f"--variants {','.join(options.variants)}")
+    if options.paired:
+        parts.append("--paired")
     if options.fused:
         parts.append("--fused")
     if options.activation_checkpointing:

@@ -8,11 +8,14 @@ Every rank of every variant:
    the same ones. Random tokens need no files, cost nothing to make, and a language model cannot
    learn them, which keeps the loss near ln(256) ≈ 5.55 and comparable across variants;
 3. makes the same optimizer: `ADAMW` below, `fused` as asked;
-4. runs `warmup` untimed steps, `steps` timed ones, then one instrumented step in which collectives
-   are counted and model state is measured at each phase (instrumentation costs time, so it is kept
-   out of the timed steps; every step moves the same bytes, so one is representative).
+4. runs `warmup` untimed steps, `steps` timed ones, then one step whose host work is counted
+   (Python calls, storage resizes, hook registrations: `host_counts.py`) and one instrumented step
+   in which collectives, aten ops and host syncs are counted and model state is measured at each
+   phase (counting costs time, so it is kept out of the timed steps; every step does the same work,
+   so one is representative).
 
-Steps 1-3 are `build_rank`, which a capacity try (`capacity.py`) shares. The processes themselves
+Steps 1-3 are `build_rank`, which a capacity try (`capacity.py`) and paired mode (`paired.py`)
+share; paired mode also shares the step timer and step 4's closing steps. The processes themselves
 are started and collected by `worker.py`.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from torch import Tensor
 
 from lightning_zero.bench.comm import CollectiveCounter, CommCount
 from lightning_zero.bench.disk import DiskIO
+from lightning_zero.bench.host_counts import counted_step
 from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
@@ -82,9 +86,13 @@ def build_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTC
     return BuiltRank(build(spec, model, setup), batches, device, threshold_fixed)
 
 
+UNTIMED_AFTER = 2
+"""Steps after the timed ones: one with its host work counted, one instrumented (module doc, 4)."""
+
+
 def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTConfig) -> RankMeasurement:
     """Build the variant on this rank, train it, and return what was measured (see the module doc)."""
-    built = build_rank(rank, spec, options, config, steps=options.warmup + options.steps + 1)
+    built = build_rank(rank, spec, options, config, steps=options.warmup + options.steps + UNTIMED_AFTER)
     wrapped, batches, device = built.wrapped, built.batches, built.device
 
     peak = PeakMemory(device)
@@ -98,25 +106,66 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     if disk is not None:
         disk.reset()  # the timed steps' I/O only
     dist.barrier()  # the timed steps start together
-    step_times, optimizer_times = [], []
-    # on the CPU the clock at each probe point is exact, so the optimizer step (with the parameter
-    # refresh after it) is timed on its own; on a GPU that would need a sync per phase
-    clock = _PhaseClock() if device.type == "cpu" else None
+    timer = StepTimer(device)
     for x, y in batches[options.warmup : options.warmup + options.steps]:
-        start = time.perf_counter()
-        losses.append(wrapped.step(x, y, clock.probe if clock is not None else no_probe))
-        synchronize(device)
-        step_times.append(time.perf_counter() - start)
-        if clock is not None:
-            optimizer_times.append(clock.at["step"] - clock.at["gradients"])
+        losses.append(timer.step(wrapped, x, y))
     peak_bytes = peak.peak()
     disk_io = DiskIO.of(disk, options.steps) if disk is not None else None
-    instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=device)
+    return closing_measurement(rank, built, options, timer, losses, (resting, peak_bytes, peak_meaning), disk_io)
+
+
+class StepTimer:
+    """Times whole steps, wall and host CPU, and on the CPU the optimizer step within each: on the
+    CPU the clock at each probe point is exact, so the optimizer step (with the parameter refresh
+    after it) is timed on its own; on a GPU that would need a sync per phase.
+
+    Host CPU time is the rank process's (`time.process_time`: all its threads, gloo's and autograd's
+    included) until the step returns, before the device is waited for (a CUDA sync spins). Where the
+    step is host work (the launch-bound shape, a fast GPU) it is that work, and time the process
+    spends waiting for a core on a loaded machine is not in it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step_times: list[float] = []
+        self.cpu_times: list[float] = []
+        self.optimizer_times: list[float] = []
+        self._clock = _PhaseClock() if device.type == "cpu" else None
+
+    def step(self, wrapped: Wrapped, x: Tensor, y: Tensor) -> Tensor:
+        """One timed step of `wrapped`; returns its loss."""
+        clock = self._clock
+        start, cpu_start = time.perf_counter(), time.process_time()
+        loss = wrapped.step(x, y, clock.probe if clock is not None else no_probe)
+        self.cpu_times.append(time.process_time() - cpu_start)
+        synchronize(self.device)
+        self.step_times.append(time.perf_counter() - start)
+        if clock is not None:
+            self.optimizer_times.append(clock.at["step"] - clock.at["gradients"])
+        return loss
+
+
+def closing_measurement(
+    rank: int,
+    built: BuiltRank,
+    options: BenchOptions,
+    timer: StepTimer,
+    losses: list[Tensor],
+    memory: tuple[Optional[int], Optional[int], str],
+    disk_io: Optional[DiskIO],
+) -> RankMeasurement:
+    """After the timed steps: the counted step and the instrumented step on the last two batches
+    (module doc, 4), then `built` is closed; `memory` is (resting, peak, what the peak means)."""
+    wrapped, batches = built.wrapped, built.batches
+    counted_loss, host = counted_step(wrapped, *batches[-2])
+    instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=built.device)
+    units = wrapped.units()
     wrapped.close()
+    resting, peak_bytes, peak_meaning = memory
     return RankMeasurement(
         rank=rank,
-        step_times_s=tuple(step_times),
-        losses=tuple(float(loss) for loss in (*losses, instrumented.loss)),
+        step_times_s=tuple(timer.step_times),
+        step_cpu_times_s=tuple(timer.cpu_times),
+        losses=tuple(float(loss) for loss in (*losses, counted_loss, instrumented.loss)),
         resting_memory_bytes=resting,
         peak_memory_bytes=peak_bytes,
         peak_memory_meaning=peak_meaning,
@@ -128,7 +177,9 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
         overhead=instrumented.overhead,
         traffic_by_group=instrumented.traffic,
         disk_io=disk_io,
-        optimizer_step_times_s=tuple(optimizer_times),
+        optimizer_step_times_s=tuple(timer.optimizer_times),
+        host=host,
+        units=units,
     )
 
 

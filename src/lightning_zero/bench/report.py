@@ -1,9 +1,9 @@
-"""Writing one run down: a markdown table for people, a JSON file with every figure, a PNG chart.
-A capacity run (`capacity.py`) is written the same way, with its own table and chart
-(`capacity_report.py`).
+"""Writing one run down: a markdown report for people, a JSON file with every figure, a PNG chart.
 
-Bytes are shown in decimal MB (10^6), the unit of the `estimate` subcommand and the ZeRO paper.
-The chart needs matplotlib (the `bench` extra); without it the run writes the rest and says so.
+The report is the setting, the main table, model states by kind, then the side tables
+(`report_sections.py`), the host work per step (`host_report.py`), the notes and the definitions.
+The chart is `chart.py`'s; the building blocks (MB figures, tables) are `markdown.py`'s. A capacity
+run (`capacity.py`) is written the same way, with its own table and chart (`capacity_report.py`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
-from lightning_zero.bench import theory
+from lightning_zero.bench.chart import write_chart
+from lightning_zero.bench.host_report import HOST_DEFINITIONS, host_section
+from lightning_zero.bench.markdown import format_mb, markdown_table, pct
+from lightning_zero.bench.report_sections import (
+    comm_by_kind_section, nvme_section, ownership_section, traffic_by_group_section,
+)  # fmt: skip
 from lightning_zero.bench.results import OK, BenchResult, RunReport, VariantResult
 from lightning_zero.bench.variants import BY_NAME
 
@@ -62,20 +67,6 @@ DEFINITIONS = """\
   the files are "on disk", in no memory column."""
 
 
-# --- markdown -------------------------------------------------------------------------------
-
-
-def format_mb(nbytes: Optional[float]) -> str:
-    if nbytes is None:
-        return "—"
-    value = nbytes / 1e6
-    return f"{value:,.1f}" if value >= 10 else f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
-
-
-def _pct(fraction: Optional[float]) -> str:
-    return "—" if fraction is None else f"{fraction:+.1%}"
-
-
 def _missed(result: VariantResult) -> str:
     if result.status != OK:
         return result.status
@@ -93,7 +84,7 @@ def _main_row(r: VariantResult) -> list[str]:
         str(r.stage),
         format_mb(r.model_state_bytes),
         format_mb(r.theory.model_state.total),
-        _pct(r.model_state_vs_theory),
+        pct(r.model_state_vs_theory),
         format_mb(r.peak_memory_bytes),
         number(None if r.step_time_s is None else r.step_time_s * 1e3, ",.0f"),
         number(r.step_time_ratio_to_ddp, ".2f"),
@@ -104,7 +95,7 @@ def _main_row(r: VariantResult) -> list[str]:
         number(r.collective_calls_per_step, "d"),
         format_mb(r.comm_bytes_per_step),
         format_mb(r.theory.comm_bytes_per_step),
-        _pct(r.comm_vs_theory),
+        pct(r.comm_vs_theory),
         number(r.final_loss, ".4f"),
         _missed(r),
     ]
@@ -146,141 +137,6 @@ def _state_row(r: VariantResult) -> list[str]:
     ]
 
 
-def comm_by_kind_section(ran: Sequence[VariantResult]) -> list[str]:
-    """Every variant's collectives of one step by kind, the busiest rank's: ring MB and calls."""
-    kinds = sorted({kind for r in ran for kind in (r.comm_bytes_by_kind or {})})
-    if not kinds:
-        return []
-
-    def cell(r: VariantResult, kind: str) -> str:
-        calls = (r.collective_calls_by_kind or {}).get(kind)
-        return "—" if not calls else f"{format_mb((r.comm_bytes_by_kind or {}).get(kind, 0))} ({calls})"
-
-    rows = [[f"`{r.name}`", *(cell(r, kind) for kind in kinds), format_mb(r.comm_bytes_per_step)] for r in ran]
-    lines = ["", "Communication per step by kind, the busiest rank: ring MB (calls):", ""]
-    return lines + markdown_table(["variant", *kinds, "total"], rows, "l" + "r" * (len(kinds) + 1))
-
-
-def ownership_section(whole: Sequence[VariantResult], ran: Sequence[VariantResult]) -> list[str]:
-    """The ownership path's rows (`zero2_whole`, `zero3_whole`) next to the chunk path's row of their
-    stage: the all-to-alls against `theory.owner_exchange_bytes`, what they add, and each rank's
-    optimizer state against issue 42's bound."""
-    by_name = {r.name: r for r in ran}
-    rows = []
-    for r in whole:
-        chunk = by_name.get(f"zero{r.stage}")
-        exchange = (r.comm_bytes_by_kind or {}).get("all_to_all", 0.0)
-        states = [rank.phases["step"].optimizer_state for rank in r.ranks if "step" in rank.phases]
-        rows.append([
-            f"`{r.name}`",
-            f"{format_mb(exchange)} / {format_mb(r.theory.owner_exchange_bytes_per_step)}",
-            str((r.collective_calls_by_kind or {}).get("all_to_all", 0)),
-            f"`{chunk.name}`" if chunk else "—",
-            f"{format_mb(chunk.comm_bytes_per_step)} → {format_mb(r.comm_bytes_per_step)}" if chunk else "—",
-            f"{chunk.aten_ops_per_step:,} → {r.aten_ops_per_step:,}" if chunk else "—",
-            " / ".join(format_mb(state) for state in states) or "—",
-            format_mb(chunk.model_state_by_kind["optimizer_state"]) if chunk and chunk.model_state_by_kind else "—",
-            format_mb(r.theory.optimizer_state_bound_bytes),
-        ])  # fmt: skip
-    headers = [
-        "variant", "all-to-all MB/step / theory", "all-to-alls", "chunk path", "comm MB/step", "aten ops/step",
-        "optimizer state per rank MB", "chunk path's", "bound",
-    ]  # fmt: skip
-    lines = [
-        "",
-        "The ownership path (AdamW stepped whole on owner ranks) against the chunk path at its stage: the all-to-alls"
-        " (gradients and weights to the owners, updates back; theory from the owner plan and chunk layouts), the"
-        " step's communication and aten ops (chunk path → ownership path), and each rank's optimizer state after the"
-        " step against issue 42's bound, 1.1 × (total / N + the largest parameter's):",
-        "",
-    ]
-    return lines + markdown_table(headers, rows, "lrrlrrrrr")
-
-
-def _traffic_by_group(result: BenchResult, ran: Sequence[VariantResult], shard_group_size: int) -> list[str]:
-    """Our variants' collective bytes per step (full buffers, the busiest rank) within a shard group
-    and across groups, next to `theory.traffic_by_group`."""
-    psi, world = result.model["num_params"], result.environment["world_size"]
-    lines = [
-        "",
-        f"Hybrid sharding, {world // shard_group_size} groups of {shard_group_size} ranks: collective bytes per step"
-        " and rank (full buffers), measured / theory (MB):",
-        "",
-    ]
-    rows = []
-    for r in ran:
-        if not r.ranks or not r.ranks[0].traffic_by_group:
-            continue
-        measured = max((rank.traffic_by_group for rank in r.ranks), key=lambda t: t["within"] + t["across"])
-        expected = theory.traffic_by_group(psi, r.stage, shard_group_size)
-        rows.append([
-            r.name,
-            f"{format_mb(measured['within'])} / {format_mb(expected['within'])}",
-            f"{format_mb(measured['across'])} / {format_mb(expected['across'])}",
-            format_mb(measured["all"]),
-        ])  # fmt: skip
-    headers = ["variant", "within a group", "across groups", "over all ranks"]
-    return lines + markdown_table(headers, rows, "lrrr")
-
-
-def raw_disk_line(raw: dict[str, Any]) -> str:
-    """The raw throughput of the NVMe directory in one sentence (see `disk.py`, [Note: disk figures])."""
-    where = f"`{raw['path']}` ({raw['filesystem'] or 'file system unknown'})"
-    line = (
-        f"NVMe offload's directory {where}, measured raw in this run ({raw['nbytes'] / 1e6:,.0f} MB, one stream):"
-        f" write {raw['write_gbps']:.2f} GB/s (pwrite, then fsync), read {raw['read_gbps']:.2f} GB/s"
-        + (" (the file dropped from the page cache first)" if raw["cache_dropped"] else " (page cache NOT dropped)")
-        + f", read again from the page cache {raw['cached_read_gbps']:.2f} GB/s."
-    )
-    if raw.get("in_memory"):
-        line += " The directory is on a memory file system: these are memory copies, not a disk."
-    return line
-
-
-def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]:
-    """The NVMe variants' I/O per step next to the directory's raw throughput, and the optimizer
-    step of every offload variant (NVMe's and the CPU's it is compared with)."""
-    lines = ["", raw_disk_line(raw), ""]
-    rows = []
-    for r in ran:
-        spec = BY_NAME[r.name]
-        if not spec.offload_optimizer:
-            continue
-        optimizer_ms = "—" if r.optimizer_step_s is None else f"{r.optimizer_step_s * 1e3:,.0f}"
-        if r.disk is None:
-            rows.append([f"`{r.name}`", optimizer_ms] + ["—"] * 8)
-            continue
-        d = r.disk
-        on_disk = "—"
-        if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
-            on_disk = format_mb(r.ranks[0].engine_reports[r.model_state_phase].get("disk"))
-        share = d.wait_s_per_step / r.step_time_s if r.step_time_s else None
-        rows.append([
-            f"`{r.name}`",
-            optimizer_ms,
-            f"{d.read_gbps:.2f}",
-            f"{d.write_gbps:.2f}",
-            format_mb(d.read_bytes_per_step),
-            format_mb(d.write_bytes_per_step),
-            f"{d.waits_per_step:.1f}",
-            f"{d.wait_s_per_step * 1e3:,.0f}",
-            _pct(share).lstrip("+"),
-            f"{on_disk} / {format_mb(r.theory.model_state.on_disk)}",
-        ])  # fmt: skip
-    headers = [
-        "variant", "optimizer step ms", "read GB/s", "write GB/s", "read MB/step", "write MB/step", "waits/step",
-        "wait ms/step", "wait / step", "on disk MB / floor",
-    ]  # fmt: skip
-    return lines + markdown_table(headers, rows, "lrrrrrrrrr")
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str]) -> list[str]:
-    marks = {"l": ":--", "r": "--:"}
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks[a] for a in align) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
 def markdown(result: BenchResult) -> str:
     """The report: setting, the main table, model states by kind, notes, definitions."""
     env, model, opts = result.environment, result.model, result.options
@@ -320,9 +176,10 @@ def markdown(result: BenchResult) -> str:
     if whole:
         lines += ownership_section(whole, ran)
     if opts.get("shard_group_size"):
-        lines += _traffic_by_group(result, ran, opts["shard_group_size"])
+        lines += traffic_by_group_section(result, ran, opts["shard_group_size"])
     if env.get("nvme"):
         lines += nvme_section(env["nvme"], ran)
+    lines += host_section(result.variants, paired=bool(opts.get("paired")))
     lines += ["", "## Notes", ""]
     for r in result.variants:
         for note in r.notes:
@@ -330,67 +187,16 @@ def markdown(result: BenchResult) -> str:
     lines += [f"- {note}" for note in result.notes]
     if not any(r.notes for r in result.variants) and not result.notes:
         lines.append("- none")
-    lines += ["", "## Definitions", "", DEFINITIONS, ""]
+    lines += ["", "## Definitions", "", DEFINITIONS, HOST_DEFINITIONS, ""]
     return "\n".join(lines)
 
 
-# --- JSON and chart ---------------------------------------------------------------------------
+# --- files ------------------------------------------------------------------------------------
 
 
 def to_json(result: BenchResult) -> str:
     """Every figure of `result` (dataclasses as objects, paths as strings)."""
     return json.dumps(dataclasses.asdict(result), indent=2, default=str)
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot drawing to files only, or why it cannot be imported (a string)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no display
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        return f"matplotlib is not importable ({error}); install the `bench` extra for the chart"
-    return plt
-
-
-def write_chart(result: BenchResult, path: Path) -> Optional[str]:
-    """Three panels per variant that ran: model state next to its floor; peak memory, with the part
-    already in use after setup shaded; median step time against DDP's. Returns None when written,
-    otherwise why not."""
-    plt = pyplot()
-    if isinstance(plt, str):
-        return plt
-    ran = [r for r in result.variants if r.status == OK]
-    if not ran:
-        return "no variant ran"
-    names = [r.name for r in ran]
-    x = list(range(len(ran)))
-    figure, (state, peak, time) = plt.subplots(
-        3, 1, figsize=(max(8.0, 0.9 * len(ran) + 3), 11), constrained_layout=True
-    )
-    width = 0.4
-    state.bar([k - width / 2 for k in x], [r.model_state_bytes / 1e6 for r in ran], width, label="measured")
-    floors = [r.theory.model_state.total / 1e6 for r in ran]
-    state.bar([k + width / 2 for k in x], floors, width, label="floor (fp32 Adam)")
-    state.set_ylabel("model state, MB per rank")
-    state.legend()
-    state.set_title(f"N = {result.environment['world_size']} ranks, Ψ = {result.model['num_params']:,} parameters")
-    peak.bar(x, [r.peak_memory_bytes / 1e6 for r in ran], color="tab:green", label="peak")
-    peak.bar(x, [r.resting_memory_bytes / 1e6 for r in ran], color="tab:gray", alpha=0.5, label="in use after setup")
-    peak.set_ylabel("peak memory, MB per rank")
-    peak.legend()
-    time.bar(x, [r.step_time_s * 1e3 for r in ran], color="tab:purple")
-    ddp = next((r for r in ran if r.name == "ddp"), None)
-    if ddp is not None:
-        time.axhline(ddp.step_time_s * 1e3, color="tab:red", linestyle="--", label="DDP")
-        time.legend()
-    time.set_ylabel("median step time, ms")
-    for axes in (state, peak, time):
-        axes.set_xticks(x, names, rotation=30, ha="right")
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return None
 
 
 Report = TypeVar("Report", bound=RunReport)

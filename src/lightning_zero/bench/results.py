@@ -12,6 +12,7 @@ from typing import Any, Generic, Optional, Sequence, TypeVar
 
 from lightning_zero.bench.comm import CommCount
 from lightning_zero.bench.disk import DiskIO, DiskSummary, summarize_disk
+from lightning_zero.bench.host_counts import HostCounts
 from lightning_zero.bench.memory import HeldBytes
 from lightning_zero.bench.overhead import Overhead
 from lightning_zero.bench.theory import VariantTheory
@@ -31,12 +32,15 @@ class RankMeasurement:
     """The rank that measured."""
     step_times_s: tuple[float, ...]
     """Wall time of each timed step on this rank."""
+    step_cpu_times_s: tuple[float, ...]
+    """Host CPU time of each timed step on this rank (`rank.StepTimer`)."""
     losses: tuple[float, ...]
     """The loss of every step: warm-up, timed, then the instrumented one."""
-    resting_memory_bytes: int
-    """Memory in use right after setup (RSS on CPU, allocated on CUDA): the start of the peak."""
-    peak_memory_bytes: int
-    """Peak over the warm-up and timed steps (see `memory.py`, [Note: peak memory])."""
+    resting_memory_bytes: Optional[int]
+    """Memory in use right after setup (RSS on CPU, allocated on CUDA): the start of the peak (None
+    in paired mode, where the process holds every paired variant)."""
+    peak_memory_bytes: Optional[int]
+    """Peak over the warm-up and timed steps (see `memory.py`, [Note: peak memory]); None in paired mode."""
     peak_memory_meaning: str
     """How `peak_memory_bytes` was read."""
     model_state: HeldBytes
@@ -59,6 +63,10 @@ class RankMeasurement:
     optimizer_step_times_s: tuple[float, ...] = ()
     """CPU only: the part of each timed step from the reduced gradients to the refreshed parameters
     (the optimizer step; for DDP and FSDP2, whose probes have no gradient phase, the same)."""
+    host: Optional[HostCounts] = None
+    """Python calls, storage resizes and hook registrations of one untimed step (`host_counts.py`)."""
+    units: Optional[int] = None
+    """Units gathered and released as one (ours at stage 3, FSDP2's `fully_shard` groups); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -137,16 +145,49 @@ class VariantResult:
     comm_bytes_by_kind: Optional[dict[str, float]] = None
     """The busiest rank's ring bytes of one step by kind ("all_gather", "reduce_scatter",
     "all_to_all", ...), summing to `comm_bytes_per_step`."""
+    paired: bool = False
+    """Timed round-robin with the other paired variants in the same processes (`paired.py`), so
+    `step_time_ratio_to_ddp` is the median of per-round ratios; False: in processes of its own."""
+    not_paired_because: Optional[str] = None
+    """With `--paired`, why this variant was timed in processes of its own instead."""
+    step_time_ratio_quartiles: Optional[tuple[float, float]] = None
+    """Paired: the first and third quartiles of the per-round ratios to DDP (how much rounds vary)."""
+    step_time_ratio_ci95: Optional[tuple[float, float]] = None
+    """Paired: a 95% confidence interval of `step_time_ratio_to_ddp`, the median (`ratios.median_interval`)."""
+    host_cpu_s: Optional[float] = None
+    """Median over timed steps of the busiest rank's host CPU time per step (`rank.StepTimer`)."""
+    host_cpu_ratio_to_ddp: Optional[float] = None
+    """`host_cpu_s` / DDP's (paired: the median of per-round ratios, as the step time's)."""
+    host_cpu_ratio_ci95: Optional[tuple[float, float]] = None
+    """Paired: a 95% confidence interval of `host_cpu_ratio_to_ddp`."""
+    python_calls_per_step: Optional[int] = None
+    """Largest over ranks of the Python function calls of one step (`host_counts.py`)."""
+    python_calls_ratio_to_ddp: Optional[float] = None
+    """`python_calls_per_step` / DDP's (None without DDP)."""
+    storage_resizes_per_step: Optional[int] = None
+    """Largest over ranks of the storages our engine resized in one step (0 for the baselines)."""
+    hook_registrations_per_step: Optional[int] = None
+    """Largest over ranks of the hooks our engine registered in one step (0 for the baselines)."""
+    units: Optional[int] = None
+    """Units gathered and released as one: ours at stage 3, FSDP2's `fully_shard` groups; None otherwise."""
+    ms_beyond_ddp: Optional[float] = None
+    """Host CPU ms per step beyond DDP's (paired: the median over rounds of the per-round difference)."""
+    ms_beyond_ddp_per_unit: Optional[float] = None
+    """`ms_beyond_ddp` / `units`, where the variant has units (see `ratios.py`)."""
 
 
 def summarize(
-    spec: VariantSpec, theory: VariantTheory, ranks: Sequence[RankMeasurement], tokens_per_step: int
+    spec: VariantSpec,
+    theory: VariantTheory,
+    ranks: Sequence[RankMeasurement],
+    tokens_per_step: int,
+    paired: bool = False,
 ) -> VariantResult:
-    """A ran variant's summary: memory as the worst rank, time as the median of per-step maxima."""
+    """A ran variant's summary: memory as the worst rank, time as the median of per-step maxima;
+    `paired`: it was timed round-robin with others (`paired.py`)."""
     worst_state = max(ranks, key=lambda r: r.model_state.total)
     held = worst_state.model_state
-    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks))]
-    step_time = statistics.median(per_step)
+    step_time = statistics.median(round_times(ranks))
     busiest = max(ranks, key=lambda r: r.collectives.total_wire_bytes)
     comm = busiest.collectives.total_wire_bytes
     return VariantResult(
@@ -166,8 +207,8 @@ def summarize(
         model_state_by_location=dict(held.by_location),
         model_state_phase=worst_state.model_state_phase,
         model_state_vs_theory=held.total / theory.model_state.total - 1,
-        peak_memory_bytes=max(r.peak_memory_bytes for r in ranks),
-        resting_memory_bytes=max(r.resting_memory_bytes for r in ranks),
+        peak_memory_bytes=_largest([r.peak_memory_bytes for r in ranks]),
+        resting_memory_bytes=_largest([r.resting_memory_bytes for r in ranks]),
         step_time_s=step_time,
         step_time_ratio_to_ddp=None,
         tokens_per_s=tokens_per_step / step_time if step_time > 0 else None,
@@ -189,7 +230,24 @@ def summarize(
         ranks=tuple(ranks),
         disk=summarize_disk([r.disk_io for r in ranks]),
         optimizer_step_s=_median_of_maxima([r.optimizer_step_times_s for r in ranks]),
+        paired=paired,
+        python_calls_per_step=_largest([r.host.python_calls if r.host else None for r in ranks]),
+        storage_resizes_per_step=_largest([r.host.storage_resizes if r.host else None for r in ranks]),
+        hook_registrations_per_step=_largest([r.host.hook_registrations if r.host else None for r in ranks]),
+        units=ranks[0].units,
+        host_cpu_s=statistics.median(round_times(ranks, cpu=True)),
     )
+
+
+def round_times(ranks: Sequence[RankMeasurement], cpu: bool = False) -> list[float]:
+    """Each timed step's wall time, the slowest rank's: a step ends when its last rank does; `cpu`:
+    its host CPU time, the busiest rank's."""
+    return [max(times) for times in zip(*(r.step_cpu_times_s if cpu else r.step_times_s for r in ranks))]
+
+
+def _largest(values: Sequence[Optional[int]]) -> Optional[int]:
+    """The largest of the ranks' figures, None where a rank did not measure it."""
+    return None if not values or any(v is None for v in values) else max(values)  # type: ignore[type-var]
 
 
 def _median_of_maxima(per_rank: Sequence[Sequence[float]]) -> Optional[float]:
@@ -262,89 +320,3 @@ class RunReport(Generic[Row]):
 @dataclass(frozen=True)
 class BenchResult(RunReport[VariantResult]):
     """A benchmark run: every variant's measurements (`run.py`)."""
-
-
-# --- capacity (`--capacity`) ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TryMeasurement:
-    """What one rank measured in one capacity try (see `budget.py`, [Note: enforcing a memory budget])."""
-
-    rank: int
-    """The rank that measured."""
-    baseline_bytes: int
-    """Memory in use before the model was built: the process itself (RSS on CPU; 0 on CUDA)."""
-    peak_bytes: int
-    """Peak memory charged to the budget over setup and the steps."""
-    uncharged_bytes: int
-    """Host-side state of an offload variant on a CPU machine, left out of `peak_bytes` (0 otherwise)."""
-    final_loss: float
-    """The last step's loss: the try trained."""
-
-
-@dataclass(frozen=True)
-class CapacityTry:
-    """One size tried for one variant."""
-
-    size: int
-    """The value of the knob grown (`n_layer` or `batch_size`)."""
-    num_params: int
-    """Ψ of the GPT tried."""
-    status: str
-    """`OK` (every rank stayed under the budget), `OVER_BUDGET`, `UNAVAILABLE` or `FAILED`."""
-    reason: Optional[str]
-    """Why it did not fit or failed; None when it fit."""
-    peak_bytes: Optional[int]
-    """Largest over ranks of the charged peak (None where the ranks were stopped before reporting)."""
-    baseline_bytes: Optional[int]
-    """Largest over ranks of the memory in use before the model was built."""
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """The figures of a capacity row that `bench.json` promises under `capacity`."""
-
-    mode: str
-    """"model" (`n_layer` grown at a fixed width) or "batch" (sequences per rank grown, model fixed)."""
-    budget_bytes: int
-    """Memory every rank had to stay under."""
-    largest: int
-    """The largest that trained: parameters (model) or samples per rank (batch); 0 when none did."""
-    estimate: int
-    """The same, predicted from `footprint.py` (the `estimate` arithmetic plus activations and baseline)."""
-
-
-@dataclass(frozen=True)
-class CapacityRow:
-    """One variant's capacity search."""
-
-    name: str
-    """`variants.VariantSpec.name`."""
-    stage: int
-    """The ZeRO stage it corresponds to (0 = DDP)."""
-    description: str
-    """How it is configured, in one line."""
-    status: str
-    """`OK` when the search ended at the budget; `UNAVAILABLE` or `FAILED` when it ended otherwise."""
-    reason: Optional[str]
-    """Why the search ended: the first try that did not fit, or what broke."""
-    capacity: Capacity
-    """The figures (see `Capacity`)."""
-    knob: str
-    """What was grown: "n_layer" or "batch_size"."""
-    largest_size: int
-    """The knob's value at `capacity.largest` (0: none fit)."""
-    estimate_size: int
-    """The knob's value at `capacity.estimate`."""
-    estimate_bytes: dict[str, int]
-    """The predicted per-rank footprint at `estimate_size`, by term (see `footprint.Footprint`)."""
-    tries: tuple[CapacityTry, ...]
-    """Every try, in the order run."""
-    notes: tuple[str, ...] = ()
-    """Targets met or missed and anything else a reader must know."""
-
-
-@dataclass(frozen=True)
-class CapacityResult(RunReport[CapacityRow]):
-    """A `--capacity` run: every variant's search (`capacity.py`)."""

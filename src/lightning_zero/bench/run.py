@@ -1,16 +1,19 @@
-"""`run_bench`: every selected variant, one process group after another, then the report."""
+"""`run_bench`: every selected variant, one process group after another (with `--paired`, the
+variants that can share a process in one group, round-robin: `paired.py`), then the report."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_zero.bench import disk, provenance, report, targets, theory, variants, worker
+from lightning_zero.bench import disk, paired, provenance, report, targets, theory, variants, worker
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
-from lightning_zero.bench.results import OK, BenchResult, VariantResult, not_run, summarize
+from lightning_zero.bench.results import OK, UNAVAILABLE, BenchResult, VariantResult, not_run, summarize
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
 
 
@@ -40,15 +43,17 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
         unit_bytes = theory.largest_unit_bytes(model, Block)
         numels = tuple(p.numel() for p in model.parameters())  # the optimizer's order: the owner plan's input
     specs = variants.select(options.variants)
-    log_dir = options.out / report.LOG_DIR_NAME
     results: list[VariantResult] = []
     on_disk = any(spec.state_on_disk for spec in specs)
     with disk.nvme_directory(options.nvme_path, on_disk) as nvme_path:
         if on_disk:
             environment["nvme"] = measure_disk(nvme_path, progress)
         run_options = dataclasses.replace(options, nvme_path=nvme_path)
-        for index, spec in enumerate(specs, start=1):
-            results.append(_run_one(spec, index, len(specs), run_options, config, numels, unit_bytes, log_dir, progress))
+        runs = _Runs(run_options, config, numels, unit_bytes, options.out / report.LOG_DIR_NAME, progress)
+        if options.paired:
+            results = _paired_then_alone(runs, specs)
+        else:
+            results = [runs.alone(spec, f"[{i}/{len(specs)}]") for i, spec in enumerate(specs, start=1)]
     judged, notes = targets.judge(results, options, environment["load_average_1min"])
     bench = BenchResult(
         environment=environment,
@@ -72,34 +77,86 @@ def measure_disk(directory: Path, progress: Callable[[str], None] = _say_nothing
     return {**dataclasses.asdict(raw), "in_memory": raw.in_memory}
 
 
-def _run_one(
-    spec: variants.VariantSpec,
-    index: int,
-    count: int,
-    options: BenchOptions,
-    config: GPTConfig,
-    numels: tuple[int, ...],
-    unit_bytes: int,
-    log_dir: Path,
-    progress: Callable[[str], None],
-) -> VariantResult:
-    """One variant in fresh processes, summarized (or why it did not run); `numels`: each parameter's
-    size, in the optimizer's order."""
-    expected = theory.variant_theory(spec, sum(numels), options.devices, unit_bytes, options.shard_group_size, numels)
-    progress(f"[{index}/{count}] {spec.name}: {spec.description} ...")
-    run = worker.run_variant(spec, options, config, log_dir)
-    if run.status == OK:
-        result = summarize(spec, expected, run.ranks, options.tokens_per_step)
-        progress(
-            f"      model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
-            f"step {result.step_time_s * 1e3:,.0f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step"
+@dataclass(frozen=True)
+class _Runs:
+    """What every variant's run needs: the options, the model, where the logs go, whom to tell."""
+
+    options: BenchOptions
+    config: GPTConfig
+    numels: tuple[int, ...]
+    """Each parameter's size, in the optimizer's order."""
+    unit_bytes: int
+    """The largest unit's bytes (the model-state tolerance)."""
+    log_dir: Path
+    progress: Callable[[str], None]
+
+    def expected(self, spec: variants.VariantSpec) -> theory.VariantTheory:
+        o, numels = self.options, self.numels
+        return theory.variant_theory(spec, sum(numels), o.devices, self.unit_bytes, o.shard_group_size, numels)
+
+    def alone(self, spec: variants.VariantSpec, label: str) -> VariantResult:
+        """One variant in fresh processes of its own, summarized (or why it did not run)."""
+        self.progress(f"{label} {spec.name}: {spec.description} ...")
+        run = worker.run_variant(spec, self.options, self.config, self.log_dir)
+        if run.status == OK:
+            return self._ran(summarize(spec, self.expected(spec), run.ranks, self.options.tokens_per_step))
+        self.progress(f"      {run.status}: {run.reason}")
+        return not_run(spec, self.expected(spec), run.status, run.reason or "")
+
+    def paired(self, specs: Sequence[variants.VariantSpec]) -> tuple[dict[str, VariantResult], Optional[str]]:
+        """`specs` stepped round-robin in one group of processes (`paired.py`): each one's result by
+        name, or nothing and why the group failed."""
+        names = tuple(spec.name for spec in specs)
+        self.progress(f"[paired] {', '.join(names)}: round-robin in the same processes ...")
+        body = functools.partial(paired.measure_paired, names=names)
+        timeout_s = self.options.timeout_s * len(specs)  # the group runs them all
+        run = worker.run_variant(
+            specs[0], self.options, self.config, self.log_dir, body, name="paired", timeout_s=timeout_s
+        )
+        if run.status != OK:
+            self.progress(f"      {run.status}: {run.reason}")
+            return {}, f"{run.status}: {run.reason}"
+        results = {}
+        for spec in specs:
+            unavailable = run.ranks[0].unavailable.get(spec.name)
+            if unavailable is not None:
+                self.progress(f"      {spec.name}: {UNAVAILABLE}: {unavailable}")
+                results[spec.name] = not_run(spec, self.expected(spec), UNAVAILABLE, unavailable)
+                continue
+            measured = [rank.measurements[spec.name] for rank in run.ranks]
+            summary = summarize(spec, self.expected(spec), measured, self.options.tokens_per_step, paired=True)
+            results[spec.name] = self._ran(summary, f"{spec.name}: ")
+        return results, None
+
+    def _ran(self, result: VariantResult, name: str = "") -> VariantResult:
+        """Tell what `result` measured (after `name`); return it."""
+        self.progress(
+            f"      {name}model state {result.model_state_bytes / 1e6:,.2f} MB/rank, "
+            f"step {result.step_time_s * 1e3:,.1f} ms, comm {result.comm_bytes_per_step / 1e6:,.2f} MB/step, "
+            f"{result.python_calls_per_step:,} Python calls/step"
         )
         if result.disk is not None:
             d = result.disk
-            progress(
+            self.progress(
                 f"      disk: read {d.read_gbps:.2f} GB/s, write {d.write_gbps:.2f} GB/s,"
                 f" {d.waits_per_step:.1f} waits ({d.wait_s_per_step * 1e3:,.0f} ms) per step"
             )
         return result
-    progress(f"      {run.status}: {run.reason}")
-    return not_run(spec, expected, run.status, run.reason or "")
+
+
+def _paired_then_alone(runs: _Runs, specs: Sequence[variants.VariantSpec]) -> list[VariantResult]:
+    """`--paired`: every variant that can share a process in one paired group, the others alone
+    (as without `--paired`), each with the reason; in the table's order."""
+    pairable = [spec for spec in specs if paired.unpairable(spec) is None]
+    together, failure = runs.paired(pairable) if len(pairable) >= 2 else ({}, None)
+    results = []
+    for index, spec in enumerate(specs, start=1):
+        if spec.name in together:
+            results.append(together[spec.name])
+            continue
+        why = paired.unpairable(spec)
+        if why is None:
+            why = f"the paired run failed ({failure}), so it was timed alone" if failure else "nothing to pair it with"
+        result = runs.alone(spec, f"[alone {index}/{len(specs)}]")
+        results.append(dataclasses.replace(result, not_paired_because=why))
+    return results

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_zero.bench.options import BenchOptions
+from lightning_zero.bench.ratios import against_ddp
 from lightning_zero.bench.results import OK, VariantResult
 from lightning_zero.bench.theory import COMM_RELATIVE_TOLERANCE
 from lightning_zero.bench.variants import BASELINE, BY_NAME, peers
@@ -70,21 +71,12 @@ class _Verdict:
 def judge(
     results: Sequence[VariantResult], options: BenchOptions, load_before: Optional[float] = None
 ) -> tuple[tuple[VariantResult, ...], tuple[str, ...]]:
-    """`results` with `step_time_ratio_to_ddp`, `targets` and `notes` filled in, and the run's notes.
+    """`results` with their ratios to DDP (`ratios.py`), `targets` and `notes` filled in, and the run's notes.
     `load_before` is the machine's 1-minute load average when the run started."""
-    by_name = {r.name: r for r in results}
-    ddp = by_name.get(BASELINE)
-    ddp_time = ddp.step_time_s if ddp is not None and ddp.status == OK else None
-    ddp_loss = ddp.final_loss if ddp is not None and ddp.status == OK else None
-    ddp_ops = ddp.aten_ops_per_step if ddp is not None and ddp.status == OK else None
-    with_ratios = [
-        dataclasses.replace(
-            r,
-            step_time_ratio_to_ddp=r.step_time_s / ddp_time if ddp_time and r.step_time_s else None,
-            aten_ops_ratio_to_ddp=r.aten_ops_per_step / ddp_ops if ddp_ops and r.aten_ops_per_step else None,
-        )
-        for r in results
-    ]
+    with_ratios = against_ddp(results)
+    ddp = next((r for r in with_ratios if r.name == BASELINE and r.status == OK), None)
+    ddp_time = ddp.step_time_s if ddp is not None else None
+    ddp_loss = ddp.final_loss if ddp is not None else None
     ran = {r.name: r for r in with_ratios if r.status == OK}
     judged = []
     for result in with_ratios:

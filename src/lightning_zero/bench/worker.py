@@ -88,12 +88,14 @@ class _Task:
     """Where each rank's output goes."""
     body: RankBody
     """What each rank runs."""
+    name: str
+    """What the log files are named after: the variant, or "paired" for a paired group."""
 
     def log_path(self, rank: int) -> Path:
-        return self.log_dir / f"{self.spec.name}-rank{rank}.log"
+        return self.log_dir / f"{self.name}-rank{rank}.log"
 
 
-_PRELOAD = [__name__, "torch._dynamo", "lightning_zero.bench.capacity"]
+_PRELOAD = [__name__, "torch._dynamo", "lightning_zero.bench.capacity", "lightning_zero.bench.paired"]
 """Imported once by the forkserver and inherited by every rank. `torch._dynamo` is imported by
 the first `Optimizer.add_param_group` of each process (torch wraps it in `_disable_dynamo`):
 0.5 CPU-s per rank if left to the ranks."""
@@ -106,11 +108,14 @@ def run_variant(
     log_dir: Path,
     body: Optional[RankBody] = None,
     watchdog: Optional[Watchdog] = None,
+    name: Optional[str] = None,
+    timeout_s: Optional[float] = None,
 ) -> VariantRun:
     """Run `spec` on `options.devices` fresh processes and collect what `body` (default:
-    `measure_rank`) returns on each; `watchdog`, if given, may stop them early."""
+    `measure_rank`) returns on each; `watchdog`, if given, may stop them early. `name` (default: the
+    variant's) names the log files; `timeout_s` (default: `options.timeout_s`) bounds the wait."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    task = _Task(spec, options, config, _free_port(), log_dir, body or measure_rank)
+    task = _Task(spec, options, config, _free_port(), log_dir, body or measure_rank, name or spec.name)
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
@@ -122,7 +127,8 @@ def run_variant(
         for process in processes:
             process.start()
     collected: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + options.timeout_s
+    timeout_s = timeout_s or options.timeout_s
+    deadline = time.monotonic() + timeout_s
     poll_s = _POLL_S if watchdog is None else watchdog.interval_s
     try:
         while len(collected) < options.devices:
@@ -133,7 +139,7 @@ def run_variant(
             try:
                 rank, status, payload = reports.get(timeout=poll_s)
             except queue.Empty:
-                problem = _silent_failure(processes, collected, deadline, options.timeout_s)
+                problem = _silent_failure(processes, collected, deadline, timeout_s)
                 if problem is None:
                     continue
                 try:  # a report written just before the exit may still be in the pipe
@@ -181,6 +187,11 @@ def _silent_failure(
         missing = sorted(set(range(len(processes))) - set(collected))
         return f"ranks {missing} did not finish within {timeout_s:.0f} s"
     return None
+
+
+def threads_per_rank(options: BenchOptions) -> int:
+    """A CPU rank's intra-op threads: `options.threads`, or by default the cores shared among the ranks."""
+    return options.threads or max(1, (os.cpu_count() or 1) // options.devices)
 
 
 def _free_port() -> int:
@@ -231,7 +242,7 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
         if options.device == "cuda":
             torch.cuda.set_device(rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // options.devices))  # ranks share the cores
+            torch.set_num_threads(threads_per_rank(options))
         backend = "nccl" if options.device == "cuda" else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=options.devices, timeout=PROCESS_GROUP_TIMEOUT)
         reports.put((rank, OK, task.body(rank, task.spec, options, task.config)))

@@ -93,6 +93,10 @@ class Wrapped(abc.ABC):
         """Ours with NVMe offload: the engine's `IOStats` (reset with `.reset()`); None otherwise."""
         return None
 
+    def units(self) -> Optional[int]:
+        """Units gathered and released as one (ours at stage 3, FSDP2's `fully_shard` groups), or None."""
+        return None
+
     def close(self) -> None:
         """Release hooks and resources."""
 
@@ -181,6 +185,9 @@ class FSDP2Wrapped(Wrapped):
         fully_shard(model, reshard_after_forward=reshard_after_forward)
         self.optimizer = setup.make_optimizer(model.parameters())
 
+    def units(self) -> Optional[int]:
+        return 1 + sum(isinstance(module, Block) for module in self.model.modules())  # the blocks and the root
+
     def step(self, x: Tensor, y: Tensor, probe: Probe = no_probe) -> Tensor:
         return self._communicating_backward_step(self.model, self.optimizer, x, y, probe)
 
@@ -250,6 +257,10 @@ class OursWrapped(Wrapped):
     def disk_stats(self) -> Optional[Any]:
         disk = getattr(self.engine, "disk", None)
         return disk.io if disk is not None else None
+
+    def units(self) -> Optional[int]:
+        units = getattr(self.engine.residency, "units", None)  # stage 3's
+        return len(units) if units is not None else None
 
     def close(self) -> None:
         self.engine.close()

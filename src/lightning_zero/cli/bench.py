@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 from lightning_zero.bench import variants
 from lightning_zero.bench.capacity import CapacityProgress, run_capacity
 from lightning_zero.bench.options import (
-    BUDGET_SCOPES, CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, BenchOptions,
+    BUDGET_SCOPES, CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, SHAPES, BenchOptions, shaped,
 )  # fmt: skip
 from lightning_zero.bench.run import run_bench
 from lightning_zero.cli.arguments import (
@@ -19,6 +19,18 @@ from lightning_zero.cli.arguments import (
 )  # fmt: skip
 
 _DEFAULTS = BenchOptions()
+_SHAPED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "warmup", "steps", "threads")
+"""The options a `--shape` sets; given explicitly, they override it (their parser default is None)."""
+
+
+def _default(name: str) -> str:
+    """An option's default, and each shape's where it sets one, for the help text."""
+    value = getattr(_DEFAULTS, name)
+    text = f"default: {'the cores divided among the ranks' if value is None else value}"
+    for shape, preset in SHAPES.items():
+        if name in preset:
+            text += f"; --shape {shape}: {preset[name]}"
+    return text
 
 
 def _variant_list(text: str) -> tuple[str, ...]:
@@ -36,33 +48,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `BenchOptions`, with its defaults."""
     d = _DEFAULTS
     model = parser.add_argument_group("model (a GPT; --params picks the width for the other shape options)")
+    model.add_argument(
+        "--shape", choices=tuple(SHAPES),
+        help="a named shape, defaults for the shape and step options below (which still override it):"
+        " launch-bound = 12 blocks × 64 wide, 4 heads, 1 × 32 tokens per rank, 5 warm-up + 100 timed steps,"
+        " 1 thread per rank; compute is negligible, so the step is host time, what a fast GPU exposes",
+    )  # fmt: skip
     width = model.add_mutually_exclusive_group()
     width.add_argument("--params", type=parse_count, metavar="N", help="target parameter count, e.g. 20M or 1.2e8")
-    width.add_argument("--n-embd", type=positive_int, default=d.n_embd, metavar="C", help=f"width ({d.n_embd})")
-    model.add_argument("--n-layer", type=positive_int, default=d.n_layer, metavar="L", help=f"blocks ({d.n_layer})")
-    model.add_argument("--n-head", type=positive_int, default=d.n_head, metavar="H", help=f"heads ({d.n_head})")
+    width.add_argument("--n-embd", type=positive_int, metavar="C", help=f"width ({_default('n_embd')})")
+    model.add_argument("--n-layer", type=positive_int, metavar="L", help=f"blocks ({_default('n_layer')})")
+    model.add_argument("--n-head", type=positive_int, metavar="H", help=f"heads ({_default('n_head')})")
     model.add_argument(
-        "--block-size", type=positive_int, default=d.block_size, metavar="T",
-        help=f"sequence length (default: {d.block_size})",
-    )  # fmt: skip
+        "--block-size", type=positive_int, metavar="T", help=f"sequence length ({_default('block_size')})"
+    )
 
     training = parser.add_argument_group("run")
     training.add_argument(
-        "--batch-size", type=positive_int, default=d.batch_size, metavar="B",
-        help=f"sequences per rank and step (default: {d.batch_size})",
-    )  # fmt: skip
+        "--batch-size", type=positive_int, metavar="B", help=f"sequences per rank and step ({_default('batch_size')})"
+    )
     training.add_argument(
         "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks; 1 measures engine overhead alone (default: {d.devices})"
     )
     training.add_argument(
+        "--threads", type=positive_int, metavar="K",
+        help=f"CPU: intra-op threads per rank, torch.set_num_threads ({_default('threads')})",
+    )  # fmt: skip
+    training.add_argument(
         "--device", choices=DEVICES, default=d.device, help="cpu (gloo) or cuda (nccl, a GPU per rank); default: cpu"
     )
     training.add_argument(
-        "--warmup", type=non_negative_int, default=d.warmup, metavar="K", help=f"untimed steps first ({d.warmup})"
+        "--warmup", type=non_negative_int, metavar="K", help=f"untimed steps first ({_default('warmup')})"
     )
     training.add_argument(
-        "--steps", type=positive_int, default=d.steps, metavar="K", help=f"timed steps, median reported ({d.steps})"
+        "--steps", type=positive_int, metavar="K", help=f"timed steps, median reported ({_default('steps')})"
     )
+    training.add_argument(
+        "--paired", action="store_true",
+        help="step the variants round-robin in the same processes (one step of each in turn, each its own"
+        " model, optimizer and data) and report each one's step time against DDP's as the median of per-round"
+        " ratios, with its 95%% interval: resolves a few %% on shared cores, where variants timed minutes"
+        " apart see different loads. DeepSpeed and NVMe offload cannot share a process and run alone (the"
+        " report says so); peak memory is not measured for paired variants",
+    )  # fmt: skip
     training.add_argument(
         "--variants",
         type=_variant_list,
@@ -132,17 +160,14 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     if args.budget_scope != _DEFAULTS.budget_scope and args.capacity is None:
         parser.error("--budget-scope is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
     default_variants = CAPACITY_VARIANTS if args.capacity else _DEFAULTS.variants
+    explicit = {name: getattr(args, name) for name in _SHAPED if getattr(args, name) is not None}
     try:
-        options = BenchOptions(
-            n_layer=args.n_layer,
-            n_embd=args.n_embd,
-            n_head=args.n_head,
-            block_size=args.block_size,
+        options = shaped(
+            args.shape,
+            **explicit,
             params=args.params,
-            batch_size=args.batch_size,
             devices=args.devices,
-            warmup=args.warmup,
-            steps=args.steps,
+            paired=args.paired,
             variants=args.variants or default_variants,
             precision=args.precision,
             fused=args.fused,

@@ -1,0 +1,140 @@
+"""The benchmark report's side tables, one per idea, each shown where the run has something for it:
+communication by kind (always), the ownership path's rows (`zero2_whole`, `zero3_whole`), hybrid
+sharding's traffic within and across shard groups, and NVMe offload's disk next to its raw figures."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from lightning_zero.bench import theory
+from lightning_zero.bench.markdown import format_mb, markdown_table, pct
+from lightning_zero.bench.results import BenchResult, VariantResult
+from lightning_zero.bench.variants import BY_NAME
+
+
+def comm_by_kind_section(ran: Sequence[VariantResult]) -> list[str]:
+    """Every variant's collectives of one step by kind, the busiest rank's: ring MB and calls."""
+    kinds = sorted({kind for r in ran for kind in (r.comm_bytes_by_kind or {})})
+    if not kinds:
+        return []
+
+    def cell(r: VariantResult, kind: str) -> str:
+        calls = (r.collective_calls_by_kind or {}).get(kind)
+        return "—" if not calls else f"{format_mb((r.comm_bytes_by_kind or {}).get(kind, 0))} ({calls})"
+
+    rows = [[f"`{r.name}`", *(cell(r, kind) for kind in kinds), format_mb(r.comm_bytes_per_step)] for r in ran]
+    lines = ["", "Communication per step by kind, the busiest rank: ring MB (calls):", ""]
+    return lines + markdown_table(["variant", *kinds, "total"], rows, "l" + "r" * (len(kinds) + 1))
+
+
+def ownership_section(whole: Sequence[VariantResult], ran: Sequence[VariantResult]) -> list[str]:
+    """The ownership path's rows (`zero2_whole`, `zero3_whole`) next to the chunk path's row of their
+    stage: the all-to-alls against `theory.owner_exchange_bytes`, what they add, and each rank's
+    optimizer state against issue 42's bound."""
+    by_name = {r.name: r for r in ran}
+    rows = []
+    for r in whole:
+        chunk = by_name.get(f"zero{r.stage}")
+        exchange = (r.comm_bytes_by_kind or {}).get("all_to_all", 0.0)
+        states = [rank.phases["step"].optimizer_state for rank in r.ranks if "step" in rank.phases]
+        rows.append([
+            f"`{r.name}`",
+            f"{format_mb(exchange)} / {format_mb(r.theory.owner_exchange_bytes_per_step)}",
+            str((r.collective_calls_by_kind or {}).get("all_to_all", 0)),
+            f"`{chunk.name}`" if chunk else "—",
+            f"{format_mb(chunk.comm_bytes_per_step)} → {format_mb(r.comm_bytes_per_step)}" if chunk else "—",
+            f"{chunk.aten_ops_per_step:,} → {r.aten_ops_per_step:,}" if chunk else "—",
+            " / ".join(format_mb(state) for state in states) or "—",
+            format_mb(chunk.model_state_by_kind["optimizer_state"]) if chunk and chunk.model_state_by_kind else "—",
+            format_mb(r.theory.optimizer_state_bound_bytes),
+        ])  # fmt: skip
+    headers = [
+        "variant", "all-to-all MB/step / theory", "all-to-alls", "chunk path", "comm MB/step", "aten ops/step",
+        "optimizer state per rank MB", "chunk path's", "bound",
+    ]  # fmt: skip
+    lines = [
+        "",
+        "The ownership path (AdamW stepped whole on owner ranks) against the chunk path at its stage: the all-to-alls"
+        " (gradients and weights to the owners, updates back; theory from the owner plan and chunk layouts), the"
+        " step's communication and aten ops (chunk path → ownership path), and each rank's optimizer state after the"
+        " step against issue 42's bound, 1.1 × (total / N + the largest parameter's):",
+        "",
+    ]
+    return lines + markdown_table(headers, rows, "lrrlrrrrr")
+
+
+def traffic_by_group_section(result: BenchResult, ran: Sequence[VariantResult], shard_group_size: int) -> list[str]:
+    """Our variants' collective bytes per step (full buffers, the busiest rank) within a shard group
+    and across groups, next to `theory.traffic_by_group`."""
+    psi, world = result.model["num_params"], result.environment["world_size"]
+    lines = [
+        "",
+        f"Hybrid sharding, {world // shard_group_size} groups of {shard_group_size} ranks: collective bytes per step"
+        " and rank (full buffers), measured / theory (MB):",
+        "",
+    ]
+    rows = []
+    for r in ran:
+        if not r.ranks or not r.ranks[0].traffic_by_group:
+            continue
+        measured = max((rank.traffic_by_group for rank in r.ranks), key=lambda t: t["within"] + t["across"])
+        expected = theory.traffic_by_group(psi, r.stage, shard_group_size)
+        rows.append([
+            r.name,
+            f"{format_mb(measured['within'])} / {format_mb(expected['within'])}",
+            f"{format_mb(measured['across'])} / {format_mb(expected['across'])}",
+            format_mb(measured["all"]),
+        ])  # fmt: skip
+    headers = ["variant", "within a group", "across groups", "over all ranks"]
+    return lines + markdown_table(headers, rows, "lrrr")
+
+
+def raw_disk_line(raw: dict[str, Any]) -> str:
+    """The raw throughput of the NVMe directory in one sentence (see `disk.py`, [Note: disk figures])."""
+    where = f"`{raw['path']}` ({raw['filesystem'] or 'file system unknown'})"
+    line = (
+        f"NVMe offload's directory {where}, measured raw in this run ({raw['nbytes'] / 1e6:,.0f} MB, one stream):"
+        f" write {raw['write_gbps']:.2f} GB/s (pwrite, then fsync), read {raw['read_gbps']:.2f} GB/s"
+        + (" (the file dropped from the page cache first)" if raw["cache_dropped"] else " (page cache NOT dropped)")
+        + f", read again from the page cache {raw['cached_read_gbps']:.2f} GB/s."
+    )
+    if raw.get("in_memory"):
+        line += " The directory is on a memory file system: these are memory copies, not a disk."
+    return line
+
+
+def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]:
+    """The NVMe variants' I/O per step next to the directory's raw throughput, and the optimizer
+    step of every offload variant (NVMe's and the CPU's it is compared with)."""
+    lines = ["", raw_disk_line(raw), ""]
+    rows = []
+    for r in ran:
+        spec = BY_NAME[r.name]
+        if not spec.offload_optimizer:
+            continue
+        optimizer_ms = "—" if r.optimizer_step_s is None else f"{r.optimizer_step_s * 1e3:,.0f}"
+        if r.disk is None:
+            rows.append([f"`{r.name}`", optimizer_ms] + ["—"] * 8)
+            continue
+        d = r.disk
+        on_disk = "—"
+        if r.ranks and r.model_state_phase in r.ranks[0].engine_reports:
+            on_disk = format_mb(r.ranks[0].engine_reports[r.model_state_phase].get("disk"))
+        share = d.wait_s_per_step / r.step_time_s if r.step_time_s else None
+        rows.append([
+            f"`{r.name}`",
+            optimizer_ms,
+            f"{d.read_gbps:.2f}",
+            f"{d.write_gbps:.2f}",
+            format_mb(d.read_bytes_per_step),
+            format_mb(d.write_bytes_per_step),
+            f"{d.waits_per_step:.1f}",
+            f"{d.wait_s_per_step * 1e3:,.0f}",
+            pct(share).lstrip("+"),
+            f"{on_disk} / {format_mb(r.theory.model_state.on_disk)}",
+        ])  # fmt: skip
+    headers = [
+        "variant", "optimizer step ms", "read GB/s", "write GB/s", "read MB/step", "write MB/step", "waits/step",
+        "wait ms/step", "wait / step", "on disk MB / floor",
+    ]  # fmt: skip
+    return lines + markdown_table(headers, rows, "lrrrrrrrrr")
