@@ -4,33 +4,17 @@ the helpers of ``test_host_work.py`` (CPU) and ``test_cuda_host_work.py`` (the G
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable
 
 import torch
 from torch import nn
 
+from lightning_zero.bench.python_calls import count_python_calls
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.host_work import HOST_WORK
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 LAUNCH_BOUND = GPTConfig(n_layer=12, n_embd=64, n_head=4, block_size=32)
-
-
-def python_calls(step: Callable[[], None]) -> int:
-    calls = 0
-
-    def count(frame, event, arg):  # noqa: ANN001
-        nonlocal calls
-        if event == "call":
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
 
 
 def stepper(stage: int, device: torch.device, precision: str) -> tuple[Callable[[], None], object]:
@@ -76,8 +60,9 @@ def count_one_step(stage: int, device: torch.device = torch.device("cpu"), preci
     for _ in range(3):
         step()
     before = HOST_WORK.snapshot()
-    calls = python_calls(step)
-    out = {"calls": calls, "work": HOST_WORK.since(before)}
+    with count_python_calls() as calls:
+        step()
+    out = {"calls": calls.total, "work": HOST_WORK.since(before)}
     if engine is not None:
         units = engine.residency.units if stage == 3 else []
         # the root unit is gathered once per step, the others twice (forward, backward)
