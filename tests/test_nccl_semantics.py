@@ -245,6 +245,148 @@ def test_ranks_skipping_different_units_train_as_ddp_when_waits_order_streams(re
         assert max_abs_diff(zero["weights"], ddp["weights"]) == 0.0
 
 
+# ---- reduce-scatters launched at readiness, whatever the host's lead ----------------------------------
+LAG_HOOKS = 6
+"""How many gradient hooks a collective reports no completion after it was issued: a host running
+that far ahead of its device (on a GPU nothing syncs in backward, so the lead is the queued work)."""
+
+HOST_LEAD = CaseGroup(world_size=2, init_process_group=True)
+
+
+class HostAhead:
+    """NCCL as the host sees it from ahead of its GPU, on gloo: every collective's completion
+    (``PendingCollective.done``, a query of its CUDA event on NCCL) stays False until ``LAG_HOOKS``
+    gradient hooks have run since it was issued, and waits are NCCL's (``waits_block_host`` is False:
+    a wait orders a stream, it does not poll). gloo's waits still block here, which with every rank
+    launching every bucket in the same order only waits for a peer that is launching too."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.hooks = model, 0
+        self._handles: list = []
+        self._saved: dict = {}
+
+    def __enter__(self) -> "HostAhead":
+        from lightning_zero.engine.comm import collectives
+
+        lead, real_init, real_done = self, collectives.PendingCollective.__init__, collectives.PendingCollective.done
+
+        def init(pending, work=None) -> None:
+            real_init(pending, work)
+            pending._issued_at_hook = lead.hooks
+
+        def done(pending) -> bool:
+            return lead.hooks - getattr(pending, "_issued_at_hook", -LAG_HOOKS) >= LAG_HOOKS and real_done(pending)
+
+        self._saved = {"__init__": real_init, "done": real_done}
+        collectives.PendingCollective.__init__, collectives.PendingCollective.done = init, done
+        self._saved["waits_block_host"] = collectives.waits_block_host
+        collectives.waits_block_host = lambda group: False
+        return self
+
+    def count_hooks(self, after_each: Callable[[], None]) -> None:
+        """Count every gradient hook (registered after the engine's, so each runs after the engine's)
+        and call ``after_each`` after it."""
+
+        def hook(_: Tensor) -> None:
+            self.hooks += 1
+            after_each()
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self.model.parameters()]
+
+    def __exit__(self, *exc: object) -> None:
+        from lightning_zero.engine.comm import collectives
+
+        collectives.waits_block_host = self._saved.pop("waits_block_host")
+        for name, fn in self._saved.items():
+            setattr(collectives.PendingCollective, name, fn)
+        for handle in self._handles:
+            handle.remove()
+
+
+def host_lead_run(ctx: RankContext, stage: int, lagging: bool, **options: Any) -> dict:
+    """3 steps of a 3-block GPT through the engine (buckets of about one parameter, so many more are
+    ready than may be in flight), with the host ``lagging`` behind completions or not: at each
+    gradient hook of the last step, how many reduce-scatters were launched and how many buckets
+    were ready in bucket order; the last backward's ``waiting_gradients``; the weights."""
+    import contextlib
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    if options.pop("hybrid", False):
+        from lightning_zero.engine.comm import collectives
+
+        group, replicate = ctx.once("hybrid_groups", lambda: collectives.hybrid_groups(1))
+    else:
+        group, replicate = None, None
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(ctx.rank))
+    seen: list[tuple[int, int]] = []
+
+    def launched_and_ready() -> None:
+        ready = 0
+        while ready < len(engine.buckets) and engine.buckets[ready].is_ready:
+            ready += 1
+        # hybrid with one-rank shard groups: a bucket's reduction is its all-reduce across the replicas
+        seen.append((COLLECTIVE_STATS.calls["all_reduce" if replicate is not None else "reduce_scatter"], ready))
+
+    lead = HostAhead(model) if lagging else contextlib.nullcontext()
+    with lead:  # from the engine's construction on: the backend's waits are NCCL's
+        config = ZeroConfig(stage=stage, bucket_size_mb=2e-3, **options)
+        engine = ZeroEngine(model, [optimizer], config, group=group, replicate_group=replicate)
+        if lagging:
+            lead.count_hooks(launched_and_ready)
+        for _ in range(3):
+            seen.clear()
+            COLLECTIVE_STATS.reset()
+            engine.begin_step()
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+    report = engine.memory_report()
+    out = {
+        "seen": list(seen), "waiting": report.waiting_gradients, "buckets": len(engine.buckets),
+        "largest_bucket": max(b.param_bytes for b in engine.buckets), "allocations": engine.residency.pool.allocations,
+        "weights": engine.full_state_dict(model),
+    }  # fmt: skip
+    engine.close()
+    return out
+
+
+HOST_LEAD_RUNS = {"zero2": {"stage": 2}, "zero3": {"stage": 3}, "zero2_hybrid": {"stage": 2, "hybrid": True}}
+for _label, _options in HOST_LEAD_RUNS.items():
+    for _lagging in (False, True):
+        HOST_LEAD.case(host_lead_run, name=f"{_label}_{'lagging' if _lagging else 'prompt'}", lagging=_lagging, **_options)
+
+
+@pytest.fixture(scope="module")
+def host_lead_results(tmp_path_factory) -> GroupResults:
+    return HOST_LEAD.run(tmp_path_factory.mktemp("host_lead"))
+
+
+@pytest.mark.parametrize("label", HOST_LEAD_RUNS)
+def test_reduce_scatters_launch_at_readiness_while_the_host_runs_ahead_of_completions(host_lead_results, label):
+    """Every bucket ready (with every bucket before it) is launched by the gradient hook that made it
+    ready, although no collective reports completion for ``LAG_HOOKS`` hooks; so no full gradients
+    wait beyond the buckets that became ready before an earlier one, and the run trains as without
+    the lag, bitwise, with the same communication buffers."""
+    from lightning_helpers import max_abs_diff
+
+    for prompt, lagging in zip(host_lead_results[f"{label}_prompt"], host_lead_results[f"{label}_lagging"]):
+        assert lagging["buckets"] > 2 and lagging["seen"]  # more ready than may be in flight (2)
+        late = [(hook, launched, ready) for hook, (launched, ready) in enumerate(lagging["seen"]) if launched != ready]
+        assert not late, f"(hook, reduce-scatters launched, buckets ready in order) where a ready bucket waited: {late}"
+        assert lagging["waiting"] <= 2 * lagging["largest_bucket"], (lagging["waiting"], lagging["largest_bucket"])
+        assert max_abs_diff(lagging["weights"], prompt["weights"]) == 0.0
+        assert lagging["allocations"] == prompt["allocations"]
+
+
 # ---- the loss scaler with gradients on the host -----------------------------------------------------
 STALE = 1.0
 """What an unlanded copy's destination reads as: the 1.0 a previous step left in the buffer."""

@@ -11,9 +11,11 @@ bucket, stage 3's root unit) gets a buffer of its own for that collective, freed
 A buffer is lent with :meth:`BufferPool.take` and comes back with :meth:`BufferPool.give_back` once
 its collective has finished and its contents were copied out; the bucket's ``Pending*`` result
 carries it until then, so a buffer is never written while a collective still reads or fills it.
-On CUDA the copies that fill it and read it run on the current stream after ``wait()``, so reuse
-is ordered by the stream, not by a host sync; a buffer a copy on another stream still reads comes
-back with that copy's event, which its next borrower's stream waits for (``copy_stream.py``).
+On CUDA a buffer comes back with an event: the one recorded on the stream that gives it back (the
+compute stream for the all-gathers, the reduce stream for the reduce-scatters, see [Note: reduce
+stream] in ``reduce_stream.py``), or that of a copy on another stream that still reads it
+(``copy_stream.py``); its next borrower's stream waits for that event, so reuse is ordered on the
+device, never by a host sync, whichever streams the two users run on.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1D ``dtype`` buffer of ``numel`` elements on ``device``, contents undefined."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize  # a property of the dtype: no tensor made per call
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
@@ -61,13 +63,17 @@ class BufferPool:
         return view
 
     def give_back(self, buffer: Tensor, after: Event = None) -> None:
-        """Return a buffer from :meth:`take` once nothing on the compute stream reads or fills it
-        any more; ``after``: the event of a copy on another stream that still may."""
+        """Return a buffer from :meth:`take` once nothing queued afterwards on the current stream
+        reads or fills it; ``after``: the event of a copy on another stream that still may (one
+        that waited for the current stream first). On CUDA without ``after``, the event marks
+        where the current stream is now."""
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
         free = self._free.setdefault(base.device, [])
         if len(free) < self.slots:
+            if after is None and base.device.type == "cuda":
+                after = torch.cuda.current_stream(base.device).record_event()
             free.append((base, after))
 
     @property
@@ -78,3 +84,4 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
+

@@ -12,6 +12,7 @@ whichever the installed torch offers.
 from __future__ import annotations
 
 import atexit
+import os
 import time
 import weakref
 from collections import Counter
@@ -103,6 +104,18 @@ def rank(group: ProcessGroup = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
+def waits_block_host(group: ProcessGroup) -> bool:
+    """Whether ``PendingCollective.wait()`` on ``group`` makes the host wait: on gloo (and any
+    backend but NCCL), and on NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on NCCL otherwise only the
+    current stream waits. Without peers nothing ever waits (False). See [Note: reduce stream] in
+    ``reduce_stream.py``."""
+    if world_size(group) == 1:
+        return False
+    if dist.get_backend(group) != "nccl":
+        return True
+    return os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", "0")) == "1"
+
+
 def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
     COLLECTIVE_STATS.record("all_gather", output, group)
@@ -130,7 +143,11 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
 def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup) -> Tensor:
     """Rank r sends ``inputs``' r'-th slice (``input_splits[r']`` elements, 1D, in rank order) to
     rank r' and receives rank r''s slice for it into ``output`` (``output_splits[r']`` elements,
-    in rank order); the host waits for it (the whole-tensor optimizer step, once per step)."""
+    in rank order). Returns once ``output`` is ready for what runs next: on gloo the host has waited
+    for the exchange; on NCCL the current stream waits for it and the host goes on (kernels queued
+    afterwards see ``output``; a host read of it syncs). Every rank must pass splits that match its
+    peers' (``input_splits[r']`` here is ``output_splits[r]`` on rank r'): NCCL does not check them,
+    and mismatched splits hang or corrupt, so callers derive them from values every rank agrees on."""
     COLLECTIVE_STATS.record("all_to_all", inputs, group)
     check_compute_tensors("all-to-all", (output, inputs))
     if world_size(group) == 1:
