@@ -250,7 +250,8 @@ LAG_HOOKS = 6
 """How many gradient hooks a collective reports no completion after it was issued: a host running
 that far ahead of its device (on a GPU nothing syncs in backward, so the lead is the queued work)."""
 
-HOST_LEAD = CaseGroup(world_size=2, init_process_group=True)
+ENGINE_CASES = CaseGroup(world_size=2, init_process_group=True)
+"""Cases at the engine level, with a gloo group of their own (the cases above build Trainers)."""
 
 
 class HostAhead:
@@ -362,29 +363,90 @@ def host_lead_run(ctx: RankContext, stage: int, lagging: bool, **options: Any) -
 HOST_LEAD_RUNS = {"zero2": {"stage": 2}, "zero3": {"stage": 3}, "zero2_hybrid": {"stage": 2, "hybrid": True}}
 for _label, _options in HOST_LEAD_RUNS.items():
     for _lagging in (False, True):
-        HOST_LEAD.case(host_lead_run, name=f"{_label}_{'lagging' if _lagging else 'prompt'}", lagging=_lagging, **_options)
+        ENGINE_CASES.case(host_lead_run, name=f"{_label}_{'lagging' if _lagging else 'prompt'}", lagging=_lagging, **_options)
 
 
 @pytest.fixture(scope="module")
-def host_lead_results(tmp_path_factory) -> GroupResults:
-    return HOST_LEAD.run(tmp_path_factory.mktemp("host_lead"))
+def engine_results(tmp_path_factory) -> GroupResults:
+    return ENGINE_CASES.run(tmp_path_factory.mktemp("engine_cases"))
 
 
 @pytest.mark.parametrize("label", HOST_LEAD_RUNS)
-def test_reduce_scatters_launch_at_readiness_while_the_host_runs_ahead_of_completions(host_lead_results, label):
+def test_reduce_scatters_launch_at_readiness_while_the_host_runs_ahead_of_completions(engine_results, label):
     """Every bucket ready (with every bucket before it) is launched by the gradient hook that made it
     ready, although no collective reports completion for ``LAG_HOOKS`` hooks; so no full gradients
     wait beyond the buckets that became ready before an earlier one, and the run trains as without
     the lag, bitwise, with the same communication buffers."""
     from lightning_helpers import max_abs_diff
 
-    for prompt, lagging in zip(host_lead_results[f"{label}_prompt"], host_lead_results[f"{label}_lagging"]):
+    for prompt, lagging in zip(engine_results[f"{label}_prompt"], engine_results[f"{label}_lagging"]):
         assert lagging["buckets"] > 2 and lagging["seen"]  # more ready than may be in flight (2)
         late = [(hook, launched, ready) for hook, (launched, ready) in enumerate(lagging["seen"]) if launched != ready]
         assert not late, f"(hook, reduce-scatters launched, buckets ready in order) where a ready bucket waited: {late}"
         assert lagging["waiting"] <= 2 * lagging["largest_bucket"], (lagging["waiting"], lagging["largest_bucket"])
         assert max_abs_diff(lagging["weights"], prompt["weights"]) == 0.0
         assert lagging["allocations"] == prompt["allocations"]
+
+
+# ---- the ownership path: which parameters take part is decided alike on every rank --------------------
+def dropped_gradient_on_the_ownership_path(ctx: RankContext, stage: int, dropping_ranks: tuple[int, ...]) -> dict:
+    """Two steps of a whole-tensor optimizer (Adafactor: each parameter stepped whole by its owner)
+    through the engine; after the second backward ``param.grad = None`` on ``dropping_ranks`` for
+    one matrix. Returns the error the step raised (None if it stepped), and whether that matrix and
+    another changed in the second step."""
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, bucket_size_mb=2e-3))
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(ctx.rank))
+    dropped = model.blocks[0].attn.qkv.weight
+    error, before = None, {}
+    for step in range(2):
+        engine.begin_step()
+        model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+        engine.finish_backward()
+        engine.end_step()
+        if step == 1:
+            before = {name: engine.full_state_dict(model)[name] for name in ("blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight")}
+            if ctx.rank in dropping_ranks:
+                dropped.grad = None
+        try:
+            optimizer.step()
+        except RuntimeError as err:
+            error = str(err)
+            break
+        engine.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+    after = engine.full_state_dict(model) if error is None else {}
+    engine.close()
+    return {"error": error, "changed": {name: not torch.equal(after[name], value) for name, value in before.items()} if after else {}}
+
+
+for _stage in (2, 3):
+    for _dropping in ((1,), (0, 1)):
+        ENGINE_CASES.case(
+            dropped_gradient_on_the_ownership_path, name=f"dropped_grad_stage{_stage}_ranks{''.join(map(str, _dropping))}",
+            stage=_stage, dropping_ranks=_dropping,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_gradient_dropped_on_one_rank_only_on_the_ownership_path_fails_alike_on_every_rank(engine_results, stage):
+    """Not all-to-alls with splits that differ between ranks (a hang on NCCL): the same clear error on
+    every rank, before any rank steps."""
+    errors = [r["error"] for r in engine_results[f"dropped_grad_stage{stage}_ranks1"]]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "'blocks.0.attn.qkv.weight' on 1 of 2 ranks" in errors[0] and "on every rank or on none" in errors[0]
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_gradient_dropped_on_every_rank_on_the_ownership_path_sits_the_step_out(engine_results, stage):
+    for r in engine_results[f"dropped_grad_stage{stage}_ranks01"]:
+        assert r["error"] is None
+        assert r["changed"] == {"blocks.0.attn.qkv.weight": False, "blocks.1.mlp.fc.weight": True}
 
 
 # ---- the loss scaler with gradients on the host -----------------------------------------------------
