@@ -455,9 +455,11 @@ STALE = 1.0
 
 
 class LateCopies(TorchFunctionMode):
-    """CUDA's ``non_blocking`` copies to pinned host memory, where host and device are one CPU: the
-    copy's destination reads ``STALE`` until the next kernel has run, and then the copy lands
-    (overwriting what that kernel wrote there)."""
+    """CUDA's ``non_blocking`` copies, where host and device are one CPU: the copy's destination
+    reads ``STALE`` until the next kernel has run, and then the copy lands (overwriting what that
+    kernel wrote there). Both forms, ``.to(..., non_blocking=True)`` and
+    ``dst.copy_(src, non_blocking=True)``, in either direction (to pinned host memory, or from it to
+    the device)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -467,8 +469,12 @@ class LateCopies(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if func is Tensor.to and kwargs.get("non_blocking") and result is not args[0]:
-            self._unlanded.append((result, result.clone()))
+        copied = func is Tensor.to and kwargs.get("non_blocking") and result is not args[0]
+        copied = copied or (func is Tensor.copy_ and (kwargs.get("non_blocking") or (len(args) > 2 and args[2])))
+        if copied:
+            for destination, value in self._unlanded:  # an earlier copy lands first (this one ran a kernel)
+                destination.copy_(value)
+            self._unlanded = [(result, result.clone())]
             result.fill_(STALE)
             self.copies += 1
         elif getattr(func, "__name__", "") not in ("__get__", "__set__"):  # attribute access runs no kernel
@@ -522,3 +528,20 @@ def test_a_finite_step_with_host_gradients_unscales_them_when_copies_to_the_host
         assert torch.allclose(after, expected.detach(), atol=1e-6)
     assert out["scale"] == 1024.0
     assert out["given_scales"] == [None]
+
+
+def test_the_late_copies_emulation_delays_both_forms_of_non_blocking_copy():
+    """What the tests above rely on: a ``non_blocking`` copy, as ``.to`` or as ``copy_`` (either
+    direction: one memory here), reads stale until the next kernel, then holds its values."""
+    source = torch.arange(3.0)
+    with LateCopies() as late:
+        into = torch.zeros(3)
+        into.copy_(source, non_blocking=True)
+        stale_after_copy = torch.equal(into, torch.full((3,), STALE))  # this kernel still sees it stale
+        landed_after_copy = torch.equal(into, source)
+        moved = source.to(torch.float64, non_blocking=True)
+        stale_after_to = torch.equal(moved, torch.full((3,), STALE, dtype=torch.float64))
+        landed_after_to = torch.equal(moved, source.double())
+        blocking = torch.zeros(3).copy_(source)  # not delayed
+    assert stale_after_copy and landed_after_copy and stale_after_to and landed_after_to
+    assert torch.equal(blocking, source) and late.copies == 2
