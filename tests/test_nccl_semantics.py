@@ -533,14 +533,14 @@ def test_a_finite_step_with_host_gradients_unscales_them_when_copies_to_the_host
 def test_the_late_copies_emulation_delays_both_forms_of_non_blocking_copy():
     """What the tests above rely on: a ``non_blocking`` copy, as ``.to`` or as ``copy_`` (either
     direction: one memory here), reads stale until the next kernel, then holds its values."""
-    source = torch.arange(3.0)
+    source, stale, stale_double = torch.arange(3.0), torch.full((3,), STALE), torch.full((3,), STALE, dtype=torch.float64)
     with LateCopies() as late:
         into = torch.zeros(3)
         into.copy_(source, non_blocking=True)
-        stale_after_copy = torch.equal(into, torch.full((3,), STALE))  # this kernel still sees it stale
+        stale_after_copy = torch.equal(into, stale)  # the next kernel still sees it stale
         landed_after_copy = torch.equal(into, source)
         moved = source.to(torch.float64, non_blocking=True)
-        stale_after_to = torch.equal(moved, torch.full((3,), STALE, dtype=torch.float64))
+        stale_after_to = torch.equal(moved, stale_double)
         landed_after_to = torch.equal(moved, source.double())
         blocking = torch.zeros(3).copy_(source)  # not delayed
     assert stale_after_copy and landed_after_copy and stale_after_to and landed_after_to
