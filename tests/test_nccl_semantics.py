@@ -449,6 +449,95 @@ def test_a_gradient_dropped_on_every_rank_on_the_ownership_path_sits_the_step_ou
         assert r["changed"] == {"blocks.0.attn.qkv.weight": False, "blocks.1.mlp.fc.weight": True}
 
 
+# ---- collectives kept at world size 1 ------------------------------------------------------------------
+ONE_RANK = CaseGroup(world_size=1, init_process_group=True)
+"""A group of one rank: its collectives return early unless ``COLLECTIVES_AT_ONE_RANK`` is set."""
+
+
+class _CountingDist:
+    """``torch.distributed`` as ``collectives`` sees it, counting the collectives it issues."""
+
+    ISSUING = ("all_reduce", "all_to_all_single", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_gather_into_tensor", "all_gather_single")  # fmt: skip
+
+    def __init__(self, dist) -> None:
+        self._dist, self.issued = dist, 0
+
+    def counting(self, fn):
+        def issue(*args, **kwargs):
+            self.issued += 1
+            return fn(*args, **kwargs)
+
+        return issue
+
+    def __getattr__(self, name: str):
+        value = getattr(self._dist, name)
+        return self.counting(value) if name in self.ISSUING else value
+
+
+def one_rank_run(ctx: RankContext, strategy: str, issuing: bool) -> dict:
+    """3 steps of a 2-block GPT through the engine in a group of one rank, with the collectives
+    issued anyway (``issuing``) or skipped: the weights, and how many collectives reached torch."""
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm import collectives
+    from lightning_zero.engine.config import STRATEGY_NAMES
+    from lightning_zero.models.gpt import GPT, GPTConfig
+
+    counting = _CountingDist(dist)
+    saved = collectives.dist, collectives._all_gather_flat, collectives._reduce_scatter_flat
+    collectives.dist = counting
+    collectives._all_gather_flat, collectives._reduce_scatter_flat = counting.counting(saved[1]), counting.counting(saved[2])
+    os.environ[collectives.COLLECTIVES_AT_ONE_RANK] = "1" if issuing else "0"
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = ZeroEngine(model, [optimizer], ZeroConfig(**STRATEGY_NAMES[strategy], bucket_size_mb=2e-3))
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            engine.begin_step()
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+        weights = engine.full_state_dict(model)
+        engine.close()
+    finally:
+        collectives.dist, collectives._all_gather_flat, collectives._reduce_scatter_flat = saved
+        del os.environ[collectives.COLLECTIVES_AT_ONE_RANK]
+    return {"weights": weights, "issued": counting.issued}
+
+
+ONE_RANK_STRATEGIES = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+for _strategy_name in ONE_RANK_STRATEGIES:
+    for _issuing in (False, True):
+        ONE_RANK.case(one_rank_run, name=f"{_strategy_name}_{'issuing' if _issuing else 'skipping'}", strategy=_strategy_name, issuing=_issuing)
+
+
+@pytest.fixture(scope="module")
+def one_rank_results(tmp_path_factory) -> GroupResults:
+    return ONE_RANK.run(tmp_path_factory.mktemp("one_rank"))
+
+
+@pytest.mark.parametrize("strategy", ONE_RANK_STRATEGIES)
+def test_collectives_kept_at_world_size_one_reach_the_backend_and_train_the_same(one_rank_results, strategy):
+    """With ``LIGHTNING_ZERO_COLLECTIVES_AT_ONE_RANK=1`` a one-rank group issues its reduce-scatters
+    (and stage 3 its all-gathers) through torch, as a one-rank NCCL group on a GPU then runs NCCL's
+    kernels; the weights are the shortcut's, bit for bit."""
+    from lightning_helpers import max_abs_diff
+
+    (skipping,), (issuing,) = one_rank_results[f"{strategy}_skipping"], one_rank_results[f"{strategy}_issuing"]
+    assert skipping["issued"] == 0
+    assert issuing["issued"] > 0
+    assert max_abs_diff(issuing["weights"], skipping["weights"]) == 0.0
+
+
 # ---- the loss scaler with gradients on the host -----------------------------------------------------
 STALE = 1.0
 """What an unlanded copy's destination reads as: the 1.0 a previous step left in the buffer."""

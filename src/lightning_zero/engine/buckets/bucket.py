@@ -149,7 +149,8 @@ class Bucket:
         work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        if self.world_size == 1 and self.host is None and self.replicate_group is None:
+        alone = collectives.skips_collectives(self.group)  # one rank, its collectives skipped
+        if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         stream = stream if stream is not None else _NO_STREAM
         n, s, f = self.world_size, self.shard_numel, self.flag_count
@@ -159,12 +160,14 @@ class Bucket:
             # ``finish_backward`` joined the reduce stream: allocated there, so never lent
             received = torch.empty(s + f, dtype=self.dtype, device=self.device)
         with stream.launching():
-            return self._launch_reduction(ballot, stream, received)
+            return self._launch_reduction(ballot, stream, received, alone)
 
-    def _launch_reduction(self, ballot: Sequence[bool], stream: ReduceStream, received: Optional[Tensor]) -> "PendingGradientReduction":
+    def _launch_reduction(
+        self, ballot: Sequence[bool], stream: ReduceStream, received: Optional[Tensor], alone: bool
+    ) -> "PendingGradientReduction":
         """``start_gradient_reduction``'s copy-in and collectives, on the current stream."""
         n, s, f = self.world_size, self.shard_numel, self.flag_count
-        if n == 1 and received is not None:
+        if alone and received is not None:
             # one-rank shard groups (hybrid): the packed row is the reduced row
             send = received.view(1, s + f)
         else:
@@ -183,7 +186,7 @@ class Bucket:
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
         self.state = ReductionState.REDUCING
-        if n == 1:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
+        if alone:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
             lent = [send] if self.host is not None else []
             pending = PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent, stream=stream)
         else:
