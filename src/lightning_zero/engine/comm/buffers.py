@@ -15,8 +15,16 @@ On CUDA a buffer comes back with an event: the one recorded on the stream that g
 compute stream for the all-gathers, the reduce stream for the reduce-scatters, see [Note: reduce
 stream] in ``reduce_stream.py``), or that of a copy on another stream that still reads it
 (``copy_stream.py``); its next borrower's stream waits for that event, so reuse is ordered on the
-device, never by a host sync, whichever streams the two users run on.
-"""
+device, never by a host sync.
+
+[Note: a free list per stream]
+On CUDA the pool keeps the buffers given back on each stream apart, and lends each stream only its
+own (allocating when it has none): a reduction's buffer comes back as soon as the reduce stream is
+told to wait for its reduce-scatter, which may be long before that collective can complete (a peer
+still in its backward, or one that skipped the bucket's units and launches it only after its
+backward). Lent to a stage-3 all-gather, the compute stream would wait for that event, and the peer
+may need exactly that all-gather to go on: a cycle on the device. Within one stream, waiting for the
+previous user's event only keeps the stream's own order. On the CPU there is one list per device."""
 
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ class BufferPool:
     def __init__(self, capacity_bytes: int, slots: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.slots = slots
-        self._free: dict[torch.device, list[tuple[Tensor, Event]]] = {}  # byte buffer, copy to wait for
+        self._free: dict[tuple[torch.device, int], list[tuple[Tensor, Event]]] = {}  # by (device, stream): byte buffer, event to wait for
         self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
         self.allocations = 0
         """Byte buffers the pool has allocated: flat after the first step."""
@@ -50,7 +58,7 @@ class BufferPool:
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
-        free = self._free.setdefault(torch.device(device), [])
+        free = self._free.setdefault(_stream_key(torch.device(device)), [])
         if free:
             base, copy = free.pop()
             if copy is not None:
@@ -70,7 +78,7 @@ class BufferPool:
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
-        free = self._free.setdefault(base.device, [])
+        free = self._free.setdefault(_stream_key(base.device), [])  # see [Note: a free list per stream]
         if len(free) < self.slots:
             if after is None and base.device.type == "cuda":
                 after = torch.cuda.current_stream(base.device).record_event()
@@ -85,3 +93,12 @@ class BufferPool:
         self._free.clear()
         self._lent.clear()
 
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on
+    CUDA (see [Note: a free list per stream]), the device's elsewhere."""
+    if device.type != "cuda":
+        return device, 0
+    stream = torch.cuda.current_stream(device)
+    return stream.device, stream.stream_id  # "cuda" and "cuda:0" alike: the stream names its device
