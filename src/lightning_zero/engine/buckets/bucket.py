@@ -206,7 +206,7 @@ class Bucket:
         """Whether the all-reduce across the replicas is issued right behind the reduce-scatter
         (ordered by the stream: no wait blocks the host) rather than once the reduce-scatter is
         done (where waiting for it would block the host, see [Note: reduce stream])."""
-        return not collectives.waits_block_host(self.group)
+        return not collectives.waits_block_host(self.group, self.device)
 
     def _take_local_gradients(self) -> "PendingGradientReduction":
         """World size 1: the reduced gradient is the local one and the chunk is the whole

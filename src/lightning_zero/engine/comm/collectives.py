@@ -116,14 +116,18 @@ def skips_collectives(group: ProcessGroup) -> bool:
     return world_size(group) == 1 and not (is_initialized() and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
 
 
-def waits_block_host(group: ProcessGroup) -> bool:
-    """Whether ``PendingCollective.wait()`` on ``group`` makes the host wait: on gloo (and any
-    backend but NCCL), and on NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on NCCL otherwise only the
-    current stream waits. Where collectives are skipped nothing ever waits (False). See [Note:
-    reduce stream] in ``reduce_stream.py``."""
+def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether ``PendingCollective.wait()`` on ``group``, for tensors on ``device``, makes the host
+    wait: on gloo (and any backend but NCCL), and on NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on
+    NCCL otherwise only the current stream waits. A group made with several backends
+    (``"cpu:gloo,cuda:nccl"``, torch's default without one named) uses NCCL for CUDA tensors. Where
+    collectives are skipped nothing ever waits (False). See [Note: reduce stream] in
+    ``reduce_stream.py``."""
     if skips_collectives(group):
         return False
-    if dist.get_backend(group) != "nccl":
+    backend = str(dist.get_backend(group))
+    nccl = backend == "nccl" or (torch.device(device).type == "cuda" and "cuda:nccl" in backend)
+    if not nccl:
         return True
     return os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", "0")) == "1"
 

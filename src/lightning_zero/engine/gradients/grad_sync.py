@@ -229,4 +229,4 @@ def _waits_block_host(bucket: Bucket) -> bool:
     """Whether finishing ``bucket``'s reduction (its reduce-scatter, with hybrid sharding also the
     all-reduce across the replicas) makes the host wait; the same for every bucket of an engine."""
     groups = [bucket.group] + ([bucket.replicate_group] if bucket.replicate_group is not None else [])
-    return any(collectives.waits_block_host(group) for group in groups)
+    return any(collectives.waits_block_host(group, bucket.device) for group in groups)
