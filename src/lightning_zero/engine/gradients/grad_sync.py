@@ -125,8 +125,9 @@ class ReduceDuringBackward(GradientSync):
     """Stage 2: a bucket's reduce-scatter starts (asynchronously, overlapping the rest of backward)
     as soon as it and every bucket before it have all their gradients, and its full gradients are
     released right then. Buckets still waiting when backward ends (unused parameters) are flushed.
-    At most ``max_in_flight`` reduce-scatters run at once, which bounds the communication buffers to
-    that many buckets: a ready bucket is launched once the oldest in flight is done, never by
+    At most ``max_in_flight`` reductions are unfinished at once, which bounds the communication
+    buffers to that many buckets: on NCCL a ready bucket is launched at once, the oldest finished on
+    the reduce stream to make room; where waits block the host, once the oldest is done, never by
     waiting for it during backward (see [Note: no waiting in backward]).
 
     Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
