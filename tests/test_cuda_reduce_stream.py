@@ -99,13 +99,14 @@ def reduce_scatter_overlap(trace: dict) -> dict:
     from cuda_tier import _intervals, _overlap, _stream
 
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    kernels = [e for e in kernels if not _is_sleep(e)]  # the forced host lead, not backward's work
     collective = [e for e in kernels if "ReduceScatter" in e["name"] or "reduce_scatter" in e["name"].lower()]
     per_stream: dict[Any, float] = {}
     for e in kernels:
-        if e not in collective and "sleep" not in e["name"].lower():
+        if e not in collective:
             per_stream[_stream(e)] = per_stream.get(_stream(e), 0.0) + e["dur"]
     compute = max(per_stream, key=per_stream.get) if per_stream else None
-    on_compute = [e for e in kernels if _stream(e) == compute and "sleep" not in e["name"].lower()]
+    on_compute = [e for e in kernels if _stream(e) == compute]
     last_compute_end = max((e["ts"] + e["dur"] for e in on_compute), default=0.0)
     busy = _intervals(on_compute)
     return {
@@ -116,6 +117,12 @@ def reduce_scatter_overlap(trace: dict) -> dict:
         "under_backward_ms": sum(_overlap(e, busy) for e in collective) / 1e3,
         "total_ms": sum(e["dur"] for e in collective) / 1e3,
     }
+
+
+def _is_sleep(event: dict) -> bool:
+    """``torch.cuda._sleep``'s kernel (``spin_kernel`` in ATen)."""
+    name = event["name"].lower()
+    return "spin_kernel" in name or "sleep" in name
 
 
 def host_lead(ctx: RankContext, variant: str) -> dict:
