@@ -676,3 +676,24 @@ def test_the_late_copies_emulation_delays_both_forms_of_non_blocking_copy():
         blocking = torch.zeros(3).copy_(source)  # not delayed
     assert stale_after_copy and landed_after_copy and stale_after_to and landed_after_to
     assert torch.equal(blocking, source) and late.copies == 2
+
+
+@pytest.mark.parametrize(
+    "backend, device, blocking, expected",
+    [("gloo", "cpu", None, True), ("nccl", "cuda", None, False), ("nccl", "cuda", "1", True),
+     ("cpu:gloo,cuda:nccl", "cuda", None, False), ("cpu:gloo,cuda:nccl", "cpu", None, True)],
+)  # fmt: skip
+def test_whether_a_wait_blocks_the_host_follows_the_backend_that_serves_the_device(monkeypatch, backend, device, blocking, expected):
+    """What decides between launching at once and finishing only what completed (see [Note: no
+    waiting in backward]): NCCL's waits order streams unless ``TORCH_NCCL_BLOCKING_WAIT=1``; a group
+    made with several backends (torch's default ``"cpu:gloo,cuda:nccl"``) serves CUDA tensors with NCCL."""
+    from lightning_zero.engine.comm import collectives
+
+    monkeypatch.setattr(collectives, "skips_collectives", lambda group: False)  # as in a group of several ranks
+    monkeypatch.setattr(collectives.dist, "get_backend", lambda group: backend)
+    monkeypatch.delenv("NCCL_BLOCKING_WAIT", raising=False)
+    if blocking is None:
+        monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", blocking)
+    assert collectives.waits_block_host(None, torch.device(device)) is expected
