@@ -388,14 +388,21 @@ def test_staging_buffers_are_reused_and_copies():
     from lightning_zero.checkpoint.async_save import StagingBuffers
 
     staging = StagingBuffers()
-    live = {"a": torch.arange(6.0), "b": torch.tensor(3)}
+    live = {"a": torch.arange(6.0), "b": torch.tensor(3), "c": "not a tensor"}
     first = staging.stage(live)
     live["a"].add_(1)  # training goes on: the staged copy keeps the saved values
-    assert torch.equal(first["a"], torch.arange(6.0)) and staging.held_bytes == 6 * 4 + 8
+    assert torch.equal(first["a"], torch.arange(6.0)) and torch.equal(first["b"], torch.tensor(3)) and first["c"] == "not a tensor"
+    # one arena: every tensor a view of the same storage, each place aligned
+    assert first["a"].untyped_storage().data_ptr() == first["b"].untyped_storage().data_ptr()
+    assert staging.held_bytes == 2 * StagingBuffers.ALIGNMENT
     second = staging.stage(live)
     assert second["a"].data_ptr() == first["a"].data_ptr() and torch.equal(second["a"], torch.arange(6.0) + 1)
-    staging.stage({"a": live["a"]})
-    assert staging.held_bytes == 6 * 4  # a key gone since the last save drops its buffer
+    third = staging.stage({"a": live["a"]})  # a key gone: the arena is arranged again, and still fits
+    assert third["a"].untyped_storage().data_ptr() == first["a"].untyped_storage().data_ptr()
+    staging.stage({"a": live["a"], "d": torch.zeros(40)})  # outgrown: a new arena, the old one freed first
+    assert staging.held_bytes == StagingBuffers.ALIGNMENT + 3 * StagingBuffers.ALIGNMENT
+    staging.release()
+    assert staging.held_bytes == 0
 
 
 def test_removals_wait_for_the_commit_and_never_follow_a_failed_save(tmp_path):

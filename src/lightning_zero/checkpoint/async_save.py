@@ -10,7 +10,9 @@ A save is split in two, as ``start_save`` / ``finish_save``:
   (kept for the next save; pinned host memory on CUDA) and rank 0 serializes meta.pt. From then
   on nothing the save writes aliases what training changes. The ranks agree on the outcome of that
   copy like any foreground step, so a failure there is raised on every rank at once.
-- In the background, one thread per rank: exactly what a synchronous save does after that point —
+- In the background, one thread per rank, on the rank's CUDA device (a new thread's is GPU 0), with
+  DCP's serial loader (its default copies ahead on a CUDA stream; the staged tensors are on the host
+  already): exactly what a synchronous save does after that point —
   DCP's writes, the checksums, meta.pt, the manifest last, the commit — so both paths leave the same
   files and raise the same ``CheckpointWriteError``. Its collectives run on a gloo group of its own,
   made on every rank at the first asynchronous save: collectives on one group must be issued in the
@@ -43,52 +45,76 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.storage import CheckpointGroup
+from lightning_zero.engine.comm.copy_memory import pinned_block_bytes
 
 log = logging.getLogger(__name__)
 
 
 class StagingBuffers:
-    """Host copies of one rank's DCP tensors, kept from one save to the next (a model's tensors keep
-    their keys, shapes and dtypes, so after the first save staging allocates nothing; new memory
-    would cost a page fault per page, pinned memory a slow registration). Pinned on CUDA."""
+    """Host copies of one rank's DCP tensors, in one arena kept from one save to the next (a model's
+    tensors keep their keys, shapes and dtypes, so after the first save staging allocates nothing; new
+    memory would cost a page fault per page, pinned memory a slow registration). Pinned on CUDA: one
+    block, where a pinned buffer per tensor would each be rounded up to a power of two by torch's
+    pinned allocator and kept by it after being freed (see [Note: pinned blocks] in ``copy_memory.py``)."""
+
+    ALIGNMENT = 64
+    """Bytes each tensor's place in the arena is aligned to (any dtype's alignment, a cache line)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
+        self._arena: Optional[Tensor] = None  # (bytes,) uint8
+        self._places: dict[str, Tensor] = {}  # DCP key -> its view of the arena
+        self._layout: list[tuple[str, torch.Size, torch.dtype]] = []
 
     @property
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        """Host memory the arena holds: the pinned block it was served from on CUDA."""
+        if self._arena is None:
+            return 0
+        nbytes = self._arena.numel()
+        return pinned_block_bytes(nbytes) if self._arena.is_pinned() else nbytes
 
     def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """``tensors`` (plain tensors and DTensor shards, by DCP key) as copies in the buffers, each
-        DTensor rebuilt over its copy with the same mesh, placements and global shape."""
+        """``tensors`` (plain tensors and DTensor shards, by DCP key) as copies in the arena, each
+        DTensor rebuilt over its copy with the same mesh, placements and global shape. Returns once
+        the copies landed: after that nothing staged aliases what training changes."""
+        sources = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in tensors.items() if isinstance(v, Tensor)}
+        self._arrange([(key, t.shape, t.dtype) for key, t in sources.items()])
+        for key, source in sources.items():
+            self._places[key].copy_(source.detach(), non_blocking=source.device.type == "cuda")
         staged: dict[str, Any] = {}
         for key, value in tensors.items():
             if isinstance(value, DTensor):
-                local = self._copy(key, value.to_local())
                 staged[key] = DTensor.from_local(
-                    local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+                    self._places[key], value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
                 )
-            elif isinstance(value, Tensor):
-                staged[key] = self._copy(key, value)
             else:
-                staged[key] = value
-        for key in set(self._buffers) - set(tensors):  # a tensor gone since the last save
-            del self._buffers[key]
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # non-blocking device-to-host copies land before the writer reads them
+                staged[key] = self._places[key] if isinstance(value, Tensor) else value
+        for device in {t.device for t in sources.values() if t.device.type == "cuda"}:
+            # the non-blocking copies land before the writer reads them: their stream's work, not the device's
+            torch.cuda.current_stream(device).synchronize()
         return staged
 
-    def _copy(self, key: str, source: Tensor) -> Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=torch.cuda.is_available())
-            self._buffers[key] = buffer
-        buffer.copy_(source.detach(), non_blocking=source.device.type == "cuda")
-        return buffer
+    def _arrange(self, layout: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        """Give every (key, shape, dtype) of ``layout`` its place in the arena, allocating a new
+        arena only when the layout changed (a new model or optimizer state) and outgrew the old one."""
+        if layout == self._layout:
+            return
+        offsets, total = [], 0
+        for _, shape, dtype in layout:
+            offsets.append(total)
+            nbytes = shape.numel() * dtype.itemsize
+            total += -(-nbytes // self.ALIGNMENT) * self.ALIGNMENT
+        if self._arena is None or self._arena.numel() < total:
+            self._arena = None  # the old arena is freed before the new one is allocated
+            self._arena = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self._places = {
+            key: self._arena[offset : offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for (key, shape, dtype), offset in zip(layout, offsets)
+        }
+        self._layout = layout
 
     def release(self) -> None:
-        self._buffers = {}
+        self._arena, self._places, self._layout = None, {}, []
 
 
 class GroupRanks:
@@ -164,7 +190,10 @@ class AsyncSaves:
         if not group.alone:
             group.group  # noqa: B018 - made now, by every rank, in the same order as the strategy's groups
         save = InFlightSave(path, time.perf_counter())
-        save.thread = threading.Thread(target=self._run, args=(save, write), name=f"lightning-zero save {path.name}", daemon=False)
+        device = _current_cuda_device()
+        save.thread = threading.Thread(
+            target=self._run, args=(save, write, device), name=f"lightning-zero save {path.name}", daemon=False
+        )
         self._in_flight = save
         save.thread.start()
         return save
@@ -204,8 +233,12 @@ class AsyncSaves:
         finally:
             self.staging.release()
 
-    def _run(self, save: InFlightSave, write: Callable[[GroupRanks, CheckpointGroup], None]) -> None:
+    def _run(self, save: InFlightSave, write: Callable[[GroupRanks, CheckpointGroup], None], device: Optional[int]) -> None:
         try:
+            if device is not None:
+                # a new thread's current CUDA device is 0 whatever the rank's: anything in the write
+                # that touched CUDA would make a context on GPU 0 from every rank
+                torch.cuda.set_device(device)
             write(GroupRanks(self.group), self.group)
         except BaseException as err:  # noqa: BLE001 - stored, raised by the next finish_save on this rank
             save.error = err
@@ -218,3 +251,9 @@ class AsyncSaves:
                 task()
             except Exception as err:  # noqa: BLE001 - housekeeping after a committed save: never fails it
                 log.warning(f"After saving {str(save.path)!r}: {type(err).__name__}: {err}")
+
+
+def _current_cuda_device() -> Optional[int]:
+    """The index of the calling thread's current CUDA device, where this process uses CUDA (None
+    otherwise: asking would initialize CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None

@@ -166,7 +166,11 @@ class _NamingFileSystem(FileSystem):
 
 
 def _writer(directory: PathLike) -> dcp.FileSystemWriter:
-    writer = dcp.FileSystemWriter(str(directory), sync_files=True)
+    # every entry is a host tensor by now (copied or staged), so DCP's default loader, which copies
+    # device tensors ahead on a CUDA stream of the thread's current device (cuda:0 on a thread that
+    # never set one: a CUDA context on GPU 0 from every rank) and synchronizes it, has nothing to do:
+    # ``per_thread_copy_ahead=0`` picks its serial loader, which never touches CUDA
+    writer = dcp.FileSystemWriter(str(directory), sync_files=True, per_thread_copy_ahead=0)
     writer.fs = _NamingFileSystem()
     return writer
 

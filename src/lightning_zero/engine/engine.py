@@ -114,6 +114,7 @@ class ZeroEngine:
         self._optimizers = ShardedOptimizers(
             self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets, group,
             self.residency.compute_device, lambda opt: self.residency.after_optimizer_step(opt, self.params_of(opt)),
+            lambda: self.gradients.reduced,
         )  # fmt: skip
         for optimizer in optimizers:
             self._optimizers.add(optimizer)

@@ -41,7 +41,9 @@ class ShardedOptimizers:
     ``before_step`` runs before every step of each (it takes the gradients assigned to
     ``param.grad``); ``disk`` and ``buckets``: the NVMe tier and the gradient buckets its files follow;
     ``group`` and ``compute_device``: where whole-tensor optimizers' owners exchange tensors;
-    ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step.
+    ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step;
+    ``reduced()``: the ``id``s of the parameters the last reduction gave a gradient (on every rank
+    alike), which decide which take part in a whole-tensor step (None: no reduction to go by).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ShardedOptimizers:
         group: collectives.ProcessGroup,
         compute_device: torch.device,
         refresh: Callable[[Optimizer], None],
+        reduced: Callable[[], Optional[frozenset[int]]] = lambda: None,
     ) -> None:
         self._sharded = {id(sp.param): sp for sp in params}
         self._config = config
@@ -67,6 +70,7 @@ class ShardedOptimizers:
         self._group = group
         self._compute_device = compute_device
         self._refresh = refresh
+        self._reduced = reduced
         self._whole: dict[int, WholeTensorStep] = {}
         """The whole-tensor optimizers' steps, by ``id`` of the optimizer (kept after hooks go, for checkpoints)."""
         self._swaps: list[WeightSwaps] = []
@@ -90,7 +94,7 @@ class ShardedOptimizers:
         self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_step()))
         whole = None
         if granularity is StepGranularity.WHOLE_TENSORS:
-            whole = self._whole[id(optimizer)] = WholeTensorStep(optimizer, params, self._group, self._compute_device)
+            whole = self._whole[id(optimizer)] = WholeTensorStep(optimizer, params, self._group, self._compute_device, self._reduced)
         elif self._config.offload_optimizer and self._config.fused_host_step:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
         if self._disk is not None:

@@ -26,6 +26,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream, Event
 from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
@@ -145,20 +146,38 @@ class Bucket:
         """Every parameter's gradient for this backward has been accumulated."""
         return len(self._ready) == len(self.params)
 
-    def start_gradient_reduction(self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH) -> "PendingGradientReduction":
+    def start_gradient_reduction(
+        self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH, stream: Optional[ReduceStream] = None
+    ) -> "PendingGradientReduction":
         """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
-        free them, and start the reduce-scatter (with hybrid sharding, ``finish`` all-reduces the
+        free them, and start the reduce-scatter (with hybrid sharding, then the all-reduce of the
         chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
-        ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``)."""
+        ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``). With a CUDA
+        ``stream``, the copy-in and the collectives run there, ordered after the compute stream's
+        work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        if self.world_size == 1 and self.host is None and self.replicate_group is None:
+        alone = collectives.skips_collectives(self.group)  # one rank, its collectives skipped
+        if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
+        stream = stream if stream is not None else _NO_STREAM
         n, s, f = self.world_size, self.shard_numel, self.flag_count
-        if n == 1 and self.host is None:
-            # one-rank shard groups (hybrid): the packed row is the reduced row, whose chunks become
-            # the gradient shards as they are, so it is the bucket's own and never lent
-            send = torch.empty(s + f, dtype=self.dtype, device=self.device).view(1, s + f)
+        received = None
+        if self.host is None:
+            # its chunks become the gradient shards as they are, read on the compute stream after
+            # ``finish_backward`` joined the reduce stream: allocated there, so never lent
+            received = torch.empty(s + f, dtype=self.dtype, device=self.device)
+        with stream.launching():
+            return self._launch_reduction(ballot, stream, received, alone)
+
+    def _launch_reduction(
+        self, ballot: Sequence[bool], stream: ReduceStream, received: Optional[Tensor], alone: bool
+    ) -> "PendingGradientReduction":
+        """``start_gradient_reduction``'s copy-in and collectives, on the current stream."""
+        n, s, f = self.world_size, self.shard_numel, self.flag_count
+        if alone and received is not None:
+            # one-rank shard groups (hybrid): the packed row is the reduced row
+            send = received.view(1, s + f)
         else:
             send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
         flats, flags = [], torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
@@ -168,21 +187,34 @@ class Bucket:
             else:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
+        stream.keep_alive([flat for flat, p in zip(flats, self.params) if _contributes(p)])
+        for p in self.params:
             p.param.grad = None  # the full-size gradient is released once copied in
         _mark_ballot(flags[:, len(self.params) :], ballot)
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
         self.state = ReductionState.REDUCING
-        if n == 1:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
+        if alone:  # the packed row is the reduced one: offloaded, it is lent until copied to the host
             lent = [send] if self.host is not None else []
-            return PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent)
-        if self.host is not None:  # copied to the host once reduced, so lent for the collective only
-            received = self.pool.take(s + f, self.dtype, self.device)
-            lent = [send, received]
-        else:  # its chunks become the gradient shards as they are
-            received, lent = torch.empty(s + f, dtype=self.dtype, device=self.device), [send]
-        work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
-        return PendingGradientReduction(self, work, received, lent=lent)
+            pending = PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent, stream=stream)
+        else:
+            if self.host is not None:  # copied to the host once reduced, so lent for the collective only
+                received = self.pool.take(s + f, self.dtype, self.device)
+                lent = [send, received]
+            else:
+                lent = [send]
+            work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
+            pending = PendingGradientReduction(self, work, received, lent=lent, stream=stream)
+        if self.replicate_group is not None and self._chains_replicas:
+            pending.start_across_replicas()
+        return pending
+
+    @functools.cached_property
+    def _chains_replicas(self) -> bool:
+        """Whether the all-reduce across the replicas is issued right behind the reduce-scatter
+        (ordered by the stream: no wait blocks the host) rather than once the reduce-scatter is
+        done (where waiting for it would block the host, see [Note: reduce stream])."""
+        return not collectives.waits_block_host(self.group, self.device)
 
     def _take_local_gradients(self) -> "PendingGradientReduction":
         """World size 1: the reduced gradient is the local one and the chunk is the whole
@@ -270,6 +302,10 @@ class Bucket:
                 unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
 
 
+_NO_STREAM = ReduceStream(torch.device("cpu"))
+"""Runs a reduction on whatever stream is current (no stream given: one-process tests)."""
+
+
 def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:
     """Fill the stop-vote columns (N, StopVote.WIDTH) of a reduce-scatter's flags with ``ballot``
     (one kernel when nothing is requested, the usual case)."""
@@ -295,40 +331,49 @@ class PendingGradientReduction:
     out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads, given back once it is finished."""
+    stream: Optional[ReduceStream] = None
+    """Where the reduction runs: its waits and what follows them are issued there (see [Note:
+    reduce stream] in ``reduce_stream.py``)."""
     _flags: Optional[Tensor] = None
     _across_replicas: Optional[collectives.PendingCollective] = None
 
     def done(self) -> bool:
-        """Whether ``finish`` would return without the host waiting for a peer; never blocks. With
-        hybrid sharding, a finished reduce-scatter starts the all-reduce across the replicas here,
-        so call it on the reductions in the order they were started (as ``finish``)."""
+        """Whether ``finish`` would return without the host waiting for a peer; never blocks. Asked
+        only where waits block the host (gloo, NCCL's blocking wait): there the host is what runs
+        the collectives, so it sees a completion as it happens. With hybrid sharding and such waits,
+        a finished reduce-scatter starts the all-reduce across the replicas here, so call it on the
+        reductions in the order they were started (as ``finish``)."""
         if not self.work.done():
             return False
-        across = self._reduce_across_replicas()
+        across = self.start_across_replicas()
         return across is None or across.done()
 
     def finish(self) -> None:
-        """Wait for the reduce-scatter; ``hand_out_gradients`` then gives out the chunks. An
-        offloaded bucket's row starts its copy to the host here, during backward."""
-        self.work.wait()
-        across = self._reduce_across_replicas()
-        if across is not None:
-            across.wait()
-        copy = None
-        host = self.bucket.host
-        if host is not None and self.received is not None:
-            self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
-            self.received, copy = host.receive(self.received, self.bucket.pool)
-        _give_back(self.bucket.pool, self.lent, copy)
+        """Make what runs next on the reduction's stream wait for the collectives (on gloo: the
+        host waits), then give the buffers back; ``hand_out_gradients`` then gives out the chunks.
+        An offloaded bucket's row starts its copy to the host here, during backward."""
+        with (self.stream or _NO_STREAM).finishing():
+            self.work.wait()
+            across = self.start_across_replicas()
+            if across is not None:
+                across.wait()
+            copy = None
+            host = self.bucket.host
+            if host is not None and self.received is not None:
+                self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
+                self.received, copy = host.receive(self.received, self.bucket.pool)
+            _give_back(self.bucket.pool, self.lent, copy)
 
-    def _reduce_across_replicas(self) -> Optional[collectives.PendingCollective]:
+    def start_across_replicas(self) -> Optional[collectives.PendingCollective]:
         """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
-        started once the reduce-scatter is done (None without replicas)."""
+        issued (once) on the reduction's stream after the reduce-scatter: on NCCL ordered by the
+        stream; on gloo after the host waited for it (None without replicas)."""
         if self.bucket.replicate_group is None or self.received is None:
             return None
         if self._across_replicas is None:
-            self.work.wait()
-            self._across_replicas = collectives.start_all_reduce(self.received, self.bucket.replicate_group)
+            with (self.stream or _NO_STREAM).finishing():
+                self.work.wait()
+                self._across_replicas = collectives.start_all_reduce(self.received, self.bucket.replicate_group)
         return self._across_replicas
 
     @property

@@ -11,10 +11,20 @@ bucket, stage 3's root unit) gets a buffer of its own for that collective, freed
 A buffer is lent with :meth:`BufferPool.take` and comes back with :meth:`BufferPool.give_back` once
 its collective has finished and its contents were copied out; the bucket's ``Pending*`` result
 carries it until then, so a buffer is never written while a collective still reads or fills it.
-On CUDA the copies that fill it and read it run on the current stream after ``wait()``, so reuse
-is ordered by the stream, not by a host sync; a buffer a copy on another stream still reads comes
-back with that copy's event, which its next borrower's stream waits for (``copy_stream.py``).
-"""
+On CUDA a buffer comes back with an event: the one recorded on the stream that gives it back (the
+compute stream for the all-gathers, the reduce stream for the reduce-scatters, see [Note: reduce
+stream] in ``reduce_stream.py``), or that of a copy on another stream that still reads it
+(``copy_stream.py``); its next borrower's stream waits for that event, so reuse is ordered on the
+device, never by a host sync.
+
+[Note: a free list per stream]
+On CUDA the pool keeps the buffers given back on each stream apart, and lends each stream only its
+own (allocating when it has none): a reduction's buffer comes back as soon as the reduce stream is
+told to wait for its reduce-scatter, which may be long before that collective can complete (a peer
+still in its backward, or one that skipped the bucket's units and launches it only after its
+backward). Lent to a stage-3 all-gather, the compute stream would wait for that event, and the peer
+may need exactly that all-gather to go on: a cycle on the device. Within one stream, waiting for the
+previous user's event only keeps the stream's own order. On the CPU there is one list per device."""
 
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ class BufferPool:
     def __init__(self, capacity_bytes: int, slots: int) -> None:
         self.capacity_bytes = capacity_bytes
         self.slots = slots
-        self._free: dict[torch.device, list[tuple[Tensor, Event]]] = {}  # byte buffer, copy to wait for
+        self._free: dict[tuple[torch.device, int], list[tuple[Tensor, Event]]] = {}  # by (device, stream): byte buffer, event to wait for
         self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
         self.allocations = 0
         """Byte buffers the pool has allocated: flat after the first step."""
@@ -44,11 +54,11 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1D ``dtype`` buffer of ``numel`` elements on ``device``, contents undefined."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize  # a property of the dtype: no tensor made per call
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
-        free = self._free.setdefault(torch.device(device), [])
+        free = self._free.setdefault(_stream_key(torch.device(device)), [])
         if free:
             base, copy = free.pop()
             if copy is not None:
@@ -61,13 +71,17 @@ class BufferPool:
         return view
 
     def give_back(self, buffer: Tensor, after: Event = None) -> None:
-        """Return a buffer from :meth:`take` once nothing on the compute stream reads or fills it
-        any more; ``after``: the event of a copy on another stream that still may."""
+        """Return a buffer from :meth:`take` once nothing queued afterwards on the current stream
+        reads or fills it; ``after``: the event of a copy on another stream that still may (one
+        that waited for the current stream first). On CUDA without ``after``, the event marks
+        where the current stream is now."""
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
-        free = self._free.setdefault(base.device, [])
+        free = self._free.setdefault(_stream_key(base.device), [])  # see [Note: a free list per stream]
         if len(free) < self.slots:
+            if after is None and base.device.type == "cuda":
+                after = torch.cuda.current_stream(base.device).record_event()
             free.append((base, after))
 
     @property
@@ -78,3 +92,13 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
+
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on
+    CUDA (see [Note: a free list per stream]), the device's elsewhere."""
+    if device.type != "cuda":
+        return device, 0
+    stream = torch.cuda.current_stream(device)
+    return stream.device, stream.stream_id  # "cuda" and "cuda:0" alike: the stream names its device

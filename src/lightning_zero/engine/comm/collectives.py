@@ -12,6 +12,7 @@ whichever the installed torch offers.
 from __future__ import annotations
 
 import atexit
+import os
 import time
 import weakref
 from collections import Counter
@@ -103,11 +104,39 @@ def rank(group: ProcessGroup = None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
+COLLECTIVES_AT_ONE_RANK = "LIGHTNING_ZERO_COLLECTIVES_AT_ONE_RANK"
+"""Environment variable: set to 1, collectives over a group of one rank are issued anyway (and
+buckets reduce through them), so that a one-rank NCCL group runs NCCL's kernels and streams as a
+larger one would; for tests and the benchmark on one GPU. Unset, a group of one returns early."""
+
+
+def skips_collectives(group: ProcessGroup) -> bool:
+    """Whether collectives over ``group`` return early because it has one rank (no process group
+    counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` asks for them anyway."""
+    return world_size(group) == 1 and not (is_initialized() and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
+
+
+def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
+    """Whether ``PendingCollective.wait()`` on ``group``, for tensors on ``device``, makes the host
+    wait: on gloo (and any backend but NCCL), and on NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``; on
+    NCCL otherwise only the current stream waits. A group made with several backends
+    (``"cpu:gloo,cuda:nccl"``, torch's default without one named) uses NCCL for CUDA tensors. Where
+    collectives are skipped nothing ever waits (False). See [Note: reduce stream] in
+    ``reduce_stream.py``."""
+    if skips_collectives(group):
+        return False
+    backend = str(dist.get_backend(group))
+    nccl = backend == "nccl" or (torch.device(device).type == "cuda" and "cuda:nccl" in backend)
+    if not nccl:
+        return True
+    return os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", "0")) == "1"
+
+
 def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
     COLLECTIVE_STATS.record("all_gather", output, group)
     check_compute_tensors("all-gather", (output, shard))
-    if world_size(group) == 1:
+    if skips_collectives(group):
         output.copy_(shard)
         return PendingCollective()
     return PendingCollective(_all_gather_flat(output, shard, group=group, async_op=True))
@@ -119,7 +148,7 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
     COLLECTIVE_STATS.record("reduce_scatter", inputs, group)
     check_compute_tensors("reduce-scatter", (output, inputs))
     n = world_size(group)
-    if n == 1:
+    if skips_collectives(group):
         output.copy_(inputs)
         return PendingCollective()
     if dist.get_backend(group) == "gloo":
@@ -130,10 +159,14 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
 def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup) -> Tensor:
     """Rank r sends ``inputs``' r'-th slice (``input_splits[r']`` elements, 1D, in rank order) to
     rank r' and receives rank r''s slice for it into ``output`` (``output_splits[r']`` elements,
-    in rank order); the host waits for it (the whole-tensor optimizer step, once per step)."""
+    in rank order). Returns once ``output`` is ready for what runs next: on gloo the host has waited
+    for the exchange; on NCCL the current stream waits for it and the host goes on (kernels queued
+    afterwards see ``output``; a host read of it syncs). Every rank must pass splits that match its
+    peers' (``input_splits[r']`` here is ``output_splits[r]`` on rank r'): NCCL does not check them,
+    and mismatched splits hang or corrupt, so callers derive them from values every rank agrees on."""
     COLLECTIVE_STATS.record("all_to_all", inputs, group)
     check_compute_tensors("all-to-all", (output, inputs))
-    if world_size(group) == 1:
+    if skips_collectives(group):
         output.copy_(inputs)
         return output
     dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group)
@@ -180,7 +213,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     """In-place all-reduce (``op`` is "sum", "max" or "min"); returns ``tensor``."""
     COLLECTIVE_STATS.record("all_reduce", tensor, group)
     check_compute_tensors("all-reduce", (tensor,))
-    if world_size(group) > 1:
+    if not skips_collectives(group):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op, group=group)
     return tensor
@@ -190,7 +223,7 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     """Start summing ``tensor`` in place over ``group``; it holds the sum once the result is waited on."""
     COLLECTIVE_STATS.record("all_reduce", tensor, group)
     check_compute_tensors("all-reduce", (tensor,))
-    if world_size(group) == 1:
+    if skips_collectives(group):
         return PendingCollective()
     return PendingCollective(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
@@ -221,7 +254,7 @@ def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error:
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor, group)
     check_compute_tensors("broadcast", (tensor,))
-    if world_size(group) > 1:
+    if not skips_collectives(group):
         dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
     return tensor
 
@@ -235,7 +268,7 @@ def broadcast_tensors_(tensors: list[Tensor], src: int, group: ProcessGroup) -> 
     """Overwrite ``tensors`` on every rank with rank ``src``'s values (used to start all replicas
     from the same weights, as DDP does): small tensors of one dtype and device coalesced into
     buckets of up to ``BROADCAST_BUCKET_BYTES``, larger ones broadcast in place."""
-    if world_size(group) == 1 or not tensors:
+    if skips_collectives(group) or not tensors:
         return
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
@@ -276,7 +309,7 @@ def new_group_like(group: ProcessGroup, timeout: Optional[timedelta] = None) -> 
     for its peers before failing (the user's, e.g. Lightning's ``timeout``; None: torch's default,
     which a new group takes instead of the default group's).
     """
-    if world_size(group) == 1:
+    if skips_collectives(group):
         return group
     if group is not None and group in _PARTITIONS:  # a hybrid-sharding group: each rank is in one sibling
         return _new_partition(_PARTITIONS[group], timeout)

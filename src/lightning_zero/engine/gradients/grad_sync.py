@@ -5,36 +5,36 @@ rank, whatever order their gradients arrive in. Collectives are matched by issue
 what keeps ranks from deadlocking when a parameter is unused on some ranks only.
 
 [Note: no waiting in backward]
-A fixed order has a price when the ranks' backwards differ: a bucket holding a parameter that one
-rank's backward never reaches (a unit it skips) is launched there only by the flush after its
-backward, and every later bucket waits behind it. A peer that reached the bucket has launched it
-and goes on launching the next ones. If it then *waited* for the oldest reduce-scatter in flight to
-make room (the in-flight bound), it would wait inside its backward for the rank that skipped, and at
-stage 3 that rank's backward needs the all-gathers of the units still ahead, which the waiting peer
-issues only as its own backward reaches them: each waits on the other, on two process groups, until
-the timeout. So during backward a rank never waits for a reduce-scatter (nor, with hybrid sharding,
-for its all-reduce across replicas): launching one more only finishes the oldest once finishing it
-cannot wait for a peer (``PendingGradientReduction.done``, which polls); until then the ready bucket
-keeps its full gradients and is launched from a later gradient hook, or by the flush (so ``done``
-must turn true once a collective has finished: on gloo the reduce-scatter is issued as all-reduces
-whose works say so, ``collectives._reduce_scatter_gloo``; one that never did kept every bucket's
-gradients until the flush, issue 44; ``memory_report().waiting_gradients`` is the most the last
-backward held waiting). Waiting starts
-in ``finish_backward``, after this rank's backward has issued every all-gather its peers may need
-(``finish_backward_gathers``). The bound on communication buffers holds; what a rank skipping units
-costs its peers is the full gradients of the buckets queued behind the skipped one, until it
-flushes.
+A bucket's reduce-scatter is launched as soon as it and every bucket before it are ready, on the
+reduce stream (see [Note: reduce stream] in ``reduce_stream.py``); at most ``max_in_flight`` are
+unfinished at once, which bounds the communication buffers. Making room finishes the oldest, and
+what that costs depends on whether a wait blocks the host:
 
-The same holds on NCCL, where ``wait`` does not block the host but makes the compute stream wait:
-every all-gather this rank issues afterwards is queued behind that wait on the device, so waiting
-for a reduce-scatter a peer has not joined forms the same cycle on the device (a hang until NCCL's
-watchdog; with ``TORCH_NCCL_BLOCKING_WAIT=1`` on the host). ``done`` therefore asks whether the
-collective has *completed* on every backend (on NCCL a query of its CUDA event, which never
-blocks), never whether waiting would block the host. In the usual case, when every rank reaches
-every bucket, this also keeps ``max_in_flight`` reductions overlapping backward instead of making
-the compute stream wait for the oldest as soon as the next bucket is ready, which DDP never does
-either. ``tests/test_nccl_semantics.py`` runs the ranks-skip-units cases of ``test_reliability.py``
-with this decision, gloo's waits blocking where NCCL's would order streams.
+- **NCCL** (the default, non-blocking waits): finishing makes the reduce stream wait, never the host
+  nor the compute stream, so the next bucket is launched at once, whatever the host's lead over the
+  device; nothing polls a completion (``Work.is_completed()`` turns true only once the GPU ran the
+  kernel, which lags the host by everything queued, so launches gated on it slipped toward the end
+  of backward while the ready buckets' full gradients waited: issue 52). The full gradients waiting
+  (``memory_report().waiting_gradients``) are then only those of buckets ready before an earlier
+  bucket is.
+- **gloo, or NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``**: the host would wait, and a rank must not wait
+  inside its backward for a collective a peer has not joined. A bucket holding a parameter that one
+  rank's backward never reaches (a unit it skips) is launched there only by the flush after its
+  backward; a peer that reached it and then waited for it to make room would wait inside its
+  backward for the rank that skipped, and at stage 3 that rank's backward needs the all-gathers of
+  the units still ahead, which the waiting peer issues only as its own backward reaches them: each
+  waits on the other until the timeout. So there a reduction is finished during backward only once
+  it is ``done`` (the host runs gloo's collectives, so it sees completion without lag), and a ready
+  bucket finding no room keeps its full gradients until a later gradient hook or the flush; what a
+  rank skipping units costs its peers is the full gradients of the buckets queued behind the skipped
+  one. (``done`` must turn true once a collective has finished: on gloo the reduce-scatter is issued
+  as all-reduces whose works say so, ``collectives._reduce_scatter_gloo``; issue 44.)
+
+Waiting for everything starts in ``finish_backward``, after this rank's backward has issued every
+all-gather its peers may need (``finish_backward_gathers``); the compute stream waits for the
+reduce stream there only. ``tests/test_nccl_semantics.py`` runs the ranks-skip-units cases of
+``test_reliability.py`` with gloo's blocking waits, and a run whose collectives report completion
+only several gradient hooks late (a host ahead of its device) with NCCL's non-blocking waits.
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ import abc
 from collections import deque
 from typing import Callable, Iterator, Optional, Sequence
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.engine.buckets.bucket import Bucket, PendingGradientReduction, hand_out_gradients
 from lightning_zero.engine.buckets.pipelining import finish_pipelined
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -59,12 +62,19 @@ class GradientSync(abc.ABC):
     def __init__(self, buckets: Sequence[Bucket], votes: Optional[StopVote] = None) -> None:
         self.buckets = list(buckets)
         self.votes = votes
+        self.stream = ReduceStream(self.buckets[0].device if self.buckets else torch.device("cpu"))
+        """Where the reductions run (see [Note: reduce stream] in ``reduce_stream.py``)."""
 
     def _start(self, bucket: Bucket) -> PendingGradientReduction:
         """Start ``bucket``'s reduce-scatter, carrying this rank's stop votes as they are now."""
-        if self.votes is None:
-            return bucket.start_gradient_reduction()
-        return bucket.start_gradient_reduction(self.votes.ballot())
+        ballot = self.votes.ballot() if self.votes is not None else (False,) * StopVote.WIDTH
+        return bucket.start_gradient_reduction(ballot, self.stream)
+
+    def _hand_out(self, started: Sequence[PendingGradientReduction], reads: HostReads) -> None:
+        """After every reduction in ``started`` was finished: the compute stream waits for the
+        reduce stream (the one place it does), then the reduced chunks are handed out."""
+        self.stream.join()
+        hand_out_gradients(started, reads, self.votes)
 
     @abc.abstractmethod
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
@@ -108,15 +118,16 @@ class ReduceAfterBackward(GradientSync):
                 yield started[-1]
 
         finish_pipelined(start_each_bucket(), self.max_in_flight)
-        hand_out_gradients(started, reads, self.votes)
+        self._hand_out(started, reads)
 
 
 class ReduceDuringBackward(GradientSync):
     """Stage 2: a bucket's reduce-scatter starts (asynchronously, overlapping the rest of backward)
     as soon as it and every bucket before it have all their gradients, and its full gradients are
     released right then. Buckets still waiting when backward ends (unused parameters) are flushed.
-    At most ``max_in_flight`` reduce-scatters run at once, which bounds the communication buffers to
-    that many buckets: a ready bucket is launched once the oldest in flight is done, never by
+    At most ``max_in_flight`` reductions are unfinished at once, which bounds the communication
+    buffers to that many buckets: on NCCL a ready bucket is launched at once, the oldest finished on
+    the reduce stream to make room; where waits block the host, once the oldest is done, never by
     waiting for it during backward (see [Note: no waiting in backward]).
 
     Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
@@ -144,6 +155,8 @@ class ReduceDuringBackward(GradientSync):
         self._full_bytes = [bucket.param_bytes for bucket in self.buckets]
         self._waiting_peak = 0  # the most bytes of full gradients ready buckets not yet launched held in this backward
         self._last_waiting_peak = 0
+        self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
+        """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
 
     @property
@@ -176,7 +189,7 @@ class ReduceDuringBackward(GradientSync):
         (after backward): every bucket left, waiting for room."""
         while self._next_to_launch < len(self.buckets):
             bucket = self.buckets[self._next_to_launch]
-            if not (flush or bucket.is_ready) or not self._make_room(wait=flush):
+            if not (flush or bucket.is_ready) or not self._make_room(wait=flush or not self._waits_block_host):
                 return
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
@@ -190,8 +203,9 @@ class ReduceDuringBackward(GradientSync):
 
     def _make_room(self, wait: bool) -> bool:
         """While ``max_in_flight`` are unfinished, finish the oldest if it is done (with ``wait``:
-        waiting for it); True once fewer are unfinished. Finishing only for room keeps the buffers
-        lent per step the same whatever the peers' timing (the pool allocates in the first step only)."""
+        waiting for it, which on NCCL is the reduce stream's wait); True once fewer are unfinished.
+        Finishing only for room keeps the buffers lent per step the same whatever the peers' timing
+        (the pool allocates in the first step only)."""
         unfinished = self._unfinished
         while len(unfinished) >= self.max_in_flight and (wait or unfinished[0].done()):
             unfinished.popleft().finish()
@@ -201,7 +215,7 @@ class ReduceDuringBackward(GradientSync):
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()
-        hand_out_gradients(self._in_flight, reads, self.votes)
+        self._hand_out(self._in_flight, reads)
         self._in_flight.clear()
         self._next_to_launch = 0
         self._last_waiting_peak, self._waiting_peak = self._waiting_peak, 0
@@ -210,3 +224,10 @@ class ReduceDuringBackward(GradientSync):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _waits_block_host(bucket: Bucket) -> bool:
+    """Whether finishing ``bucket``'s reduction (its reduce-scatter, with hybrid sharding also the
+    all-reduce across the replicas) makes the host wait; the same for every bucket of an engine."""
+    groups = [bucket.group] + ([bucket.replicate_group] if bucket.replicate_group is not None else [])
+    return any(collectives.waits_block_host(group, bucket.device) for group in groups)

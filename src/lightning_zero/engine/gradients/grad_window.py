@@ -61,6 +61,16 @@ class GradientWindow:
                     p.param.grad = views[id(p)] if id(p) in views else self._view_of(p)
                     self._shown.append(p)
 
+    @property
+    def reduced(self) -> Optional[frozenset[int]]:
+        """The ``id``s of the ``ShardedParam``s the last backward's reduction gave a gradient, the
+        same on every rank (the reduced used flags decided them, see [Note: used flags] in
+        ``bucket.py``), whatever was assigned to ``.grad`` since; None while the window is not open
+        on reduced gradients."""
+        if self.state is not WindowState.REDUCED:
+            return None
+        return frozenset(id(p) for p in self._shown)
+
     def show_again(self) -> None:
         """After something else held ``param.grad`` for a while (``summon_full_params(with_grads=True)``
         inside the window): the views again."""

@@ -68,8 +68,16 @@ class WholeTensorStep:
     """``optimizer`` (which steps ``params``, in ``state_dict`` order) stepping whole tensors on owner
     ranks of ``group`` (see [Note: whole-tensor step]); collectives run on ``comm_device``."""
 
-    def __init__(self, optimizer: Optimizer, params: Sequence[ShardedParam], group: collectives.ProcessGroup, comm_device: torch.device) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        params: Sequence[ShardedParam],
+        group: collectives.ProcessGroup,
+        comm_device: torch.device,
+        reduced: Callable[[], Optional[frozenset[int]]] = lambda: None,
+    ) -> None:
         self.optimizer = optimizer
+        self._reduced = reduced  # see `_participants`
         self.params = list(params)
         self.group = group
         self.rank = collectives.rank(group)
@@ -134,11 +142,11 @@ class WholeTensorStep:
 
     def _show_whole(self, with_grads: bool) -> None:
         """Steps 1-2 of [Note: whole-tensor step]. With ``with_grads``, only parameters with a gradient
-        take part (the others are skipped by the optimizer anyway); the same ones on every rank, as
-        the reduction that made the gradients was collective."""
+        take part (the others are skipped by the optimizer anyway), the same ones on every rank
+        (``_participants``)."""
         if self._swapped is not None:
             raise RuntimeError(f"{type(self.optimizer).__name__}: a step began inside another one.")
-        active = [i for i, p in enumerate(self.params) if not with_grads or p.shard.grad is not None]
+        active = self._participants() if with_grads else list(range(len(self.params)))
         tensors = [self._tensors[i] for i in active]
         weights = gather_to_owners([self.params[i].shard.detach() for i in active], tensors, self.group, self.comm_device)
         grads = {}
@@ -156,6 +164,35 @@ class WholeTensorStep:
                     if with_grads:
                         shard.grad = grads[k].to(shard.device).view(shape)
         self._swapped = swapped
+
+    def _participants(self) -> list[int]:
+        """The parameters with a gradient in this step, by index, decided alike on every rank: the
+        all-to-alls' split sizes follow from them, and splits that differ between ranks hang NCCL
+        (or fail on gloo) far from the cause. The reduction decided which parameters have a gradient
+        on every rank; an assignment ``param.grad = None`` since then is agreed on with one small
+        all-reduce (and one host read) per step: dropped on every rank, the parameter sits this step
+        out, as under DDP; dropped on some ranks only, every rank raises the same error. Without a
+        reduction to go by (gradients set by hand), the shards holding a gradient."""
+        reduced = self._reduced()
+        if reduced is None:
+            return [i for i, p in enumerate(self.params) if p.shard.grad is not None]
+        agreed = [i for i, p in enumerate(self.params) if id(p) in reduced]
+        if not agreed:
+            return []
+        dropped = torch.tensor([float(self.params[i].shard.grad is None) for i in agreed], device=self.comm_device)
+        counts = collectives.all_reduce(dropped, self.group).tolist()
+        n = collectives.world_size(self.group)
+        partly = [f"{self.params[i].name!r} on {int(c)} of {n}" for i, c in zip(agreed, counts) if 0 < c < n]
+        if partly:
+            self._depth = 0  # the step ends here, on every rank
+            name = type(self.optimizer).__name__
+            raise RuntimeError(
+                f"{name} steps each parameter whole on one owner rank, which needs every rank's chunk of its"
+                f" gradient, but after the gradients were reduced `param.grad` was set to None on some ranks"
+                f" only: {', '.join(partly)} ranks. Drop a parameter's gradient on every rank or on none"
+                " (under DDP a rank-local drop would silently desynchronize the replicas)."
+            )
+        return [i for i, c in zip(agreed, counts) if c == 0]
 
     def _back_to_chunks(self) -> None:
         """Step 4 of [Note: whole-tensor step]."""
