@@ -130,7 +130,8 @@ class Bucket:
 
     # ---- gradients -------------------------------------------------------------------------
     def mark_ready(self, param: ShardedParam) -> bool:
-        """Record that ``param``'s gradient is accumulated; True once every parameter is."""
+        """Record that ``param``'s gradient is accumulated; True when that made the bucket ready
+        (every parameter's is), False before and after."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(
                 f"Parameter {param.name!r} received a gradient after its bucket was already reduced in"
@@ -138,8 +139,11 @@ class Bucket:
                 " parameter may not receive gradients from two separate `backward()` calls between"
                 " optimizer synchronisations (use one backward over the summed losses)."
             )
-        self._ready.add(id(param))
-        return len(self._ready) == len(self.params)  # is_ready, without a call per parameter
+        ready, size = self._ready, len(self.params)
+        if len(ready) == size:
+            return False
+        ready.add(id(param))
+        return len(ready) == size
 
     @property
     def is_ready(self) -> bool:
@@ -180,16 +184,15 @@ class Bucket:
             send = received.view(1, s + f)
         else:
             send = self.pool.take(n * (s + f), self.dtype, self.device).view(n, s + f)  # (N, S + F)
-        flats, flags = [], torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
-        for i, p in enumerate(self.params):
-            if _contributes(p):
-                flats.append(p.param.grad.view(-1))
+        flags = torch.ones(n, f, dtype=self.dtype, device=self.device)  # (N, F)
+        flats, local = [], _take_local_grads(self.params)  # the full-size gradients are released once copied in
+        for i, (p, grad) in enumerate(zip(self.params, local)):
+            if grad is not None:
+                flats.append(grad.view(-1))
             else:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
-        stream.keep_alive([flat for flat, p in zip(flats, self.params) if _contributes(p)])
-        for p in self.params:
-            p.param.grad = None  # the full-size gradient is released once copied in
+        stream.keep_alive([grad for grad in local if grad is not None])
         _mark_ballot(flags[:, len(self.params) :], ballot)
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
@@ -220,10 +223,9 @@ class Bucket:
         """World size 1: the reduced gradient is the local one and the chunk is the whole
         parameter, so each gradient becomes its shard's as it is (a view where dtype and device
         agree), with no buffer, copy or collective; nothing is left to hand out."""
-        for p in self.params:
-            if _contributes(p):
-                p.accumulate_grad(p.param.grad.view(-1))
-            p.param.grad = None
+        for p, grad in zip(self.params, _take_local_grads(self.params)):
+            if grad is not None:
+                p.accumulate_grad(grad.view(-1))
         return PendingGradientReduction(self, collectives.PendingCollective(), received=None)
 
     def accept_gradients(self, received: Optional[Tensor], used_anywhere: Sequence[float]) -> None:
@@ -261,8 +263,9 @@ class Bucket:
             self.host.copy_master_to(send[:s])
         else:
             pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
-            with torch.no_grad():  # the shards are parameters (of the optimizer)
-                torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.send_source for p in self.params])
+            # the send sources are detached from the shards (the optimizer's parameters), so this
+            # records no autograd history without a `torch.no_grad()` (5 Python calls a gather)
+            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.send_source for p in self.params])
         if tags is not None:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)
@@ -294,12 +297,13 @@ class Bucket:
         rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
         if tags is not None:
             tags.check(rows[:, self.shard_numel])
-        with torch.no_grad():
-            if self.gathered is not None:
-                self.gathered.grow()
-                unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
-            else:
-                unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
+        # the targets are plain tensors (stage 3's storage views) or detached views of the
+        # parameters (stages 1-2): no autograd history, without a `torch.no_grad()`
+        if self.gathered is not None:
+            self.gathered.grow()
+            unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
+        else:
+            unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
 
 
 _NO_STREAM = ReduceStream(torch.device("cpu"))
@@ -315,11 +319,16 @@ def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:
             columns[:, column] = 1
 
 
-def _contributes(p: ShardedParam) -> bool:
-    """Whether ``p`` has a gradient to reduce in this backward. A shard switched off by
-    ``LightningModule.toggle_optimizer`` (which sees the shards) contributes none, as its parameter
-    would not under DDP."""
-    return p.param.grad is not None and p.shard.requires_grad
+def _take_local_grads(params: Sequence[ShardedParam]) -> list[Optional[Tensor]]:
+    """Each parameter's gradient of this backward to reduce (None where it has none), taken out of
+    ``param.grad``. A shard switched off by ``LightningModule.toggle_optimizer`` (which sees the
+    shards) contributes none, as its parameter would not under DDP. Stage-3 parameters are at rest
+    here: their ``.grad`` is read and cleared without a ``__torch_function__`` call each."""
+    with torch._C.DisableTorchFunctionSubclass():
+        grads = [p.param.grad if p.shard.requires_grad else None for p in params]
+        for p in params:
+            p.param.grad = None
+    return grads
 
 
 @dataclass

@@ -155,6 +155,7 @@ class ReduceDuringBackward(GradientSync):
         self._full_bytes = [bucket.param_bytes for bucket in self.buckets]
         self._waiting_peak = 0  # the most bytes of full gradients ready buckets not yet launched held in this backward
         self._last_waiting_peak = 0
+        self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -172,13 +173,16 @@ class ReduceDuringBackward(GradientSync):
             ]
 
     def _hook_for(self, param: ShardedParam):
+        # runs once per parameter per backward: what it does for a parameter that does not complete
+        # its bucket is one call (``mark_ready``) and, at stage 3, ``on_grad_accumulated``'s early return
+        bucket, on_grad = self._bucket_of[id(param.param)], self._on_grad_accumulated
+
         def on_grad_accumulated(_: object) -> None:
-            if self._on_grad_accumulated is not None:
-                self._on_grad_accumulated(param)
-            bucket = self._bucket_of[id(param.param)]
-            was_ready = bucket.is_ready
-            became_ready = bucket.mark_ready(param) and not was_ready
-            self._launch_ready_buckets()  # this one's bucket, or one that found no room before
+            if on_grad is not None:
+                on_grad(param)
+            became_ready = bucket.mark_ready(param)
+            if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
+                self._launch_ready_buckets()
             if became_ready:  # only then can the bytes waiting grow
                 self._note_waiting()
 
@@ -187,9 +191,13 @@ class ReduceDuringBackward(GradientSync):
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
         (after backward): every bucket left, waiting for room."""
+        self._found_no_room = False
         while self._next_to_launch < len(self.buckets):
             bucket = self.buckets[self._next_to_launch]
-            if not (flush or bucket.is_ready) or not self._make_room(wait=flush or not self._waits_block_host):
+            if not (flush or bucket.is_ready):
+                return
+            if not self._make_room(wait=flush or not self._waits_block_host):
+                self._found_no_room = True  # polled again at the next gradient hook
                 return
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
