@@ -38,6 +38,7 @@ from lightning_zero.bench.rank import measure_rank
 from lightning_zero.bench.results import FAILED, OK, OVER_BUDGET, UNAVAILABLE
 from lightning_zero.bench.variants import VariantSpec
 from lightning_zero.bench.wrappers import VariantUnavailable
+from lightning_zero.engine.comm.collectives import COLLECTIVES_AT_ONE_RANK
 from lightning_zero.models.gpt import GPTConfig
 
 __all__ = ["CHILD_ENVIRONMENT", "RankBody", "VariantRun", "run_variant"]
@@ -235,6 +236,9 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(options.devices),
         LOCAL_SIZE=str(options.devices),  # DeepSpeed's name for it
+        # at world size 1 our collectives still go through torch, so the figures are those of the
+        # sharded path users run at N >= 2, not of the one-rank shortcut
+        **{COLLECTIVES_AT_ONE_RANK: "1"},
     )
     if options.device == "cpu":
         os.environ.update(CPU_CHILD_ENVIRONMENT)

@@ -251,7 +251,7 @@ class Bucket:
         """
         if self.world_size == 1:
             tags = None  # one rank cannot disagree with itself
-            if self.params[0].keeps_full:
+            if self.params[0].keeps_full and collectives.skips_collectives(self.gather_group):
                 return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
         row = s + (tags is not None)
