@@ -1,6 +1,6 @@
 """Host work per step, counted (not timed): what a fast GPU exposes in bf16 (issue 51).
 
-At world size 1 in one process, the launch-bound GPT (12 blocks, width 64, batch 1 x 32), after
+At world size 1 in one process (its collectives issued all the same), the launch-bound GPT (12 blocks, width 64, batch 1 x 32), after
 warm-up: Python function calls per step against DDP's, and at stage 3 the hooks registered and the
 storages resized per step (see [Note: host work counts] in ``engine/host_work.py``). Counts are
 deterministic; no time is measured.
@@ -8,19 +8,26 @@ deterministic; no time is measured.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 from host_work_steps import count_one_step
 
+from lightning_zero.engine.comm.collectives import COLLECTIVES_AT_ONE_RANK
+
 
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
-    """Per stage (0: DDP): Python calls per step and the engine's host work per step, after warm-up."""
+    """Per stage (0: DDP): Python calls per step and the engine's host work per step, after warm-up,
+    with the collectives kept at one rank: the path users run at N >= 2, as the benchmark measures."""
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "file"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    os.environ[COLLECTIVES_AT_ONE_RANK] = "1"
     try:
         return {stage: count_one_step(stage) for stage in (0, 1, 2, 3)}
     finally:
+        del os.environ[COLLECTIVES_AT_ONE_RANK]
         dist.destroy_process_group()
 
 

@@ -32,7 +32,7 @@ from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.gathered_storage import GatheredStorage
 from lightning_zero.engine.shards.partition import interleaved_sizes, pack_rows, unpack_rows
-from lightning_zero.engine.shards.sharded_param import ShardedParam
+from lightning_zero.engine.shards.sharded_param import ShardedParam, accumulate_grads
 
 
 class GatherTags(Protocol):
@@ -223,9 +223,7 @@ class Bucket:
         """World size 1: the reduced gradient is the local one and the chunk is the whole
         parameter, so each gradient becomes its shard's as it is (a view where dtype and device
         agree), with no buffer, copy or collective; nothing is left to hand out."""
-        for p, grad in zip(self.params, _take_local_grads(self.params)):
-            if grad is not None:
-                p.accumulate_grad(grad.view(-1))
+        accumulate_grads(self.params, [g.view(-1) if g is not None else None for g in _take_local_grads(self.params)])
         return PendingGradientReduction(self, collectives.PendingCollective(), received=None)
 
     def accept_gradients(self, received: Optional[Tensor], used_anywhere: Sequence[float]) -> None:
@@ -236,9 +234,7 @@ class Bucket:
             self.host.accept(received, used_anywhere)
         elif received is not None:
             pieces = torch.split_with_sizes(received, [*self._row_sizes, self.flag_count])
-            for i, p in enumerate(self.params):
-                if used_anywhere[i] > 0:
-                    p.accumulate_grad(pieces[2 * i])
+            accumulate_grads(self.params, [pieces[2 * i] if used_anywhere[i] > 0 else None for i in range(len(self.params))])
         self._ready.clear()
         self.state = ReductionState.COLLECTING
 

@@ -49,7 +49,7 @@ class CollectiveStats:
         size = tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
         self.bytes[kind] += size
-        self.bytes_by_group[(kind, group_ranks(group))] += size
+        self.bytes_by_group[(kind, _described(group).ranks)] += size
 
     def reset(self) -> None:
         self.calls.clear()
@@ -62,11 +62,38 @@ COLLECTIVE_STATS = CollectiveStats()
 
 def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: the whole world; () outside a process group)."""
-    if not is_initialized():
-        return ()
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
+    return _described(group).ranks
+
+
+@dataclass(frozen=True)
+class _GroupFacts:
+    """What every collective asks of its group, read from ``torch.distributed`` once per group
+    (its Python wrappers cost a dozen calls per question; a stage-3 step issues one collective per
+    bucket and unit)."""
+
+    ranks: tuple[int, ...]
+    size: int
+    rank: int
+    gloo: bool
+
+
+_OUTSIDE = _GroupFacts(ranks=(), size=1, rank=0, gloo=False)
+_facts: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts]" = weakref.WeakKeyDictionary()
+
+
+def _described(group: ProcessGroup) -> _GroupFacts:
+    if group is not None:  # a group exists only inside a process group
+        pg = group
+    elif is_initialized():
+        pg = dist.group.WORLD  # a new world after a re-init is a new key
+    else:
+        return _OUTSIDE
+    facts = _facts.get(pg)
+    if facts is None:
+        ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+        facts = _GroupFacts(ranks, len(ranks), dist.get_rank(group), str(dist.get_backend(group)) == "gloo")
+        _facts[pg] = facts
+    return facts
 
 
 class PendingCollective:
@@ -97,11 +124,11 @@ def is_initialized() -> bool:
 
 
 def world_size(group: ProcessGroup = None) -> int:
-    return dist.get_world_size(group) if is_initialized() else 1
+    return _described(group).size
 
 
 def rank(group: ProcessGroup = None) -> int:
-    return dist.get_rank(group) if is_initialized() else 0
+    return _described(group).rank
 
 
 COLLECTIVES_AT_ONE_RANK = "LIGHTNING_ZERO_COLLECTIVES_AT_ONE_RANK"
@@ -113,7 +140,8 @@ larger one would; for tests and the benchmark on one GPU. Unset, a group of one 
 def skips_collectives(group: ProcessGroup) -> bool:
     """Whether collectives over ``group`` return early because it has one rank (no process group
     counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` asks for them anyway."""
-    return world_size(group) == 1 and not (is_initialized() and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
+    facts = _described(group)
+    return facts.size == 1 and not (facts is not _OUTSIDE and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
 
 
 def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
@@ -151,7 +179,7 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
     if skips_collectives(group):
         output.copy_(inputs)
         return PendingCollective()
-    if dist.get_backend(group) == "gloo":
+    if _described(group).gloo:
         return _reduce_scatter_gloo(output, inputs.view(n, -1), group)
     return PendingCollective(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True))
 

@@ -122,9 +122,8 @@ def pack_rows(flats: Sequence[Tensor], out: Tensor, scale: Optional[float] = Non
     column block of ``out`` (N, S), blocks side by side (widths ``ceil(numel / N)``, padding zeroed),
     multiplied by ``scale`` when given. ``out`` must be exactly as wide as the blocks."""
     n = out.shape[0]
-    fused = _CHUNK_CAT is not None and all(
-        f.numel() > 0 and f.dtype == out.dtype and f.device == out.device for f in flats
-    )
+    # a list, not a generator: one Python call, not one per tensor
+    fused = _CHUNK_CAT is not None and all([f.numel() > 0 and f.dtype == out.dtype and f.device == out.device for f in flats])
     if fused:
         if n == 1:  # one row, no padding: the same bytes, see [Note: chunk_cat's metadata]
             torch.cat(list(flats), out=out.view(-1))

@@ -102,16 +102,6 @@ class ShardedParam:
         return self.param.detach().view(-1)[start:end]
 
     # ---- gradients and updates -------------------------------------------------------------
-    def accumulate_grad(self, grad_shard: Tensor) -> None:
-        """Add this rank's reduced gradient chunk to ``shard.grad`` (set it on the first call).
-
-        ``grad_shard`` is a view into a receive buffer no one reuses, so where dtype and device
-        already match it becomes the gradient as it is, without a copy."""
-        if self.shard.grad is None:
-            self.shard.grad = grad_shard.to(self.shard.device, self.shard.dtype)
-        else:
-            self.shard.grad.add_(grad_shard.to(self.shard.device))
-
     def show_grad(self, grad: Optional[Tensor]) -> None:
         """Put ``grad`` (a full-shaped view of the gradient, or None) in ``param.grad`` (at stage 3
         too: a parameter at rest keeps its full shape)."""
@@ -331,6 +321,21 @@ class ShardedParam:
         parameter holding an empty placeholder, never a view of freed memory."""
         wake(self.param)
         self.param.data = self._placeholder
+
+
+def accumulate_grads(params: Sequence[ShardedParam], grads: Sequence[Optional[Tensor]]) -> None:
+    """Add each parameter's reduced gradient chunk (None: skip it) to its ``shard.grad``, setting
+    it on the first backward. A chunk is a view into a receive buffer no one reuses, so where dtype
+    and device already match it becomes the gradient as it is, without a copy. One loop for a
+    bucket, with no call per parameter."""
+    for p, grad in zip(params, grads):
+        if grad is None:
+            continue
+        shard = p.shard
+        if shard.grad is None:
+            shard.grad = grad.to(shard.device, shard.dtype)
+        else:
+            shard.grad.add_(grad.to(shard.device))
 
 
 def _always_in_memory(writing: bool = False) -> AbstractContextManager:
