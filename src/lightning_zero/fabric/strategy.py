@@ -36,6 +36,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.optimizer.sharded_optimizer import check_optimizer_type
+from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.fabric.precision import checked_precision
 from lightning_zero.fabric.sharded_module import AccumulateWithoutSync, ShardedModule, ShardedModules
@@ -305,9 +306,8 @@ class ZeroFabricStrategy(DDPStrategy):
     ) -> None:
         """A sharded directory (every rank writes its chunks) or, with ``state_dict_type="full"``, one
         file in Fabric's usual layout, written by rank 0; either appears only once complete."""
-        if storage_options is not None:
-            raise TypeError("ZeroFabricStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
-        self._checkpoints.save(self, self.checkpoint_io, path, state, filter)
+        check_storage_options(path, storage_options)
+        self._checkpoints.save(self, self.checkpoint_io, path, state, filter, storage_options)
 
     @override
     def load_checkpoint(

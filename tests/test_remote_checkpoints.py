@@ -1,0 +1,331 @@
+"""Checkpoints on object storage, against a real S3-protocol server (moto's, on loopback, through s3fs;
+``s3_server.py``), on 2 CPU ranks: the Trainer at zero2 (synchronous saves) and zero3 (``async_save``)
+with ``ModelCheckpoint(every_n_train_steps=2, save_top_k=2)`` and ``last.ckpt`` in the bucket, resumed
+from the bucket bitwise as from the same run's local checkpoint; Fabric's save/load; a full file;
+``verify`` and ``convert`` on s3:// URLs, and a 2 -> 1 reshard from the bucket; the errors: a missing
+bucket, an unreachable endpoint, the endpoint gone in the middle of a save (the previous checkpoint
+intact and loadable, the leftover named by verify and removed by the next save), a protocol whose
+fsspec package is missing. One-process cases on fsspec's ``memory://``."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Optional
+
+import pytest
+import torch
+from case_groups import CaseGroup, GroupResults, RankContext
+from lightning.pytorch.callbacks import Callback
+
+pytest.importorskip("moto.server", reason="moto[server] (the `test` extra) runs the S3 server these tests write to")
+pytest.importorskip("s3fs", reason="s3fs (the `test` extra) is fsspec's S3 filesystem")
+
+from s3_server import S3Server, cut_endpoint, restore_endpoint  # noqa: E402
+
+GROUP = CaseGroup(world_size=2, timeout=150)
+BUCKET = "s3://bucket"
+
+
+class _StateAtStart(Callback):
+    """After a checkpoint is restored (before any step): full weights and full optimizer state."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        with trainer.strategy.summon_full_params():
+            self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.optimizer = copy.deepcopy(trainer.strategy.engine.full_optimizer_state_dict(trainer.optimizers[0]))
+
+
+def _zero(stage: int, async_save: bool = False) -> Any:
+    from lightning_zero import ZeroStrategy
+
+    return ZeroStrategy(stage=stage, async_save=async_save)
+
+
+def _local_files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+
+
+def _trainer_case(ctx: RankContext, stage: int, async_save: bool) -> dict[str, Any]:
+    """6 steps saving every 2 to the bucket (top 2 by step, and last.ckpt) and, the same steps, to a
+    local folder; then two resumes from step 4, from the bucket and from the local checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_helpers import fit_and_record
+
+    from lightning_zero.checkpoint import verify_checkpoint
+
+    name = f"trainer_zero{stage}_{'async' if async_save else 'sync'}"
+    remote = f"{BUCKET}/{name}/checkpoints"
+    local = os.path.join(ctx.tmpdir, name)
+    root = os.path.join(ctx.tmpdir, f"{name}_root")  # the Trainer's own directory: must stay empty
+    callbacks = [
+        ModelCheckpoint(dirpath=remote, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True),
+        ModelCheckpoint(dirpath=local, every_n_train_steps=2, save_top_k=-1),
+    ]
+    _, fitted, _ = fit_and_record(_zero(stage, async_save), 6, callbacks=callbacks, enable_checkpointing=True, default_root_dir=root)
+    out: dict[str, Any] = {"root_files": _local_files(root) if os.path.isdir(root) else [], "fitted": [fitted[3], fitted[5]]}
+    out["verified"] = verify_checkpoint(f"{remote}/epoch=0-step=6.ckpt") if ctx.rank == 0 else None
+    for source, path in (("remote", f"{remote}/epoch=0-step=4.ckpt"), ("local", os.path.join(local, "epoch=0-step=4.ckpt"))):
+        probe = _StateAtStart()
+        _, history, _ = fit_and_record(_zero(stage), 8, callbacks=[probe], ckpt_path=path, default_root_dir=root)
+        out[source] = {"weights": probe.weights, "optimizer": probe.optimizer, "history": history}
+    probe = _StateAtStart()
+    fit_and_record(_zero(stage), 8, callbacks=[probe], ckpt_path=f"{remote}/last.ckpt", default_root_dir=root)
+    out["last_step_weights"] = probe.weights
+    return out
+
+
+GROUP.case(_trainer_case, name="trainer_zero2_sync", stage=2, async_save=False)
+GROUP.case(_trainer_case, name="trainer_zero3_async", stage=3, async_save=True)
+
+
+@GROUP.case
+def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
+    """Fabric at zero2 (sync) and zero3 (async): train, save to the bucket (sharded, then a full
+    file), train on, load the bucket's checkpoints back: the full weights before/after."""
+    from fabric_loop import batches_for, fabric_for, full_weights, small_gpt
+
+    out: dict[str, Any] = {}
+    for strategy, options in (("zero2", {}), ("zero3", {"async_save": True})):
+        fabric = fabric_for(strategy, **options)
+        with fabric.init_module(empty_init=False):
+            torch.manual_seed(0)
+            module = small_gpt()
+        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+        batches = batches_for(fabric.global_rank, 4)
+
+        def step(batch: torch.Tensor) -> None:
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step(batches[0])
+        url = f"{BUCKET}/fabric_{strategy}/state.ckpt"
+        fabric.save(url, {"model": model, "optimizer": optimizer, "step": 1})
+        saved = full_weights(fabric, model)
+        fabric.strategy.wait_for_checkpoint() if hasattr(fabric.strategy, "wait_for_checkpoint") else None
+        step(batches[1])
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(url, state)
+        loaded = full_weights(fabric, model)
+        out[strategy] = {"diff": max((saved[k] - loaded[k]).abs().max().item() for k in saved), "step": state["step"]}
+    return out
+
+
+@GROUP.case
+def full_file_in_the_bucket(ctx: RankContext) -> dict[str, Any]:
+    """zero3 with state_dict_type="full": trainer.save_checkpoint to a URL (with Lightning's
+    ``storage_options`` passed through), verified, read back by torch.load from the bucket."""
+    from lightning_helpers import fit_and_record
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.checkpoint import verify_checkpoint
+
+    _, _, trainer = fit_and_record(ZeroStrategy(stage=3, state_dict_type="full"), 2)
+    url = f"{BUCKET}/full/model.ckpt"
+    trainer.save_checkpoint(url, storage_options={"endpoint_url": os.environ["AWS_ENDPOINT_URL"]})
+    with trainer.strategy.summon_full_params():
+        weights = {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
+    import fsspec
+
+    with fsspec.open(url, "rb") as f:
+        loaded = torch.load(f, weights_only=False)["state_dict"]
+    return {
+        "verified": verify_checkpoint(url) if ctx.rank == 0 else None,
+        "diff": max((weights[k] - loaded[k]).abs().max().item() for k in weights),
+    }
+
+
+def _error(work: Any) -> Optional[str]:
+    try:
+        work()
+    except Exception as err:  # noqa: BLE001 - the message is what is tested
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@GROUP.case
+def errors(ctx: RankContext) -> dict[str, Any]:
+    """A fitted zero2 Trainer saving where it cannot: a missing bucket, an unreachable endpoint, the
+    endpoint going away after the shards were written (before meta.pt and the manifest); after each,
+    what the previous checkpoint at that URL holds, and whether the ranks still save."""
+    import lightning_zero.checkpoint.storage as storage
+    from lightning_helpers import fit_and_record
+
+    from lightning_zero.checkpoint import Manifest, verify_checkpoint
+    from lightning_zero.checkpoint.convert import full_checkpoint
+
+    _, _, trainer = fit_and_record(_zero(2), 2)
+    out: dict[str, Any] = {}
+    out["missing_bucket"] = _error(lambda: trainer.save_checkpoint("s3://no-such-bucket/run/last.ckpt"))
+    dead = f"http://127.0.0.1:{_free_port()}"
+    out["unreachable"] = _error(lambda: trainer.save_checkpoint(f"{BUCKET}/errors/x.ckpt", storage_options={"endpoint_url": dead}))
+
+    url = f"{BUCKET}/errors/last.ckpt"
+    trainer.save_checkpoint(url)
+    before = Manifest.read(url).content
+    original = storage._write_meta_and_manifest
+
+    def cut_then_write(*args: Any) -> None:  # rank 0, once every rank's shards are uploaded
+        cut_endpoint()
+        original(*args)
+
+    storage._write_meta_and_manifest = cut_then_write
+    try:
+        out["cut"] = _error(lambda: trainer.save_checkpoint(url))
+    finally:
+        storage._write_meta_and_manifest = original
+        torch.distributed.barrier()
+        restore_endpoint()
+    out["intact"] = Manifest.read(url).content == before  # still the version saved before the cut
+    out["loads"] = sorted(full_checkpoint(url)["state_dict"]) == sorted(trainer.lightning_module.state_dict())
+    out["verify_after_cut"] = verify_checkpoint(url) if ctx.rank == 0 else None
+    torch.distributed.barrier()
+    trainer.save_checkpoint(url)  # the next successful save of that name removes the leftover
+    out["verify_after_next_save"] = verify_checkpoint(url) if ctx.rank == 0 else None
+    return out
+
+
+def _free_port() -> int:
+    from s3_server import free_port
+
+    return free_port()
+
+
+@GROUP.case
+def missing_package(ctx: RankContext) -> dict[str, Optional[str]]:
+    """A save to gs:// (gcsfs not installed) and a resume from az:// (adlfs not installed): what they
+    raise. (A ModelCheckpoint at such a URL is refused by Lightning's own constructor already.)"""
+    from lightning_helpers import fit_and_record
+
+    _, _, trainer = fit_and_record(_zero(2), 1)
+    return {
+        "save": _error(lambda: trainer.save_checkpoint("gs://bucket/run/x.ckpt")),
+        "resume": _error(lambda: fit_and_record(_zero(2), 2, ckpt_path="az://container/run/x.ckpt")),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s3 = S3Server(str(tmp_path_factory.mktemp("s3"))).start()
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture(scope="module")
+def results(server, tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("remote"))
+
+
+def _versions(keys: list[str], checkpoint: str) -> set[str]:
+    return {key[len(checkpoint) + 1 :].split("/")[0] for key in keys if key.startswith(checkpoint + "/v-")}
+
+
+@pytest.mark.parametrize("case", ["trainer_zero2_sync", "trainer_zero3_async"])
+def test_trainer_keeps_top_k_and_last_in_the_bucket_and_resumes_bitwise(results, server, case):
+    out = results[case]
+    keys = server.keys(f"{case}/checkpoints/")
+    names = {key.split("/")[2] for key in keys}
+    assert names == {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"}, names  # step 2 removed in the bucket
+    for name in names:
+        checkpoint = f"{case}/checkpoints/{name}"
+        assert f"{checkpoint}/lightning_zero.json" in keys
+        assert len(_versions(keys, checkpoint)) == 1, keys  # last.ckpt overwritten 3 times: one version left
+    assert "OK" in out[0]["verified"] and "s3://bucket" in out[0]["verified"]
+    for r in out:
+        assert r["root_files"] == [], r["root_files"]  # nothing written locally
+        remote, local = r["remote"], r["local"]
+        for k in local["weights"]:
+            assert torch.equal(remote["weights"][k], local["weights"][k]), k
+        assert _state_equal(remote["optimizer"], local["optimizer"])
+        assert len(remote["history"]) == 4
+        for a, b in zip(remote["history"], local["history"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        step4, step6 = r["fitted"]
+        assert all(torch.equal(remote["weights"][k], step4[k]) for k in step4)
+        assert all(torch.equal(r["last_step_weights"][k], step6[k]) for k in step6)  # last.ckpt: its newest version
+    assert not os.path.exists("s3:"), "a URL became a local folder"
+
+
+def _state_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_state_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_fabric_saves_and_loads_in_the_bucket(results, server):
+    for r in results["fabric_round_trips"]:
+        for strategy in ("zero2", "zero3"):
+            assert r[strategy] == {"diff": 0.0, "step": 1}
+    assert any(key.startswith("fabric_zero3/state.ckpt/v-") for key in server.keys("fabric_zero3/"))
+
+
+def test_full_file_in_the_bucket(results, server):
+    for r in results["full_file_in_the_bucket"]:
+        assert r["diff"] == 0.0
+    assert "a single-file checkpoint" in results["full_file_in_the_bucket"][0]["verified"]
+    assert server.keys("full/") == ["full/model.ckpt"]
+
+
+def test_save_errors_name_the_url_and_cause_on_every_rank(results, server):
+    out = results["errors"]
+    for r in out:
+        assert r["missing_bucket"].startswith("CheckpointWriteError: Checkpoint 's3://no-such-bucket/run/last.ckpt' was not saved")
+        assert "bucket" in r["missing_bucket"].lower() and "ranks 0, 1" in r["missing_bucket"], r["missing_bucket"]
+        assert r["unreachable"].startswith("CheckpointWriteError: Checkpoint 's3://bucket/errors/x.ckpt' was not saved")
+        assert "127.0.0.1" in r["unreachable"], r["unreachable"]
+        assert r["cut"].startswith("CheckpointWriteError: Checkpoint 's3://bucket/errors/last.ckpt' was not saved")
+        assert "meta.pt" in r["cut"] and "untouched" in r["cut"], r["cut"]
+        assert r["intact"] and r["loads"]
+    assert "left beside it by interrupted saves" in out[0]["verify_after_cut"], out[0]["verify_after_cut"]
+    assert "interrupted" not in out[0]["verify_after_next_save"]
+    keys = server.keys("errors/")
+    assert len(_versions(keys, "errors/last.ckpt")) == 1, keys
+    assert not [key for key in keys if key.startswith("errors/x.ckpt")]
+
+
+def test_missing_bucket_is_not_created(results, server):
+    import boto3
+
+    results["errors"]  # noqa: B018 - after the save that named it
+    buckets = [b["Name"] for b in boto3.client("s3", endpoint_url=server.endpoint).list_buckets()["Buckets"]]
+    assert buckets == ["bucket"]
+
+
+def test_missing_fsspec_package_is_named_at_setup(results):
+    for package in ("gcsfs", "adlfs"):
+        try:
+            __import__(package)
+            pytest.skip(f"{package} is installed here")
+        except ImportError:
+            pass
+    for r in results["missing_package"]:
+        assert r["save"].startswith("MissingFilesystemError: Checkpoint 'gs://bucket/run/x.ckpt' is a gs:// URL"), r["save"]
+        assert "pip install gcsfs" in r["save"], r["save"]
+        assert "az://container/run/x.ckpt" in r["resume"] and "adlfs" in r["resume"], r["resume"]
+
+
+def test_verify_convert_and_reshard_from_the_bucket(results, server, tmp_path):
+    """In this process alone (a 2 -> 1 reshard): convert the bucket's zero3 checkpoint to a file in
+    the bucket, with its optimizer state; the weights equal what the 2 ranks had at that step."""
+    from lightning_zero.checkpoint import convert_checkpoint, verify_checkpoint
+
+    resumed = results["trainer_zero3_async"][0]["remote"]
+    src = f"{BUCKET}/trainer_zero3_async/checkpoints/epoch=0-step=4.ckpt"
+    dst = f"{BUCKET}/converted/step4.ckpt"
+    convert_checkpoint(src, dst, include_optimizer=True)
+    assert "a single-file checkpoint" in verify_checkpoint(dst)
+    import fsspec
+
+    with fsspec.open(dst, "rb") as f:
+        converted = torch.load(f, weights_only=False)
+    for k, v in resumed["weights"].items():
+        assert torch.equal(converted["state_dict"][k], v), k
+    assert _state_equal(converted["optimizer_states"][0]["state"], resumed["optimizer"]["state"])
+    with pytest.raises(ValueError, match="would overwrite its source"):
+        convert_checkpoint(src, src)
