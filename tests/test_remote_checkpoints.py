@@ -329,3 +329,41 @@ def test_verify_convert_and_reshard_from_the_bucket(results, server, tmp_path):
     assert _state_equal(converted["optimizer_states"][0]["state"], resumed["optimizer"]["state"])
     with pytest.raises(ValueError, match="would overwrite its source"):
         convert_checkpoint(src, src)
+
+
+def test_a_cut_upload_never_replaces_the_object_there(server):
+    """In this process, on the S3 server: a file upload that fails after one 5 MiB part went out
+    (a multipart upload) is aborted; the object saved before stays, whole."""
+    from lightning_zero.checkpoint import remote
+    from lightning_zero.checkpoint.folders import writing_remote
+    from lightning_zero.checkpoint.locations import RemoteLocation
+
+    location = RemoteLocation(f"{BUCKET}/cut/model.ckpt", {"default_block_size": 5 << 20, "skip_instance_cache": True})
+    remote.write_file(location, lambda f: f.write(b"first"))
+    with pytest.raises(RuntimeError, match="cut"):
+        with writing_remote(location.fs, location.path) as f:
+            f.write(b"\x01" * (6 << 20))  # one part uploaded
+            raise RuntimeError("cut")
+    assert location.fs.cat(location.path) == b"first"
+    assert server.keys("cut/") == ["cut/model.ckpt"]
+
+
+def test_full_file_and_sharded_checkpoint_replace_each_other(server):
+    """A full file saved where a sharded checkpoint is (the same URL) removes the sharded one once
+    the file is complete, and the other way round."""
+    from lightning_zero.checkpoint import remote
+    from lightning_zero.checkpoint.folders import RemoteFolder
+    from lightning_zero.checkpoint.locations import RemoteLocation
+    from lightning_zero.checkpoint.manifest import is_sharded_checkpoint
+
+    location = RemoteLocation(f"{BUCKET}/kinds/x.ckpt")
+    fs = location.fs
+    fs.pipe(location.join("v-1", "meta.pt"), b"m")
+    fs.pipe(location.join("lightning_zero.json"), b'{"content": "v-1"}')
+    assert is_sharded_checkpoint(location.url)
+    remote.write_file(location, lambda f: f.write(b"full"))
+    assert server.keys("kinds/") == ["kinds/x.ckpt"] and not is_sharded_checkpoint(location.url)
+    fs.pipe(location.join("v-2", "meta.pt"), b"m")
+    fs.pipe(location.join("lightning_zero.json"), b'{"content": "v-2"}')
+    remote.finish_commit(RemoteFolder(location, "v-2"))
+    assert server.keys("kinds/") == ["kinds/x.ckpt/lightning_zero.json", "kinds/x.ckpt/v-2/meta.pt"]

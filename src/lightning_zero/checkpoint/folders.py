@@ -188,13 +188,17 @@ def writing_remote(fs: Any, path: str) -> Generator[IO[bytes], None, None]:
     try:
         yield f
     except BaseException:
-        _discard(f)
+        _discard(f, fs, path)
         raise
     f.close()
 
 
-def _discard(f: Any) -> None:
+def _discard(f: Any, fs: Any, path: str) -> None:
     try:
+        if isinstance(f, io.BytesIO):  # fsspec's memory:// shows a file from its opening on: removed
+            io.BytesIO.close(f)
+            fs.rm(path)
+            return
         discard = getattr(f, "discard", None)
         if discard is not None:
             discard()  # s3fs aborts the multipart upload; fsspec's buffered files drop the buffer

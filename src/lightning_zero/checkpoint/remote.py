@@ -54,8 +54,7 @@ def finish_commit(folder: RemoteFolder) -> None:
         fs = location.fs
         if stale:
             fs.rm(stale, recursive=True)
-        if fs.isfile(location.path):
-            fs.rm(location.path)
+        _remove_file(location)
     except Exception as err:  # noqa: BLE001 - housekeeping after the commit: never fails the save
         warnings.warn(f"Could not delete the superseded files under {location.url!r} ({err}); the next save there tries again.", stacklevel=2)
 
@@ -97,5 +96,14 @@ def remove(location: RemoteLocation, keep_file: bool = False) -> None:
     versions = [posixpath.join(location.path, name) for name in _versions(location)]
     if versions:
         fs.rm(versions, recursive=True)
-    if not keep_file and fs.isfile(location.path):
-        fs.rm(location.path)
+    if not keep_file:
+        _remove_file(location)
+
+
+def _remove_file(location: RemoteLocation) -> None:
+    """Delete the object at exactly ``location`` (a full file), if any: by its key, as an object
+    store may also hold keys under it (a sharded checkpoint), which its ``isfile`` would then deny."""
+    try:
+        location.fs.rm_file(location.path)
+    except (FileNotFoundError, IsADirectoryError):
+        pass
