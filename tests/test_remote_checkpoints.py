@@ -367,3 +367,66 @@ def test_full_file_and_sharded_checkpoint_replace_each_other(server):
     fs.pipe(location.join("lightning_zero.json"), b'{"content": "v-2"}')
     remote.finish_commit(RemoteFolder(location, "v-2"))
     assert server.keys("kinds/") == ["kinds/x.ckpt/lightning_zero.json", "kinds/x.ckpt/v-2/meta.pt"]
+
+
+def test_cli_verify_and_convert_on_s3_urls(results, server):
+    """`lightning-zero verify` and `convert` with s3:// sources and targets (the server's endpoint
+    and credentials from the environment, as a user's shell would give them)."""
+    import subprocess
+    import sys
+
+    src = f"{BUCKET}/trainer_zero2_sync/checkpoints/epoch=0-step=6.ckpt"
+    dst = f"{BUCKET}/cli/step6.ckpt"
+    command = (
+        "import sys; from lightning_zero.cli import main; "
+        f"main(['convert', {src!r}, {dst!r}]); main(['verify', {dst!r}]); main(['verify', {src!r}]); "
+        "main(['verify', 's3://bucket/cli/missing.ckpt'])"
+    )
+    done = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"wrote {dst} (") and lines[0].endswith(" MB)"), done.stdout + done.stderr
+    assert lines[1].startswith(f"{dst}: OK (a single-file checkpoint") and lines[2].startswith(f"{src}: OK ("), lines
+    assert done.returncode == 2 and "Checkpoint 's3://bucket/cli/missing.ckpt' does not exist" in done.stderr, done.stderr
+    assert server.keys("cli/") == ["cli/step6.ckpt"]
+
+
+def _killed_mid_write(rank: int, world_size: int) -> str:
+    """zero2, a save to the bucket, then a second save of that URL during which rank 1 is killed
+    (SIGKILL) as soon as it has sent its first bytes; the survivor is stopped by the harness."""
+    import signal
+
+    from lightning_helpers import fit_and_record
+
+    from lightning_zero.checkpoint import folders
+
+    _, _, trainer = fit_and_record(_zero(2), 2)
+    url = f"{BUCKET}/killed/last.ckpt"
+    trainer.save_checkpoint(url)
+    if rank == 1:
+        original = folders._ChecksummingStream.write
+
+        def write(self, data: Any) -> int:
+            written = original(self, data)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        folders._ChecksummingStream.write = write
+    trainer.save_checkpoint(url)
+    return "saved"
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(server):
+    from multiprocess import run_on_ranks
+
+    from lightning_zero.checkpoint import Manifest, verify_checkpoint
+    from lightning_zero.checkpoint.convert import full_checkpoint
+
+    outcomes = run_on_ranks(_killed_mid_write, world_size=2, init_process_group=False, timeout=120, tolerate_deaths=True)
+    assert outcomes[1] is None and outcomes[0] != "saved"  # rank 1 died; rank 0 never finished that save
+    url = f"{BUCKET}/killed/last.ckpt"
+    keys = server.keys("killed/")
+    assert len(_versions(keys, "killed/last.ckpt")) == 2, keys  # the complete one, and the cut one's files
+    committed = Manifest.read(url).content
+    assert f"killed/last.ckpt/{committed}/meta.pt" in keys
+    assert "left beside it by interrupted saves" in verify_checkpoint(url)
+    assert full_checkpoint(url)["global_step"] == 2
