@@ -150,9 +150,9 @@ def errors(ctx: RankContext) -> dict[str, Any]:
     """A fitted zero2 Trainer saving where it cannot: a missing bucket, an unreachable endpoint, the
     endpoint going away after the shards were written (before meta.pt and the manifest); after each,
     what the previous checkpoint at that URL holds, and whether the ranks still save."""
-    import lightning_zero.checkpoint.storage as storage
     from lightning_helpers import fit_and_record
 
+    import lightning_zero.checkpoint.storage as storage
     from lightning_zero.checkpoint import Manifest, verify_checkpoint
     from lightning_zero.checkpoint.convert import full_checkpoint
 

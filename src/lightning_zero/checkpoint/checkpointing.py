@@ -20,18 +20,18 @@ from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint import remote
 from lightning_zero.checkpoint.async_save import AsyncSaves, FinishedSave
 from lightning_zero.checkpoint.atomic import commit, recover, temporary_sibling
 from lightning_zero.checkpoint.directory import DirectoryContents, directory_contents, load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder
+from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.locations import Location, RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import PathLike
-from lightning_zero.checkpoint import remote
 from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
-from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.storage import serialize_meta, write_directory
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards

@@ -26,8 +26,10 @@ from typing import IO, Any, Generator, Optional, Union
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
 from lightning_zero.checkpoint.errors import ShardFileError, describe
-from lightning_zero.checkpoint.locations import RemoteLocation, checkpoint_location
-from lightning_zero.checkpoint.manifest import MANIFEST_NAME, PathLike
+from lightning_zero.checkpoint.locations import PathLike, RemoteLocation, checkpoint_location
+
+MANIFEST_NAME = "lightning_zero.json"
+"""The manifest's file (``manifest.py``), which commits a sharded checkpoint: a folder knows where it is."""
 
 
 class NamingFiles(FileSystem):

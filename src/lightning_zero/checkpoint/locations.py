@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
-from lightning_zero.checkpoint.manifest import PathLike
+PathLike = Union[str, os.PathLike]
 
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.\-]*)://")
 

@@ -10,12 +10,14 @@ Format 2 adds a CRC-32 of every file (``integrity.py``); format 1 directories (s
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning_zero.checkpoint.errors import CorruptCheckpointError
+from lightning_zero.checkpoint.folders import MANIFEST_NAME, as_folder
+from lightning_zero.checkpoint.locations import PathLike
+
+__all__ = ["MANIFEST_NAME", "META_NAME", "Manifest", "PathLike", "is_sharded_checkpoint"]
 
 FORMAT = "lightning-zero/sharded/2"
 REMOTE_FORMAT = "lightning-zero/sharded/3"
@@ -23,12 +25,10 @@ READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT, REMOTE_FORMAT)
 """Format 2 only adds ``checksums``, format 3 (checkpoints at a URL, ``remote.py``) ``content``. The
 version moves so that an older lightning-zero refuses a new checkpoint by naming its format, rather
 than calling its manifest corrupted (unknown field)."""
-MANIFEST_NAME = "lightning_zero.json"
 META_NAME = "meta.pt"
 """Everything of the Lightning checkpoint that is not a tensor shard (loops, callbacks, LR
 schedulers, precision state, hyperparameters, optimizer hyperparameters), written by rank 0."""
 
-PathLike = Union[str, os.PathLike]
 
 
 @dataclass
@@ -121,6 +121,4 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 
 def _folder(directory: Any) -> Any:
-    from lightning_zero.checkpoint.folders import as_folder  # folders.py names the files listed here
-
     return as_folder(directory)

@@ -37,7 +37,7 @@ from lightning_zero.checkpoint.errors import (
     UntrustedCheckpointError,
     describe,
 )
-from lightning_zero.checkpoint.folders import Folder, FsspecFiles, as_folder
+from lightning_zero.checkpoint.folders import Folder, as_folder
 from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
 from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, REMOTE_FORMAT, Manifest

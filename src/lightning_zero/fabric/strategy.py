@@ -30,13 +30,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.compat.lightning_api import fabric_setup_result
 from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.optimizer.sharded_optimizer import check_optimizer_type
-from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.fabric.precision import checked_precision
 from lightning_zero.fabric.sharded_module import AccumulateWithoutSync, ShardedModule, ShardedModules
