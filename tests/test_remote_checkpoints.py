@@ -206,6 +206,45 @@ def missing_package(ctx: RankContext) -> dict[str, Optional[str]]:
     }
 
 
+@GROUP.case
+def preempted_into_the_bucket(ctx: RankContext) -> dict[str, Any]:
+    """SLURM auto-requeue with ``default_root_dir`` in the bucket, zero2 with ``async_save``: SIGUSR1
+    on rank 1 only, then again on both ranks after ``fit`` returned (it must not kill them); the job
+    started again finds ``hpc_ckpt_1.ckpt`` in the bucket by itself and ends with the weights of an
+    uninterrupted run."""
+    import signal
+
+    import lightning as L
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning_helpers import WeightRecorder
+    from test_preemption import Setup, SendSignals, StepAtStart, _slurm_job
+
+    setup = Setup(2, async_save=True)
+    final = setup.reference()
+    local = os.path.join(ctx.tmpdir, "preempted")
+    os.makedirs(local, exist_ok=True)
+    where = dict(default_root_dir=f"{BUCKET}/preempted", plugins=[SLURMEnvironment(auto_requeue=True)])
+    with _slurm_job(ctx, local):
+        L.seed_everything(0, verbose=False)
+        preempted = setup.trainer([SendSignals(signal.SIGUSR1, {1: (2, "after")})], **where)
+        exit_code: Any = "did not exit"
+        try:
+            setup.fit(preempted)
+        except SystemExit as exit:
+            exit_code = exit.code
+        os.kill(os.getpid(), signal.SIGUSR1)  # a late signal, after fit returned
+        L.seed_everything(1, verbose=False)
+        recorder, start = WeightRecorder(), StepAtStart()
+        resumed = setup.trainer([recorder, start], **where)
+        setup.fit(resumed)  # no ckpt_path: Lightning finds the hpc checkpoint under SLURM
+    return {
+        "exit_code": exit_code,
+        "stopped_at": preempted.global_step,
+        "resumed_at": start.step,
+        "differ": sorted(k for k in final if not torch.equal(final[k], recorder.history[-1][k])),
+    }
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s3 = S3Server(str(tmp_path_factory.mktemp("s3"))).start()
@@ -430,3 +469,21 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(server):
     assert f"killed/last.ckpt/{committed}/meta.pt" in keys
     assert "left beside it by interrupted saves" in verify_checkpoint(url)
     assert full_checkpoint(url)["global_step"] == 2
+
+
+def test_preemption_saves_into_the_bucket_and_the_job_resumes_from_it(results, server):
+    for r in results["preempted_into_the_bucket"]:
+        assert r["exit_code"] is None and r["stopped_at"] == 4 and r["resumed_at"] == 4, r
+        assert r["differ"] == [], r["differ"]
+    names = {key.split("/")[1] for key in server.keys("preempted/")}
+    assert names == {"hpc_ckpt_1.ckpt"}, names
+
+
+def test_load_from_checkpoint_reads_a_sharded_checkpoint_in_the_bucket(results):
+    """``LightningModule.load_from_checkpoint(url)`` in this process alone (no process group)."""
+    from lightning_helpers import RegressionModule
+
+    step6 = results["trainer_zero2_sync"][0]["fitted"][1]
+    model = RegressionModule.load_from_checkpoint(f"{BUCKET}/trainer_zero2_sync/checkpoints/last.ckpt")
+    state = model.state_dict()
+    assert state.keys() == step6.keys() and all(torch.equal(state[k], step6[k]) for k in step6)

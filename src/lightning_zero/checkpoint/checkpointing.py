@@ -13,6 +13,7 @@ raised by the next save, load or ``wait`` (see [Note: async saves] in ``async_sa
 from __future__ import annotations
 
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
@@ -181,7 +182,7 @@ class ZeroCheckpointing:
         at a URL by rank 0, manifest first (``remote.remove``); a local one with ``remove_local``."""
         location = checkpoint_location(filepath)
         if isinstance(location, RemoteLocation):
-            self.after_commit(lambda: remote.remove(location) if is_global_zero else None)
+            self.after_commit(lambda: _remove_remote(location) if is_global_zero else None)
         else:
             self.after_commit(remove_local)
 
@@ -251,6 +252,16 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
+
+
+def _remove_remote(location: RemoteLocation) -> None:
+    """Rank 0's removal of a superseded checkpoint at a URL: a failure (the endpoint gone) warns, as
+    a leftover checkpoint is no reason to stop training, and raising on rank 0 alone would leave the
+    other ranks waiting for it at the next collective."""
+    try:
+        remote.remove(location)
+    except Exception as err:  # noqa: BLE001 - reported, never raised on one rank
+        warnings.warn(f"Could not remove the superseded checkpoint {location.url!r} ({describe(err)}); delete it yourself.", stacklevel=2)
 
 
 def check_file(location: Location) -> Union[Path, str]:
