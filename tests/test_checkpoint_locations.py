@@ -56,7 +56,7 @@ def test_missing_fsspec_package_is_named(url, package):
 
 def test_unknown_protocol_is_refused():
     with pytest.raises(MissingFilesystemError, match="fsspec knows no filesystem for nosuch://"):
-        checkpoint_location("nosuch://x/y").fs
+        _ = checkpoint_location("nosuch://x/y").fs
     check_locations([("a", "memory://x"), ("b", None), ("c", "local/dir")])  # all fine
 
 

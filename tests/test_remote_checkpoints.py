@@ -79,6 +79,13 @@ GROUP.case(_trainer_case, name="trainer_zero2_sync", stage=2, async_save=False)
 GROUP.case(_trainer_case, name="trainer_zero3_async", stage=3, async_save=True)
 
 
+def _fabric_step(fabric: Any, model: Any, optimizer: Any, batch: torch.Tensor) -> None:
+    _, loss = model(batch[:, :-1], batch[:, 1:])
+    fabric.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 @GROUP.case
 def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
     """Fabric at zero2 (sync) and zero3 (async): train, save to the bucket (sharded, then a full
@@ -93,19 +100,11 @@ def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
             module = small_gpt()
         model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
         batches = batches_for(fabric.global_rank, 4)
-
-        def step(batch: torch.Tensor) -> None:
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-
-        step(batches[0])
+        _fabric_step(fabric, model, optimizer, batches[0])
         url = f"{BUCKET}/fabric_{strategy}/state.ckpt"
         fabric.save(url, {"model": model, "optimizer": optimizer, "step": 1})
         saved = full_weights(fabric, model)
-        fabric.strategy.wait_for_checkpoint() if hasattr(fabric.strategy, "wait_for_checkpoint") else None
-        step(batches[1])
+        _fabric_step(fabric, model, optimizer, batches[1])
         state = {"model": model, "optimizer": optimizer, "step": 0}
         fabric.load(url, state)
         loaded = full_weights(fabric, model)
@@ -217,7 +216,7 @@ def preempted_into_the_bucket(ctx: RankContext) -> dict[str, Any]:
     import lightning as L
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from lightning_helpers import WeightRecorder
-    from test_preemption import Setup, SendSignals, StepAtStart, _slurm_job
+    from test_preemption import SendSignals, Setup, StepAtStart, _slurm_job
 
     setup = Setup(2, async_save=True)
     final = setup.reference()

@@ -113,7 +113,7 @@ class ZeroCheckpointing:
         waits for the previous first). A file (``state_dict_type="full"``) is always written here."""
         location = checkpoint_location(filepath, storage_options)
         if isinstance(location, RemoteLocation):  # a missing fsspec package: the same error on every rank
-            on_every_rank(self.group, lambda: location.fs and None)
+            on_every_rank(self.group, lambda: _open_filesystem(location))
         self.wait()
         token = ranks.broadcast(uuid.uuid4().hex[:8])
         path: Location
@@ -252,6 +252,11 @@ class ZeroCheckpointing:
             )
         for optimizer, state in zip(optimizers, states):
             engine.load_full_optimizer_state_dict(optimizer, state)
+
+
+def _open_filesystem(location: RemoteLocation) -> None:
+    """Make ``location``'s fsspec filesystem (``MissingFilesystemError`` naming the package to install)."""
+    location.fs  # noqa: B018 - a cached property: made here, used by the save
 
 
 def _remove_remote(location: RemoteLocation) -> None:

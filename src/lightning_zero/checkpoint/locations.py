@@ -123,12 +123,11 @@ def filesystem_class(protocol: str, url: str, what: str = "Checkpoint") -> type:
     try:
         return fsspec.get_filesystem_class(protocol)
     except ImportError as err:
-        package = PACKAGES.get(protocol) or known_implementations.get(protocol, {}).get("err", str(err))
+        package = PACKAGES.get(protocol)
+        hint = f"HINT: `pip install {package}`" if package else known_implementations.get(protocol, {}).get("err", "")
         raise MissingFilesystemError(
             f"{what} {url!r} is a {protocol}:// URL, but the package that lets fsspec reach {protocol}:// is not"
-            f" installed ({err}). HINT: `pip install {package}`" if protocol in PACKAGES else
-            f"{what} {url!r} is a {protocol}:// URL, but fsspec's implementation of {protocol}:// cannot be imported:"
-            f" {package}"
+            f" installed ({err}). {hint}".rstrip()
         ) from None
     except ValueError:
         raise MissingFilesystemError(
