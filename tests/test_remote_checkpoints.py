@@ -115,7 +115,8 @@ def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
 @GROUP.case
 def full_file_in_the_bucket(ctx: RankContext) -> dict[str, Any]:
     """zero3 with state_dict_type="full": trainer.save_checkpoint to a URL (with Lightning's
-    ``storage_options`` passed through), verified, read back by torch.load from the bucket."""
+    ``storage_options`` passed through), verified, read back by torch.load from the bucket, and a
+    zero2 fit resumed from it."""
     from lightning_helpers import fit_and_record
 
     from lightning_zero import ZeroStrategy
@@ -130,9 +131,12 @@ def full_file_in_the_bucket(ctx: RankContext) -> dict[str, Any]:
 
     with fsspec.open(url, "rb") as f:
         loaded = torch.load(f, weights_only=False)["state_dict"]
+    probe = _StateAtStart()
+    fit_and_record(_zero(2), 3, callbacks=[probe], ckpt_path=url)
     return {
         "verified": verify_checkpoint(url) if ctx.rank == 0 else None,
         "diff": max((weights[k] - loaded[k]).abs().max().item() for k in weights),
+        "resumed_diff": max((weights[k] - probe.weights[k]).abs().max().item() for k in weights),
     }
 
 
@@ -305,7 +309,7 @@ def test_fabric_saves_and_loads_in_the_bucket(results, server):
 
 def test_full_file_in_the_bucket(results, server):
     for r in results["full_file_in_the_bucket"]:
-        assert r["diff"] == 0.0
+        assert r["diff"] == 0.0 and r["resumed_diff"] == 0.0
     assert "a single-file checkpoint" in results["full_file_in_the_bucket"][0]["verified"]
     assert server.keys("full/") == ["full/model.ckpt"]
 
