@@ -88,12 +88,13 @@ def _fabric_step(fabric: Any, model: Any, optimizer: Any, batch: torch.Tensor) -
 
 @GROUP.case
 def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
-    """Fabric at zero2 (sync) and zero3 (async): train, save to the bucket (sharded, then a full
-    file), train on, load the bucket's checkpoints back: the full weights before/after."""
+    """Fabric at zero2 (sync), zero3 (async) and zero3 writing one full file: train a step, save to
+    the bucket, train another, load the bucket's checkpoint back: the full weights saved and loaded."""
     from fabric_loop import batches_for, fabric_for, full_weights, small_gpt
 
     out: dict[str, Any] = {}
-    for strategy, options in (("zero2", {}), ("zero3", {"async_save": True})):
+    cases = (("zero2", "zero2", {}), ("zero3", "zero3", {"async_save": True}), ("zero3_full", "zero3", {"state_dict_type": "full"}))
+    for label, strategy, options in cases:
         fabric = fabric_for(strategy, **options)
         with fabric.init_module(empty_init=False):
             torch.manual_seed(0)
@@ -101,14 +102,14 @@ def fabric_round_trips(ctx: RankContext) -> dict[str, Any]:
         model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
         batches = batches_for(fabric.global_rank, 4)
         _fabric_step(fabric, model, optimizer, batches[0])
-        url = f"{BUCKET}/fabric_{strategy}/state.ckpt"
+        url = f"{BUCKET}/fabric_{label}/state.ckpt"
         fabric.save(url, {"model": model, "optimizer": optimizer, "step": 1})
         saved = full_weights(fabric, model)
         _fabric_step(fabric, model, optimizer, batches[1])
         state = {"model": model, "optimizer": optimizer, "step": 0}
         fabric.load(url, state)
         loaded = full_weights(fabric, model)
-        out[strategy] = {"diff": max((saved[k] - loaded[k]).abs().max().item() for k in saved), "step": state["step"]}
+        out[label] = {"diff": max((saved[k] - loaded[k]).abs().max().item() for k in saved), "step": state["step"]}
     return out
 
 
@@ -302,9 +303,10 @@ def _state_equal(a: Any, b: Any) -> bool:
 
 def test_fabric_saves_and_loads_in_the_bucket(results, server):
     for r in results["fabric_round_trips"]:
-        for strategy in ("zero2", "zero3"):
-            assert r[strategy] == {"diff": 0.0, "step": 1}
+        for label in ("zero2", "zero3", "zero3_full"):
+            assert r[label] == {"diff": 0.0, "step": 1}, (label, r[label])
     assert any(key.startswith("fabric_zero3/state.ckpt/v-") for key in server.keys("fabric_zero3/"))
+    assert server.keys("fabric_zero3_full/") == ["fabric_zero3_full/state.ckpt"]
 
 
 def test_full_file_in_the_bucket(results, server):
