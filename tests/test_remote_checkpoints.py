@@ -517,3 +517,23 @@ def test_damaged_files_in_the_bucket_are_named(results, server):
     with pytest.raises(CorruptCheckpointError, match=f"{shard} is truncated or corrupted"):
         convert_checkpoint(url, f"{BUCKET}/damaged/out.ckpt")
     assert not fs.exists("bucket/damaged/out.ckpt")
+
+
+def _resume_on_one_rank(rank: int, world_size: int, url: str) -> dict[str, Any]:
+    from lightning_helpers import fit_and_record
+
+    probe = _StateAtStart()
+    fit_and_record(_zero(3), 5, callbacks=[probe], ckpt_path=url)
+    return {"weights": probe.weights, "optimizer": probe.optimizer}
+
+
+def test_reshard_from_the_bucket_onto_one_rank(results, server):
+    """The 2-rank zero3 checkpoint in the bucket resumed by a 1-rank zero3 Trainer: the weights and
+    the full optimizer state at train start equal the 2-rank resume's."""
+    from multiprocess import run_on_ranks
+
+    url = f"{BUCKET}/trainer_zero3_async/checkpoints/epoch=0-step=4.ckpt"
+    two = results["trainer_zero3_async"][0]["remote"]
+    (one,) = run_on_ranks(_resume_on_one_rank, url, world_size=1, init_process_group=False, timeout=120)
+    assert all(torch.equal(one["weights"][k], two["weights"][k]) for k in two["weights"])
+    assert _state_equal(one["optimizer"], two["optimizer"])
