@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from lightning_zero.checkpoint import remote
+from lightning_zero.checkpoint.checkpointing import check_file
 from lightning_zero.checkpoint.errors import CorruptCheckpointError, UntrustedCheckpointError, describe
 from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder
 from lightning_zero.checkpoint.integrity import check_directory, check_zip
@@ -54,10 +55,8 @@ def verify_checkpoint(path: PathLike, weights_only: bool = True) -> str:
 
 def _verify_remote_file(location: RemoteLocation, weights_only: bool) -> str:
     fs = location.fs
-    if not fs.isfile(location.path):
-        raise FileNotFoundError(f"Checkpoint {location.url!r} does not exist.")
+    check_file(location)  # there (or named as missing, with what an interrupted save left), every zip record
     with fs.open(location.path, "rb") as f:
-        check_zip(f, location.url)
         size = f.size
 
         def load() -> Any:
