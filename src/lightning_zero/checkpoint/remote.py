@@ -15,7 +15,9 @@ committed exactly when the manifest is written, in one object write that replace
 manifest. Until then ``<url>`` still names the previous version, untouched, and a save cut short
 (a rank killed, the endpoint gone) leaves only a version folder that no manifest names, which the
 next successful save of ``<url>`` deletes (``finish_commit``) and ``verify`` reports. A reader
-checks every file of the version against the manifest's sizes and checksums before using it.
+checks every file of the version against the manifest's sizes and checksums before using it. (On
+an fsspec filesystem whose writes are not published whole — sftp, ``memory://`` — a manifest cut
+mid-write fails to parse: it reads as a corrupted checkpoint, never as a complete one.)
 
 A full file (``state_dict_type="full"``) is one object written straight to ``<url>``: published by
 its upload's completion, discarded on an error (``folders.writing_remote``).
