@@ -54,6 +54,7 @@ LONGEST_FIRST = (
     "test_sharded_averaging.py",
     "test_checkpoint.py",
     "test_hybrid.py",
+    "test_remote_checkpoints.py",
     "test_big_models.py",
     "test_examples_hf_litgpt.py",
 )

@@ -13,23 +13,27 @@ raised by the next save, load or ``wait`` (see [Note: async saves] in ``async_sa
 from __future__ import annotations
 
 import uuid
+import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
 
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint import remote
 from lightning_zero.checkpoint.async_save import AsyncSaves, FinishedSave
 from lightning_zero.checkpoint.atomic import commit, recover, temporary_sibling
 from lightning_zero.checkpoint.directory import DirectoryContents, directory_contents, load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
+from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder
+from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import check_zip
-from lightning_zero.checkpoint.locations import local_checkpoint_path
+from lightning_zero.checkpoint.locations import Location, RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
 from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
-from lightning_zero.checkpoint.storage import CheckpointGroup, on_every_rank, serialize_meta, write_directory
+from lightning_zero.checkpoint.storage import serialize_meta, write_directory
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
 
@@ -94,20 +98,32 @@ class ZeroCheckpointing:
         filepath: PathLike,
         module: nn.Module,
         engine: Optional[ZeroEngine],
-        write_file: Callable[[dict[str, Any], Path], None],
+        write_file: Callable[[dict[str, Any], Location], None],
+        storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         """Write ``filepath`` (a directory when sharded, else one file written by rank 0 with
         ``write_file``) so that it appears only once complete: an interrupted save leaves the previous
         checkpoint there untouched. A collective; if any rank fails, every rank raises the same
-        ``CheckpointWriteError``, the cause and the file on its first line.
+        ``CheckpointWriteError``, the cause and the file on its first line. ``filepath`` may be a URL
+        (``storage_options``: its fsspec filesystem's arguments), committed by its manifest (see
+        [Note: commits on object storage] in ``remote.py``).
 
         With ``async_save`` a sharded save returns once this rank's shards are staged, and that error,
         if any, is raised by the next save, load or ``wait`` (one save in flight at a time: this one
         waits for the previous first). A file (``state_dict_type="full"``) is always written here."""
-        local_checkpoint_path(filepath)  # every rank, before any collective: a URL would become a local folder
+        location = checkpoint_location(filepath, storage_options)
+        if isinstance(location, RemoteLocation):  # a missing fsspec package: the same error on every rank
+            on_every_rank(self.group, lambda: _open_filesystem(location))
         self.wait()
-        path = Path(ranks.broadcast(str(filepath)))
-        temporary = temporary_sibling(path, ranks.broadcast(uuid.uuid4().hex[:8]))
+        token = ranks.broadcast(uuid.uuid4().hex[:8])
+        path: Location
+        temporary: Union[Path, RemoteFolder, RemoteLocation]
+        if isinstance(location, RemoteLocation):
+            path = RemoteLocation(ranks.broadcast(location.url), location.storage_options)
+            temporary = remote.version_folder(path, token) if self.saves_directory(engine) else path
+        else:
+            path = Path(ranks.broadcast(str(location)))
+            temporary = temporary_sibling(path, token)
         if self.saves_directory(engine):
             assert engine is not None
             if self.async_save:
@@ -125,7 +141,7 @@ class ZeroCheckpointing:
 
         _write_and_commit(ranks, path, temporary, write)
 
-    def _start_background_save(self, path: Path, temporary: Path, contents: DirectoryContents) -> None:
+    def _start_background_save(self, path: Location, temporary: Union[Path, RemoteFolder], contents: DirectoryContents) -> None:
         """Stage this rank's tensors (and rank 0's meta.pt) — every rank agreeing on the outcome, so a
         failure raises here on all of them — then write and commit on the background thread."""
 
@@ -150,7 +166,7 @@ class ZeroCheckpointing:
             write = lambda: write_directory(temporary, staged["tensors"], meta, contents.manifest, group)  # noqa: E731
             _write_and_commit(ranks, path, temporary, write)
 
-        self.saves.start_save(path, write_in_background)
+        self.saves.start_save(path, write_in_background)  # type: ignore[arg-type] - a Path or a RemoteLocation
 
     def wait(self) -> Optional[FinishedSave]:
         """Wait for the save in flight (``async_save``), if any; raise its ``CheckpointWriteError``
@@ -160,6 +176,15 @@ class ZeroCheckpointing:
     def after_commit(self, work: Callable[[], None]) -> None:
         """Run ``work`` once the save in flight committed (now if none is; never if it fails)."""
         self.saves.after_commit(work)
+
+    def remove(self, filepath: PathLike, is_global_zero: bool, remove_local: Callable[[], None]) -> None:
+        """ModelCheckpoint's removal of a superseded checkpoint, once the save in flight committed:
+        at a URL by rank 0, manifest first (``remote.remove``); a local one with ``remove_local``."""
+        location = checkpoint_location(filepath)
+        if isinstance(location, RemoteLocation):
+            self.after_commit(lambda: _remove_remote(location) if is_global_zero else None)
+        else:
+            self.after_commit(remove_local)
 
     @property
     def staging_bytes(self) -> int:
@@ -177,7 +202,7 @@ class ZeroCheckpointing:
         engine: Optional[ZeroEngine],
         optimizers: Sequence[Optimizer],
         strict: bool,
-        read_file: Callable[[Path], dict[str, Any]],
+        read_file: Callable[[Any], dict[str, Any]],
         weights_only: Optional[bool] = None,
         averaging_states: bool = False,
     ) -> dict[str, Any]:
@@ -189,14 +214,12 @@ class ZeroCheckpointing:
         ``torch.load`` reads a file (``read_file`` is given it already; see [Note: untrusted
         checkpoints] in ``pickles.py``). ``averaging_states``: see ``load_directory``."""
         self.wait()  # a save in flight may be the very checkpoint asked for
-        path = local_checkpoint_path(checkpoint_path)
-        recover(path)  # every rank: they agree on which sibling, whoever moves it
-        self.restored_from_directory = path.is_dir()
-        if path.is_dir():
-            return load_directory(path, module, engine, optimizers, strict, self.group, weights_only, averaging_states)
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} does not exist.")
-        check_zip(path)  # the same bytes on every rank, so the same verdict
+        location = checkpoint_location(checkpoint_path)
+        folder = self.sharded_folder(location)
+        self.restored_from_directory = folder is not None
+        if folder is not None:
+            return load_directory(folder, module, engine, optimizers, strict, self.group, weights_only, averaging_states)
+        path = check_file(location)  # the same bytes on every rank, so the same verdict
         try:
             with checkpoint_globals():
                 return read_file(path)
@@ -205,6 +228,17 @@ class ZeroCheckpointing:
             if refused is not None:
                 raise untrusted(path, "it", refused) from None
             raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupted ({describe(err)}).") from err
+
+    @staticmethod
+    def sharded_folder(location: Location) -> Optional[Folder]:
+        """The folder of the sharded checkpoint at ``location``, or None where it is a file (or
+        nothing). A local one that a crash left under a sibling name while it was being replaced is
+        moved back first (every rank: they agree on which sibling, whoever moves it)."""
+        if isinstance(location, RemoteLocation):
+            folder = RemoteFolder(location)
+            return folder if folder.has_manifest() else None
+        recover(location)
+        return LocalFolder(location) if location.is_dir() else None
 
     @staticmethod
     def load_full_optimizer_states(engine: ZeroEngine, optimizers: Sequence[Optimizer], states: Sequence[Any]) -> None:
@@ -220,17 +254,61 @@ class ZeroCheckpointing:
             engine.load_full_optimizer_state_dict(optimizer, state)
 
 
-def _write_and_commit(ranks: RankCoordination, path: Path, temporary: Path, write: Callable[[], None]) -> None:
-    """``write`` the checkpoint into ``temporary``, then move it to ``path`` (rank 0); every rank
-    raises the same ``CheckpointWriteError`` if either fails."""
+def _open_filesystem(location: RemoteLocation) -> None:
+    """Make ``location``'s fsspec filesystem (``MissingFilesystemError`` naming the package to install)."""
+    location.fs  # noqa: B018 - a cached property: made here, used by the save
+
+
+def _remove_remote(location: RemoteLocation) -> None:
+    """Rank 0's removal of a superseded checkpoint at a URL: a failure (the endpoint gone) warns, as
+    a leftover checkpoint is no reason to stop training, and raising on rank 0 alone would leave the
+    other ranks waiting for it at the next collective."""
+    try:
+        remote.remove(location)
+    except Exception as err:  # noqa: BLE001 - reported, never raised on one rank
+        warnings.warn(f"Could not remove the superseded checkpoint {location.url!r} ({describe(err)}); delete it yourself.", stacklevel=2)
+
+
+def check_file(location: Location) -> Union[Path, str]:
+    """A checkpoint file's zip records against their CRC-32s; the path (a URL's text) to read it by."""
+    if isinstance(location, RemoteLocation):
+        fs = location.fs
+        if not fs.isfile(location.path):
+            leftover = remote.leftovers(location)
+            hint = f" (only {leftover[0]!r}, which a save interrupted before its manifest was written left)" if leftover else ""
+            raise FileNotFoundError(f"Checkpoint {location.url!r} does not exist{hint}.")
+        with fs.open(location.path, "rb") as f:
+            check_zip(f, location.url)
+        return location.url
+    if not location.exists():
+        raise FileNotFoundError(f"Checkpoint {str(location)!r} does not exist.")
+    check_zip(location)
+    return location
+
+
+def _write_and_commit(
+    ranks: RankCoordination, path: Location, temporary: Union[Path, RemoteFolder, RemoteLocation], write: Callable[[], None]
+) -> None:
+    """``write`` the checkpoint into ``temporary``, then commit it (rank 0): a local one moved to
+    ``path``; at a URL, where the manifest (or the file's upload) committed it already, what it
+    supersedes deleted. Every rank raises the same ``CheckpointWriteError`` if either fails."""
     try:
         write()
-        _on_rank_zero(ranks, lambda: commit(temporary, path), f"while moving {temporary.name} into its place")
+        _on_rank_zero(ranks, lambda: _commit(path, temporary), f"while moving {temporary.name} into its place")
     except CheckpointWriteError as err:
         raise _not_saved(path, err) from err
 
 
-def _not_saved(path: Path, err: CheckpointWriteError) -> CheckpointWriteError:
+def _commit(path: Location, temporary: Union[Path, RemoteFolder, RemoteLocation]) -> None:
+    if isinstance(temporary, RemoteFolder):
+        remote.finish_commit(temporary)
+    elif isinstance(path, Path):
+        assert isinstance(temporary, Path)
+        commit(temporary, path)
+    # else: a file at a URL, published by its upload's completion
+
+
+def _not_saved(path: Location, err: CheckpointWriteError) -> CheckpointWriteError:
     return CheckpointWriteError(
         f"Checkpoint {str(path)!r} was not saved: {err.detail}; the checkpoint saved there before, if any, is untouched."
     )

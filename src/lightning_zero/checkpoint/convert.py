@@ -22,32 +22,47 @@ from typing import Any, Optional, Union
 
 import torch
 
+from lightning_zero.checkpoint import remote
 from lightning_zero.checkpoint.atomic import commit, temporary_sibling
 from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY, read_callback_shards
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
+from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder, as_folder
 from lightning_zero.checkpoint.integrity import check_directory
-from lightning_zero.checkpoint.locations import local_checkpoint_path
+from lightning_zero.checkpoint.locations import RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.pickles import save_torch_file
 from lightning_zero.checkpoint.sharded import CURRENT_PREFIX, SHARDED, TENSOR, read_full_state
 from lightning_zero.checkpoint.storage import read_dcp_metadata, read_meta, read_tensors, tensor_metadata
 
 
-def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None) -> Path:
+def convert_checkpoint(
+    src: PathLike, dst: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None
+) -> Union[Path, RemoteLocation]:
     """Write the single-file form of the sharded checkpoint ``src`` to ``dst``; returns ``dst``.
     ``weights_only``: how ``src``'s meta.pt is unpickled, as ``torch.load`` reads a file (None:
     torch's default; see [Note: untrusted checkpoints] in ``pickles.py``).
 
     Refuses to overwrite ``src`` itself, or to convert a damaged one (every file is checked against
     the checksum in its manifest first); an existing ``dst`` file is replaced only once the new one
-    is complete.
+    is complete. Either may be a URL: the sharded checkpoint is read in place, and the file is
+    streamed into one upload, published once complete.
     """
-    src, dst = local_checkpoint_path(src), local_checkpoint_path(dst, "Destination")
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"convert_checkpoint would overwrite its source {str(src)!r}; choose another destination.")
+    source, dst = checkpoint_location(src), checkpoint_location(dst)
+    same = str(dst) == str(source) if isinstance(dst, RemoteLocation) or isinstance(source, RemoteLocation) else dst.resolve() == source.resolve()
+    if same:
+        raise ValueError(f"convert_checkpoint would overwrite its source {str(source)!r}; choose another destination.")
+    if isinstance(dst, RemoteLocation):
+        if RemoteFolder(dst).has_manifest():
+            raise IsADirectoryError(f"Destination {dst.url!r} is a sharded checkpoint; give the URL of the file to write.")
+        checkpoint = full_checkpoint(source, include_optimizer, weights_only)
+        try:
+            remote.write_file(dst, lambda stream: save_torch_file(checkpoint, stream))
+        except Exception as err:  # noqa: BLE001 - re-raised with the file named
+            raise CheckpointWriteError(f"{dst.url!r} could not be written: {describe(err, with_filename=False)}.") from err
+        return dst
     if dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
-    checkpoint = full_checkpoint(src, include_optimizer, weights_only)
+    checkpoint = full_checkpoint(source, include_optimizer, weights_only)
     dst.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
     try:
@@ -60,19 +75,27 @@ def convert_checkpoint(src: PathLike, dst: PathLike, include_optimizer: bool = F
     return dst
 
 
-def checkpoint_file(path: PathLike, weights_only: Optional[bool] = None) -> Union[Path, io.BytesIO]:
+def checkpoint_file(path: PathLike, weights_only: Optional[bool] = None) -> Union[Path, str, io.BytesIO]:
     """What code that reads one checkpoint *file* can take: ``path`` itself when it is a file, the
     single-file form of a sharded directory (weights and the rest, no optimizer state) in memory
     when it is one, its meta.pt unpickled under ``weights_only`` (as the reader will unpickle the
     form handed to it). For Lightning's file-only readers::
 
         model = MyModel.load_from_checkpoint(checkpoint_file(trainer.checkpoint_callback.best_model_path))
+
+    At a URL: a file's URL as given (Lightning's readers open URLs), a sharded checkpoint's single-file form.
     """
-    path = local_checkpoint_path(path)
-    if not path.is_dir():
-        return path
+    location = checkpoint_location(path)
+    if isinstance(location, RemoteLocation):
+        folder: Folder = RemoteFolder(location)
+        if not folder.has_manifest():
+            return location.url
+    elif not location.is_dir():
+        return location
+    else:
+        folder = LocalFolder(location)
     buffer = io.BytesIO()
-    save_torch_file(full_checkpoint(path, weights_only=weights_only), buffer)
+    save_torch_file(full_checkpoint(folder, weights_only=weights_only), buffer)
     buffer.seek(0)
     return buffer
 
@@ -81,7 +104,7 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only
     """The sharded checkpoint ``src`` as the one dict a plain Lightning checkpoint file holds
     (checked against its checksums first); see the module's docstring. ``weights_only``: see
     ``convert_checkpoint``."""
-    src = local_checkpoint_path(src)
+    src = as_folder(src)  # one folder for every read below (at a URL: the version its manifest names)
     manifest = check_directory(src)  # every file against its checksum: never convert damaged bytes
     meta = read_meta(src, weights_only)
     checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}
@@ -97,7 +120,7 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only
     return checkpoint
 
 
-def _full_optimizer_state(src: Path, manifest: Manifest, meta: dict, dcp_metadata: Any, index: int) -> dict[str, Any]:
+def _full_optimizer_state(src: Folder, manifest: Manifest, meta: dict, dcp_metadata: Any, index: int) -> dict[str, Any]:
     """One optimizer's state as ``torch.optim.Optimizer.state_dict()`` of an unsharded run."""
     metadata = tensor_metadata(src, dcp_metadata)
     saved = meta[OPTIMIZERS_KEY][index]

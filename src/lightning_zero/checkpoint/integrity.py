@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import zipfile
 import zlib
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import IO, Any, Iterable, Optional, Union
 
 from lightning_zero.checkpoint.atomic import complete_siblings
 from lightning_zero.checkpoint.errors import CorruptCheckpointError
+from lightning_zero.checkpoint.folders import Folder, as_folder
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 
 CHUNK_BYTES = 16 << 20
@@ -29,30 +31,36 @@ def bytes_checksum(data: bytes) -> int:
     return zlib.crc32(data)
 
 
-def file_checksum(path: PathLike) -> int:
+def file_checksum(path: Union[PathLike, IO[bytes]]) -> int:
     crc = 0
-    with open(path, "rb") as f:
+    with open(path, "rb") if not hasattr(path, "read") else nullcontext(path) as f:
         while chunk := f.read(CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
     return crc
 
 
-def checksum_files(directory: PathLike, names: Iterable[str]) -> dict[str, int]:
-    return {name: file_checksum(Path(directory) / name) for name in names}
+def checksum_files(directory: Any, names: Iterable[str]) -> dict[str, int]:
+    folder = as_folder(directory)
+    return {name: _folder_checksum(folder, name) for name in names}
 
 
-def checksum_problem(directory: PathLike, manifest: Manifest, name: str) -> Optional[str]:
+def _folder_checksum(folder: Folder, name: str) -> int:
+    with folder.open(name) as f:
+        return file_checksum(f)
+
+
+def checksum_problem(directory: Any, manifest: Manifest, name: str) -> Optional[str]:
     """What is wrong with file ``name`` (size, then checksum when the manifest has one), or None."""
     problem = manifest.size_problem(directory, name)
     if problem is not None or name not in manifest.checksums:
         return problem
-    found, written = file_checksum(Path(directory) / name), manifest.checksums[name]
+    found, written = _folder_checksum(as_folder(directory), name), manifest.checksums[name]
     if found != written:
         return f"{name} fails its checksum (CRC-32 {found:#010x}, written as {written:#010x}): its bytes changed after the save"
     return None
 
 
-def check_files(directory: PathLike, manifest: Manifest, names: Iterable[str]) -> None:
+def check_files(directory: Any, manifest: Manifest, names: Iterable[str]) -> None:
     """Raise ``CorruptCheckpointError`` naming the first of ``names`` that is damaged."""
     for name in names:
         problem = checksum_problem(directory, manifest, name)
@@ -72,12 +80,13 @@ def share(files: dict[str, int], rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def check_directory(directory: PathLike) -> Manifest:
+def check_directory(directory: Any) -> Manifest:
     """Manifest readable, every file present at its size and matching its checksum (one process)."""
+    directory = as_folder(directory)
     try:
         manifest = Manifest.read(directory)
     except FileNotFoundError as err:
-        found = complete_siblings(directory)
+        found = complete_siblings(directory.path) if directory.is_local else []
         if not found:
             raise
         raise FileNotFoundError(
@@ -88,19 +97,25 @@ def check_directory(directory: PathLike) -> Manifest:
     return manifest
 
 
-def check_zip(path: PathLike) -> None:
-    """A ``torch.save`` file (a zip archive): every record against the CRC-32 the zip stores for it,
-    which ``torch.load`` does not check. Files in torch's legacy (non-zip) format are let through."""
-    path = Path(path)
+def check_zip(path: Union[PathLike, IO[bytes]], label: Optional[str] = None) -> None:
+    """A ``torch.save`` file (a zip archive; or an open, seekable one, named ``label``): every record
+    against the CRC-32 the zip stores for it, which ``torch.load`` does not check. Files in torch's
+    legacy (non-zip) format are let through."""
+    if hasattr(path, "read"):
+        label = label or "the checkpoint file"
+    else:
+        path = Path(path)  # type: ignore[arg-type]
+        label = str(path)
     if not zipfile.is_zipfile(path):
-        with open(path, "rb") as f:
+        with open(path, "rb") if not hasattr(path, "read") else nullcontext(path) as f:  # type: ignore[arg-type]
+            f.seek(0)
             if f.read(2) == b"PK":  # a zip whose end was cut off
-                raise CorruptCheckpointError(f"{str(path)!r} is truncated: its zip directory is missing.")
+                raise CorruptCheckpointError(f"{label!r} is truncated: its zip directory is missing.")
         return
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-        raise CorruptCheckpointError(f"{str(path)!r} is corrupted: its zip structure cannot be read ({err}).") from err
+        raise CorruptCheckpointError(f"{label!r} is corrupted: its zip structure cannot be read ({err}).") from err
     if bad is not None:
-        raise CorruptCheckpointError(f"{str(path)!r} is corrupted: record {bad} fails its checksum.")
+        raise CorruptCheckpointError(f"{label!r} is corrupted: record {bad} fails its checksum.")

@@ -10,23 +10,25 @@ Format 2 adds a CRC-32 of every file (``integrity.py``); format 1 directories (s
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional
 
 from lightning_zero.checkpoint.errors import CorruptCheckpointError
+from lightning_zero.checkpoint.folders import MANIFEST_NAME, as_folder
+from lightning_zero.checkpoint.locations import PathLike
+
+__all__ = ["MANIFEST_NAME", "META_NAME", "Manifest", "PathLike", "is_sharded_checkpoint"]
 
 FORMAT = "lightning-zero/sharded/2"
-READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT)
-"""Format 2 only adds ``checksums``. The version moved so that an older lightning-zero refuses a new
-checkpoint by naming its format, rather than calling its manifest corrupted (unknown field)."""
-MANIFEST_NAME = "lightning_zero.json"
+REMOTE_FORMAT = "lightning-zero/sharded/3"
+READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT, REMOTE_FORMAT)
+"""Format 2 only adds ``checksums``, format 3 (checkpoints at a URL, ``remote.py``) ``content``. The
+version moves so that an older lightning-zero refuses a new checkpoint by naming its format, rather
+than calling its manifest corrupted (unknown field)."""
 META_NAME = "meta.pt"
 """Everything of the Lightning checkpoint that is not a tensor shard (loops, callbacks, LR
 schedulers, precision state, hyperparameters, optimizer hyperparameters), written by rank 0."""
 
-PathLike = Union[str, os.PathLike]
 
 
 @dataclass
@@ -49,31 +51,37 @@ class Manifest:
     """CRC-32 of every file of ``files`` (format 2; empty in format 1), checked before loading so that
     bytes changed in place are named instead of trained on."""
     format: str = FORMAT
+    content: str = ""
+    """Format 3: the version folder beside the manifest that holds ``files`` (``remote.py``); empty
+    (and not written) where the files are beside the manifest."""
 
-    def write(self, directory: PathLike) -> None:
-        path = Path(directory) / MANIFEST_NAME
-        with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+    def write(self, directory: Any) -> None:
+        data = asdict(self)
+        if not self.content:
+            del data["content"]  # a local directory's manifest stays format 2, byte for byte
+        folder = _folder(directory)
+        folder.write_file(MANIFEST_NAME, json.dumps(data, indent=1).encode())
 
     @classmethod
-    def read(cls, directory: PathLike) -> "Manifest":
-        directory = Path(directory)
-        if not directory.exists():
-            raise FileNotFoundError(f"Checkpoint {str(directory)!r} does not exist.")
-        path = directory / MANIFEST_NAME
-        if not path.is_file():
+    def read(cls, directory: Any) -> "Manifest":
+        folder = _folder(directory)
+        if not folder.exists():
+            raise FileNotFoundError(f"Checkpoint {str(folder)!r} does not exist.")
+        if not folder.has_manifest():
             raise ValueError(
-                f"{str(directory)!r} is not a lightning-zero sharded checkpoint: it has no {MANIFEST_NAME}."
-                " A sharded checkpoint directory gets it as the last step of a complete save; an"
-                " interrupted save leaves a '*.tmp-*' directory instead, never this name."
+                f"{str(folder)!r} is not a lightning-zero sharded checkpoint: it has no {MANIFEST_NAME}."
+                " A sharded checkpoint gets it as the last step of a complete save; an interrupted save"
+                " leaves a '*.tmp-*' directory (at a URL: a version folder no manifest names) instead."
             )
+        path = f"{folder}/{MANIFEST_NAME}"
         try:
-            data = json.loads(path.read_text())
+            with folder.open(MANIFEST_NAME) as f:
+                data = json.loads(f.read().decode())
             manifest = cls(**data)
         except (ValueError, TypeError) as err:
-            raise CorruptCheckpointError(f"The checkpoint manifest {str(path)!r} is corrupted: {err}") from err
+            raise CorruptCheckpointError(f"The checkpoint manifest {path!r} is corrupted: {err}") from err
+        directory = folder
+        folder.use_content(manifest.content)
         if manifest.format not in READABLE_FORMATS:
             raise ValueError(
                 f"{str(directory)!r} was written in format {manifest.format!r}; this version of"
@@ -85,24 +93,32 @@ class Manifest:
                 raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {problem}.")
         return manifest
 
-    def size_problem(self, directory: PathLike, name: str) -> Optional[str]:
+    def size_problem(self, directory: Any, name: str) -> Optional[str]:
         """What is wrong with file ``name`` short of reading it (missing, other size), or None."""
         try:
-            size = (Path(directory) / name).stat().st_size
+            size = _folder(directory).size(name)
         except FileNotFoundError:
             return f"{name} is missing"
         if size != self.files[name]:
             return f"{name} is truncated or corrupted ({size} bytes, written as {self.files[name]})"
         return None
 
-    def record_files(self, directory: PathLike, checksums: dict[str, int]) -> None:
+    def record_files(self, directory: Any, checksums: dict[str, int]) -> None:
         """Note the size and checksum of every file now in ``directory`` (all but the manifest)."""
-        self.files = {p.name: p.stat().st_size for p in sorted(Path(directory).iterdir()) if p.name != MANIFEST_NAME}
+        self.files = _folder(directory).sizes()
         unsummed = sorted(set(self.files) - set(checksums))
         if unsummed:
             raise RuntimeError(f"lightning-zero bug: no checksum was taken of {unsummed} in {str(directory)!r}.")
         self.checksums = {name: checksums[name] for name in self.files}
 
 
-def is_sharded_checkpoint(path: PathLike) -> bool:
-    return Path(path).is_dir() and (Path(path) / MANIFEST_NAME).is_file()
+def is_sharded_checkpoint(path: Any) -> bool:
+    """A sharded checkpoint: a directory (or, at a URL, a location) with a manifest."""
+    folder = _folder(path)
+    if folder.is_local:
+        return folder.path.is_dir() and folder.has_manifest()
+    return folder.has_manifest()
+
+
+def _folder(directory: Any) -> Any:
+    return as_folder(directory)

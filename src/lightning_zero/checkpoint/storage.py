@@ -1,36 +1,33 @@
 """The files of a sharded checkpoint directory, written and read through torch.distributed.checkpoint
 (DCP), checksummed, with one outcome for all ranks.
 
-Failures: DCP reports a failed rank without the file or the cause on top (``CheckpointException
-ranks:dict_keys([0])``), so DCP opens every file through ``_NamingFileSystem`` and its errors are
-re-raised with the checkpoint, the file and the cause on the first line. Every step whose outcome
+The directory is a local path or a ``RemoteFolder`` at a URL (``folders.py``; committed by its
+manifest, ``remote.py``). Failures: DCP reports a failed rank without the file or the cause on top
+(``CheckpointException ranks:dict_keys([0])``), so DCP opens every file through the folder's
+``dcp_files``, which name it, and its errors are re-raised with the checkpoint, the file and the cause on the first line. Every step whose outcome
 can differ between ranks (checksums, rank 0's meta.pt and manifest, the checks before a load) ends
 in ``on_every_rank``, so all ranks raise the same error and none waits alone in a collective.
 
 What the tensors are (DCP keys, DTensor layout) is ``sharded.py``'s business; this module moves bytes.
+The ranks' group and ``on_every_rank`` are ``group.py``'s (re-exported here).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import re
 import warnings
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Optional, TypeVar, Union
+from typing import Any, Generator, Optional, Union
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
 from lightning_zero.checkpoint.errors import (
@@ -40,151 +37,51 @@ from lightning_zero.checkpoint.errors import (
     UntrustedCheckpointError,
     describe,
 )
+from lightning_zero.checkpoint.folders import Folder, as_folder
+from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
-from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, Manifest, PathLike
+from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, REMOTE_FORMAT, Manifest
 from lightning_zero.checkpoint.pickles import DcpTensorItems, load_dcp_metadata, load_torch_file, save_torch_file
 from lightning_zero.compat.dcp_reads import load_in_this_process
 
-T = TypeVar("T")
+__all__ = ["CheckpointGroup", "on_every_rank"]  # and the functions below; the group lives in group.py
+
 DCP_METADATA_NAME = ".metadata"
 """The file DCP's ``FileSystemWriter`` keeps its metadata in (one for all ranks)."""
+UPLOAD_THREADS = 4
+"""DCP's writer threads per rank on a remote folder: each writes its own file, so a rank's shards
+upload in parallel (a local directory keeps DCP's one thread, its speed set by the disk)."""
 
 
-class CheckpointGroup:
-    """A gloo process group over all ranks and its 1-D device mesh: DCP exchanges plans and the
-    chunks are staged on the CPU, whatever backend training uses. Created on first use (a
-    collective call, made by every rank at the same save or load). In a process with no process
-    group (the calling process after spawned ranks finished) it is this process ``alone``.
+def _writer(folder: Folder) -> dcp.FileSystemWriter:
+    """DCP's writer into ``folder``, with its files opened through the folder's ``dcp_files``; on a
+    remote folder without fsync (there is no local file to sync).
 
-    ``timeout``: how long a collective on the groups made here waits for its peers before failing
-    (the strategy's; None: torch's default). Under gloo training DCP uses the default group itself,
-    unless ``dedicated``: a group of its own whatever the backend, for the saves written on a
-    background thread while training issues collectives (see [Note: async saves] in ``async_save.py``)."""
-
-    def __init__(self, timeout: Optional[timedelta] = None, dedicated: bool = False) -> None:
-        self.timeout = timeout
-        self.dedicated = dedicated
-        self._group: Optional[dist.ProcessGroup] = None
-        self._mesh: Optional[DeviceMesh] = None
-        self._hybrid_meshes: dict[int, DeviceMesh] = {}
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        if self._group is None:
-            self._group = (
-                dist.group.WORLD if dist.get_backend() == "gloo" and not self.dedicated else dist.new_group(backend="gloo", timeout=self.timeout)
-            )
-        return self._group
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        if self._mesh is None:
-            self._mesh = DeviceMesh.from_group(self.group, "cpu")
-        return self._mesh
-
-    def mesh_for(self, shard_group_size: Optional[int]) -> DeviceMesh:
-        """The mesh the chunks are DTensors on: 1-D over all ranks, or with hybrid sharding 2-D
-        (replicas × shard group), each chunk ``Replicate`` across shard groups (DCP stores it once)."""
-        if shard_group_size is None:
-            return self.mesh
-        if shard_group_size not in self._hybrid_meshes:
-            layout = torch.arange(self.size).view(-1, shard_group_size)
-            groups = [self._new_gloo_group_per(layout.T), self._new_gloo_group_per(layout)]  # replicate dim, shard dim
-            self._hybrid_meshes[shard_group_size] = DeviceMesh.from_group(
-                groups, "cpu", mesh=layout, mesh_dim_names=("replicate", "shard")
-            )
-        return self._hybrid_meshes[shard_group_size]
-
-    def _new_gloo_group_per(self, rows: torch.Tensor) -> dist.ProcessGroup:
-        """One gloo group per row of global ranks (each rank creates all, in order); this rank's."""
-        mine = None
-        for row in rows.tolist():
-            group = dist.new_group(row, backend="gloo", timeout=self.timeout)
-            if dist.get_rank() in row:
-                mine = group
-        assert mine is not None
-        return mine
-
-    def __getstate__(self) -> dict[str, Any]:
-        # a process group belongs to its process: made anew on use
-        return {"timeout": self.timeout, "dedicated": self.dedicated, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
-
-    @property
-    def alone(self) -> bool:
-        return not dist.is_initialized()
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.alone else dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return 1 if self.alone else dist.get_world_size(self.group)
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.alone:
-            return [obj]
-        gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
-
-
-def on_every_rank(group: CheckpointGroup, work: Callable[[], T]) -> list[T]:
-    """Run ``work`` on this rank and gather every rank's result. If it raised on any rank, every rank
-    raises the lowest such rank's exception: all fail alike, with one message, and no rank is left
-    waiting in a collective for one that gave up."""
-    try:
-        outcome: tuple[Optional[Exception], Any] = (None, work())
-    except Exception as err:  # noqa: BLE001 - handed to every rank, raised there
-        outcome = (_picklable(err), None)
-    gathered = group.all_gather(outcome)
-    for err, _ in gathered:
-        if err is not None:
-            raise err
-    return [result for _, result in gathered]
-
-
-def _picklable(err: Exception) -> Exception:
-    try:
-        pickle.dumps(err)
-        return err
-    except Exception:  # noqa: BLE001 - an exception carrying something unpicklable
-        return RuntimeError(f"{type(err).__name__}: {err}")
-
-
-class _NamingFileSystem(FileSystem):
-    """DCP's local file access, with any error raised while a file is open (opening, reading,
-    unpickling, writing, syncing) re-raised as ``ShardFileError`` naming that file."""
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        except Exception as err:  # noqa: BLE001 - tagged and re-raised
-            raise ShardFileError(Path(path).name, describe(err, with_filename=False)) from err
-
-
-def _writer(directory: PathLike) -> dcp.FileSystemWriter:
-    # every entry is a host tensor by now (copied or staged), so DCP's default loader, which copies
-    # device tensors ahead on a CUDA stream of the thread's current device (cuda:0 on a thread that
-    # never set one: a CUDA context on GPU 0 from every rank) and synchronizes it, has nothing to do:
-    # ``per_thread_copy_ahead=0`` picks its serial loader, which never touches CUDA
-    writer = dcp.FileSystemWriter(str(directory), sync_files=True, per_thread_copy_ahead=0)
-    writer.fs = _NamingFileSystem()
+    Every entry is a host tensor by now (copied or staged), so DCP's default loader, which copies
+    device tensors ahead on a CUDA stream of the thread's current device (cuda:0 on a thread that
+    never set one: a CUDA context on GPU 0 from every rank) and synchronizes it, has nothing to do:
+    ``per_thread_copy_ahead=0`` picks its serial loader, which never touches CUDA."""
+    if folder.is_local:
+        writer = dcp.FileSystemWriter(folder.dcp_path, sync_files=True, per_thread_copy_ahead=0)
+    else:
+        writer = dcp.FileSystemWriter(folder.dcp_path, sync_files=False, thread_count=UPLOAD_THREADS, per_thread_copy_ahead=0)
+    writer.fs = folder.dcp_files()
+    writer.path = folder.dcp_path
     return writer
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's reader of ``directory``, every file opened through ``_NamingFileSystem``, and its metadata
+    """DCP's reader of ``directory``, every file opened through the folder's ``dcp_files``, and its metadata
     read first by ``_read_metadata`` (restricted, see [Note: untrusted checkpoints] in ``pickles.py``)
     and handed to DCP, in place of DCP's own ``pickle.load`` of .metadata; ``metadata``: that, read
     already (by ``read_dcp_metadata``) for this load. Tensor items are loaded as DCP loads them, each
     distinct pickle unpickled once (see [Note: one unpickling per distinct pickle] in ``pickles.py``)."""
 
-    def __init__(self, directory: PathLike, metadata: Any = None) -> None:
-        super().__init__(str(directory))
-        self.fs = _NamingFileSystem()
+    def __init__(self, directory: Any, metadata: Any = None) -> None:
+        folder = as_folder(directory)
+        super().__init__(folder.dcp_path if folder.is_local else ".")
+        self.fs = folder.dcp_files()
+        self.path = folder.dcp_path
         self._metadata = _read_metadata(directory) if metadata is None else metadata
         _check_files_inside(directory, self._metadata)
 
@@ -230,7 +127,7 @@ class _Reader(dcp.FileSystemReader):
         return done
 
 
-def _check_files_inside(directory: PathLike, metadata: Any) -> None:
+def _check_files_inside(directory: Any, metadata: Any) -> None:
     """Refuse metadata that names a file outside ``directory`` (an absolute path, a subfolder or
     ``..``): DCP would read wherever it points. Ours names plain files beside it."""
     names = {info.relative_path for info in metadata.storage_data.values()}
@@ -242,7 +139,7 @@ def _check_files_inside(directory: PathLike, metadata: Any) -> None:
         )
 
 
-def _reader(directory: PathLike, metadata: Any = None) -> dcp.FileSystemReader:
+def _reader(directory: Any, metadata: Any = None) -> dcp.FileSystemReader:
     return _Reader(directory, metadata)
 
 
@@ -261,24 +158,30 @@ def _dcp_failure(err: BaseException) -> tuple[Optional[str], str, str]:
 
 # ---- writing ------------------------------------------------------------------------------------
 def write_directory(
-    directory: PathLike, tensors: dict[str, Tensor], meta: Union[dict[str, Any], bytes], manifest: Manifest, group: CheckpointGroup
+    directory: Any, tensors: dict[str, Tensor], meta: Union[dict[str, Any], bytes], manifest: Manifest, group: CheckpointGroup
 ) -> None:
-    """Every rank writes its chunks into ``directory`` and checksums them; rank 0 then writes meta.pt
-    (``meta``, or its bytes from ``serialize_meta``) and, last, the manifest with every file's size
-    and checksum. If any of it fails, every rank raises the same ``CheckpointWriteError``."""
-    directory = Path(directory)
+    """Every rank writes its chunks into ``directory`` (a path, or a ``RemoteFolder`` being written)
+    and checksums them; rank 0 then writes meta.pt (``meta``, or its bytes from ``serialize_meta``)
+    and, last, the manifest with every file's size and checksum. If any of it fails, every rank
+    raises the same ``CheckpointWriteError``."""
+    folder = as_folder(directory)
+    writer = _writer(folder)
     try:
-        dcp.save(tensors, storage_writer=_writer(directory), process_group=group.group)
+        dcp.save(tensors, storage_writer=writer, process_group=group.group)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank
         name, cause, who = _dcp_failure(err)
-        detail = f"{cause} while writing {directory.name}/{name} ({who})" if name else f"{cause} ({who})"
-        raise CheckpointWriteError(f"Checkpoint {str(directory)!r} could not be written: {detail}.", detail) from err
+        detail = f"{cause} while writing {folder.name}/{name} ({who})" if name else f"{cause} ({who})"
+        raise CheckpointWriteError(f"Checkpoint {str(folder)!r} could not be written: {detail}.", detail) from err
     # DCP's save returns once every rank's shards and .metadata are written
     rank = group.rank
     checksums: dict[str, int] = {}
-    for sums in on_every_rank(group, lambda: _checksum_own_files(directory, rank, group.size)):
+    if folder.is_local:
+        own = lambda: _checksum_own_files(folder.path, rank, group.size)  # noqa: E731
+    else:
+        own = lambda: {name: crc for name, (crc, _) in writer.fs.written.items()}  # noqa: E731 - taken while streaming
+    for sums in on_every_rank(group, own):
         checksums.update(sums)
-    on_every_rank(group, lambda: _write_meta_and_manifest(directory, meta, manifest, checksums) if rank == 0 else None)
+    on_every_rank(group, lambda: _write_meta_and_manifest(folder, meta, manifest, checksums) if rank == 0 else None)
 
 
 def _checksum_own_files(directory: Path, rank: int, world_size: int) -> dict[str, int]:
@@ -287,29 +190,30 @@ def _checksum_own_files(directory: Path, rank: int, world_size: int) -> dict[str
         return checksum_files(directory, _written_by(directory, rank, world_size))
 
 
-def serialize_meta(directory: PathLike, meta: dict[str, Any]) -> bytes:
+def serialize_meta(directory: Any, meta: dict[str, Any]) -> bytes:
     """meta.pt's bytes; a failure raises the ``CheckpointWriteError`` that writing it would (rank 0)."""
-    with _writing(Path(directory), f"while writing {Path(directory).name}/{META_NAME}", 0):
+    folder = as_folder(directory)
+    with _writing(folder, f"while writing {folder.name}/{META_NAME}", 0):
         buffer = io.BytesIO()
         save_torch_file(meta, buffer)
         return buffer.getvalue()
 
 
-def _write_meta_and_manifest(directory: Path, meta: Union[dict[str, Any], bytes], manifest: Manifest, checksums: dict[str, int]) -> None:
+def _write_meta_and_manifest(directory: Any, meta: Union[dict[str, Any], bytes], manifest: Manifest, checksums: dict[str, int]) -> None:
     # serialized first, so that a full disk is reported as the OS words it
-    data = meta if isinstance(meta, bytes) else serialize_meta(directory, meta)
-    with _writing(directory, f"while writing {directory.name}/{META_NAME}", 0):
-        with open(directory / META_NAME, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    with _writing(directory, f"while writing {directory.name}/{MANIFEST_NAME}", 0):
-        manifest.record_files(directory, {**checksums, META_NAME: bytes_checksum(data)})
-        manifest.write(directory)
+    folder = as_folder(directory)
+    data = meta if isinstance(meta, bytes) else serialize_meta(folder, meta)
+    with _writing(folder, f"while writing {folder.name}/{META_NAME}", 0):
+        folder.write_file(META_NAME, data)
+    with _writing(folder, f"while writing {folder.name}/{MANIFEST_NAME}", 0):
+        if not folder.is_local:  # the manifest names the version folder it commits (remote.py)
+            manifest.format, manifest.content = REMOTE_FORMAT, folder.content or ""
+        manifest.record_files(folder, {**checksums, META_NAME: bytes_checksum(data)})
+        manifest.write(folder)
 
 
 @contextmanager
-def _writing(directory: Path, doing: str, rank: int) -> Generator[None, None, None]:
+def _writing(directory: Any, doing: str, rank: int) -> Generator[None, None, None]:
     """Errors inside become ``CheckpointWriteError`` naming the checkpoint, the cause and the file."""
     try:
         yield
@@ -333,7 +237,7 @@ def _written_by(directory: Path, rank: int, world_size: int) -> list[str]:
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def verify_on_ranks(directory: PathLike, group: CheckpointGroup) -> Manifest:
+def verify_on_ranks(directory: Any, group: CheckpointGroup) -> Manifest:
     """The manifest, once every rank has checked its share of the files (sizes and checksums) and
     all agree that none is damaged; otherwise every rank raises the same error, naming the file."""
     manifest: list[Manifest] = []
@@ -346,12 +250,16 @@ def verify_on_ranks(directory: PathLike, group: CheckpointGroup) -> Manifest:
     return manifest[0]
 
 
-def read_meta(directory: PathLike, weights_only: Optional[bool]) -> dict[str, Any]:
+def read_meta(directory: Any, weights_only: Optional[bool]) -> dict[str, Any]:
     """meta.pt, unpickled as ``torch.load`` unpickles a checkpoint file under ``weights_only`` (see
     [Note: untrusted checkpoints] in ``pickles.py``); a refused global raises ``UntrustedCheckpointError``."""
-    path = Path(directory) / META_NAME
+    folder = as_folder(directory)
     try:
-        return load_torch_file(path, weights_only, directory, META_NAME)
+        if folder.is_local:
+            return load_torch_file(folder.path / META_NAME, weights_only, directory, META_NAME)
+        with folder.open(META_NAME) as f:
+            data = io.BytesIO(f.read())  # a few kB to MB: the rest of the Lightning checkpoint
+        return load_torch_file(data, weights_only, directory, META_NAME)
     except UntrustedCheckpointError:
         raise
     except FileNotFoundError:
@@ -360,27 +268,27 @@ def read_meta(directory: PathLike, weights_only: Optional[bool]) -> dict[str, An
         raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: {META_NAME} cannot be read ({describe(err)}).") from err
 
 
-def tensor_metadata(directory: PathLike, metadata: Any = None) -> dict[str, Any]:
+def tensor_metadata(directory: Any, metadata: Any = None) -> dict[str, Any]:
     """DCP's metadata of every tensor saved in ``directory``, by key (full shapes and dtypes);
     ``metadata``: DCP's metadata, read already by ``read_dcp_metadata``."""
     return (_read_metadata(directory) if metadata is None else metadata).state_dict_metadata
 
 
-def read_dcp_metadata(directory: PathLike) -> Any:
+def read_dcp_metadata(directory: Any) -> Any:
     """DCP's metadata of ``directory``, unpickled once for a whole load and handed to each of its
     reads (``tensor_metadata``, ``read_tensors``): a 227M GPT's takes ~0.1 s to unpickle."""
     return _read_metadata(directory)
 
 
-def storage_items(directory: PathLike) -> list[tuple[str, int, int]]:
+def storage_items(directory: Any) -> list[tuple[str, int, int]]:
     """Where DCP's metadata says each saved item lies: (file, offset, length in bytes)."""
     return sorted((info.relative_path, info.offset, info.length) for info in _read_metadata(directory).storage_data.values())
 
 
-def _read_metadata(directory: PathLike) -> Any:
+def _read_metadata(directory: Any) -> Any:
     """DCP's metadata, read with ``DcpMetadataUnpickler`` (never DCP's own ``pickle.load``)."""
     try:
-        with open(Path(directory) / DCP_METADATA_NAME, "rb") as f:
+        with as_folder(directory).open(DCP_METADATA_NAME, "rb") as f:
             return load_dcp_metadata(f, directory, DCP_METADATA_NAME)
     except UntrustedCheckpointError:
         raise
@@ -389,7 +297,7 @@ def _read_metadata(directory: PathLike) -> Any:
         raise CorruptCheckpointError(f"Checkpoint {str(directory)!r} is damaged: its DCP metadata cannot be read ({cause}).") from err
 
 
-def read_tensors(targets: dict[str, Tensor], directory: PathLike, group: Optional[CheckpointGroup], metadata: Any = None) -> None:
+def read_tensors(targets: dict[str, Tensor], directory: Any, group: Optional[CheckpointGroup], metadata: Any = None) -> None:
     """Fill ``targets`` (plain tensors or DTensor shards, by key) from ``directory``; ``group=None``
     reads in this process alone (the converter), else collectively over ``group``. ``metadata``:
     DCP's metadata, read already by ``read_dcp_metadata``."""

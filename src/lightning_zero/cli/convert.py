@@ -13,8 +13,8 @@ from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="a sharded checkpoint directory written by lightning-zero")
-    parser.add_argument("dst", help="the file to write (a plain Lightning checkpoint)")
+    parser.add_argument("src", help="a sharded checkpoint written by lightning-zero: a directory, or a URL (s3://, gs://, az://, ...)")
+    parser.add_argument("dst", help="the file to write (a plain Lightning checkpoint), a path or a URL")
     parser.add_argument(
         "--with-optimizer",
         action="store_true",
@@ -30,7 +30,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only)
     except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
-    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
+    size = out.fs.size(out.path) if hasattr(out, "fs") else os.path.getsize(out)  # a URL's object, or a local file
+    print(f"wrote {out} ({size / 1e6:.1f} MB)")
     return 0
 
 

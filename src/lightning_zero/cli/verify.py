@@ -1,6 +1,7 @@
 """`lightning-zero verify PATH`: check a checkpoint on disk without loading a model
 (`lightning_zero.checkpoint.verify_checkpoint`) — for a sharded directory the manifest, every file's
-size and checksum, DCP's metadata and meta.pt; for a single file its zip records' checksums.
+size and checksum, DCP's metadata and meta.pt; for a single file its zip records' checksums. At a
+URL the files are read in place, and version folders that interrupted saves left there are named.
 
 Prints one `OK` line and exits 0, or names the damaged file and the cause and exits 1 — also for a
 pickle naming a global that a weights-only load refuses (unless `--no-weights-only`: then meta.pt is
@@ -16,7 +17,7 @@ from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a sharded checkpoint directory or a checkpoint file")
+    parser.add_argument("path", help="a sharded checkpoint directory or a checkpoint file, local or at a URL (s3://, gs://, az://, ...)")
     add_weights_only_argument(parser, "do not unpickle meta.pt; list what it names beyond the weights-only allow list")
 
 

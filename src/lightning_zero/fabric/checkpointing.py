@@ -15,11 +15,10 @@ import lightning
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.atomic import recover
-from lightning_zero.checkpoint.checkpointing import RankCoordination, ZeroCheckpointing
+from lightning_zero.checkpoint.checkpointing import RankCoordination, ZeroCheckpointing, check_file
 from lightning_zero.checkpoint.convert import full_checkpoint
 from lightning_zero.checkpoint.layout import FABRIC_NAMES, LIGHTNING_VERSION_KEY, MODULE_KEY, OPTIMIZERS_KEY, fabric_names
-from lightning_zero.checkpoint.locations import local_checkpoint_path
+from lightning_zero.checkpoint.locations import checkpoint_location
 from lightning_zero.checkpoint.pickles import checkpoint_globals
 from lightning_zero.compat.lightning_api import load_passing_weights_only
 from lightning_zero.fabric.checkpoint_io import file_writer
@@ -70,6 +69,7 @@ class FabricCheckpointing:
         path: Union[str, Path],
         state: dict[str, Any],
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+        storage_options: Optional[dict[str, Any]] = None,
     ) -> None:
         """A sharded directory (every rank writes its chunks) or, with ``state_dict_type="full"``, one
         file in Fabric's usual layout, written by rank 0 with ``checkpoint_io``; either appears only
@@ -105,7 +105,7 @@ class FabricCheckpointing:
         checkpoint[LIGHTNING_VERSION_KEY] = lightning.__version__
         self._checkpointing.save(
             ranks, checkpoint, path, split.module or nn.Module(), engine,
-            write_file=file_writer(checkpoint_io),
+            write_file=file_writer(checkpoint_io), storage_options=storage_options,
         )  # fmt: skip
 
     def load(
@@ -123,26 +123,29 @@ class FabricCheckpointing:
         Fabric's DDP loads a state that holds no module set up here."""
         self._modules.close_steps()
         self._checkpointing.wait()  # a save in flight may be the very checkpoint asked for
-        path = local_checkpoint_path(path)
-        recover(path)
+        location = checkpoint_location(path)
+        folder = self._checkpointing.sharded_folder(location)  # a local one put back first, if a crash left it aside
+        path = location
 
-        def read_file(file: Path) -> Any:
+        def read_file(file: Any) -> Any:
             with checkpoint_globals():  # a file loads as a directory's meta.pt does
                 return load_passing_weights_only(checkpoint_io.load_checkpoint, file, weights_only)
 
         if not state:
-            return full_checkpoint(path, include_optimizer=True, weights_only=weights_only) if path.is_dir() else read_file(path)
+            if folder is not None:
+                return full_checkpoint(folder, include_optimizer=True, weights_only=weights_only)
+            return read_file(check_file(location))
         if isinstance(state, nn.Module):  # `fabric.load_raw(path, module)`
             self._load_module(path, state, strict, read_file, weights_only)
             return {}
         if isinstance(state, Optimizer):  # `fabric.load_raw(path, optimizer)`
-            self._load_full_optimizer_state(state, read_file(path))
+            self._load_full_optimizer_state(state, read_file(check_file(location)))
             return {}
         split = split_state(state, self._modules.is_set_up, self._modules.owner_module)
         if split.module is None:
-            if path.is_dir():
+            if folder is not None:
                 raise ValueError(f"{str(path)!r} is a lightning-zero checkpoint: its state must include the module it holds.")
-            return load_passing_weights_only(load_plain, path, weights_only, state, strict)
+            return load_passing_weights_only(load_plain, check_file(location), weights_only, state, strict)
         sharded = self._modules.of(split.module)
         assert sharded is not None
         engine = sharded.ensure_engine()
@@ -155,7 +158,7 @@ class FabricCheckpointing:
         return remainder(checkpoint)
 
     def _load_module(
-        self, path: Path, module: nn.Module, strict: bool, read_file: Callable[[Path], Any], weights_only: Optional[bool]
+        self, path: Any, module: nn.Module, strict: bool, read_file: Callable[[Path], Any], weights_only: Optional[bool]
     ) -> None:
         """Full weights (a raw ``state_dict`` file, or a checkpoint of either layout) into ``module``."""
         sharded = self._modules.of(module)

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing
+from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.compat.lightning_api import fabric_setup_result
 from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
@@ -305,9 +306,8 @@ class ZeroFabricStrategy(DDPStrategy):
     ) -> None:
         """A sharded directory (every rank writes its chunks) or, with ``state_dict_type="full"``, one
         file in Fabric's usual layout, written by rank 0; either appears only once complete."""
-        if storage_options is not None:
-            raise TypeError("ZeroFabricStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
-        self._checkpoints.save(self, self.checkpoint_io, path, state, filter)
+        check_storage_options(path, storage_options)
+        self._checkpoints.save(self, self.checkpoint_io, path, state, filter, storage_options)
 
     @override
     def load_checkpoint(

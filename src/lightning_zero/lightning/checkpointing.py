@@ -13,7 +13,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.checkpointing import StateDictType
-from lightning_zero.checkpoint.locations import check_local_locations
+from lightning_zero.checkpoint.locations import check_locations
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
@@ -58,12 +58,12 @@ def check_callbacks_can_save(trainer: "pl.Trainer", state_dict_type: StateDictTy
 
 
 def check_checkpoint_locations(trainer: "pl.Trainer") -> None:
-    """At setup, on every rank: the directories checkpoints will be saved in are local (see
-    ``checkpoint/locations.py``): each checkpointing callback's (ModelCheckpoint's, resolved by its
+    """At setup, on every rank: every directory checkpoints will be saved in that is a URL has its
+    fsspec package installed (see ``checkpoint/locations.py``): each checkpointing callback's (ModelCheckpoint's, resolved by its
     own setup, which ran before the strategy's; OnExceptionCheckpoint's), and ``default_root_dir``
     where a preemption under SLURM saves there."""
     locations = [(f"{type(c).__name__}(dirpath=...)", getattr(c, "dirpath", None)) for c in trainer.callbacks]
     environment = trainer.strategy.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         locations.append(("`default_root_dir`, where a preemption saves,", trainer.default_root_dir))
-    check_local_locations(locations)
+    check_locations(locations)

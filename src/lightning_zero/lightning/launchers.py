@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_zero.checkpoint.atomic import discard_leftovers, recover_folder
+from lightning_zero.checkpoint.locations import is_remote
 from lightning_zero.engine.engine import linked_engine
 
 __all__ = ["RecoveringLauncher", "RecoveringMultiProcessingLauncher", "StartMethod", "check_start_method", "checkpoint_folders"]
@@ -40,9 +41,12 @@ class _RecoversCheckpoints:
             wait = getattr(getattr(trainer, "strategy", None), "wait_for_checkpoint", None)
             if wait is not None:  # a save still in flight (async_save) is no interrupted one: let it commit
                 wait()
+            # at a URL there is nothing to put back: a save commits by its manifest (checkpoint/remote.py)
             for folder in checkpoint_folders(trainer) | {os.fspath(trainer.default_root_dir)}:
-                recover_folder(folder)
-            discard_leftovers(trainer.default_root_dir, HPC_CHECKPOINT_PREFIX)
+                if not is_remote(folder):
+                    recover_folder(folder)
+            if not is_remote(trainer.default_root_dir):
+                discard_leftovers(trainer.default_root_dir, HPC_CHECKPOINT_PREFIX)
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 

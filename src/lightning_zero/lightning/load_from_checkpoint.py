@@ -4,7 +4,8 @@ checkpoint directories ``ModelCheckpoint`` writes by default.
 Lightning's ``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read the path
 with ``lightning.fabric.utilities.cloud_io._load``, imported into ``lightning.pytorch.core.saving``
 as ``pl_load``, which opens it as one file: on a directory, a bare ``IsADirectoryError``. ``install``
-(run by ``import lightning_zero``) wraps that one name: a local directory is read as its single-file
+(run by ``import lightning_zero``) wraps that one name: a local directory (or a sharded checkpoint at
+a URL) is read as its single-file
 form (``checkpoint_file``: full weights and the rest of the checkpoint, no optimizer state, in this
 process alone, no process group) and handed to Lightning's reader, so ``map_location`` and
 ``weights_only`` mean what they mean for a file (meta.pt is unpickled under the same
@@ -28,6 +29,8 @@ from lightning.pytorch.core import saving
 from lightning.pytorch.utilities.parsing import AttributeDict
 
 from lightning_zero.checkpoint.convert import checkpoint_file
+from lightning_zero.checkpoint.locations import is_remote
+from lightning_zero.checkpoint.manifest import is_sharded_checkpoint
 from lightning_zero.checkpoint.pickles import allow_in_checkpoints, checkpoint_globals
 
 
@@ -38,12 +41,17 @@ class ReadsShardedDirectories:
         self.read = read
 
     def __call__(self, path_or_url: Union[IO, str, Path], *args: Any, **kwargs: Any) -> Any:
-        if not (isinstance(path_or_url, (str, Path)) and os.path.isdir(path_or_url)):
+        if not (isinstance(path_or_url, (str, Path)) and _is_sharded(path_or_url)):
             return self.read(path_or_url, *args, **kwargs)
         # Lightning's `_load(path_or_url, map_location=None, weights_only=None)`
         weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
         with checkpoint_globals():  # the single-file form holds what meta.pt held
             return self.read(checkpoint_file(path_or_url, weights_only), *args, **kwargs)
+
+
+def _is_sharded(path: Union[str, Path]) -> bool:
+    """A local directory, or a sharded checkpoint at a URL (a file there goes to Lightning's reader)."""
+    return is_sharded_checkpoint(path) if is_remote(path) else os.path.isdir(path)
 
 
 def install() -> None:

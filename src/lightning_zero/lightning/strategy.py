@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
 from lightning_zero.checkpoint.errors import CheckpointWriteError, UntrustedCheckpointError
+from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.compat.lightning_api import load_passing_weights_only, trainer_takes_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
@@ -224,7 +225,7 @@ class ZeroStrategy(ZeroStepHooks):
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
-        check_checkpoint_locations(trainer)  # a URL would become a local folder (checkpoint/locations.py)
+        check_checkpoint_locations(trainer)  # a URL's fsspec package is installed (checkpoint/locations.py)
         gather_around_parameter_hooks(trainer, self)  # pruning reads and writes parameters between steps
         handle_preemption(trainer)  # signals only record a request; the ranks stop together
         self.accelerator.setup(trainer)
@@ -390,17 +391,16 @@ class ZeroStrategy(ZeroStepHooks):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint takes no `storage_options`; it writes local files.")
+        check_storage_options(filepath, storage_options)
         self._checkpointing.save(
-            self, checkpoint, filepath, self.lightning_module, self._state_engine, file_writer(self.checkpoint_io)
+            self, checkpoint, filepath, self.lightning_module, self._state_engine, file_writer(self.checkpoint_io), storage_options
         )
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
         # ModelCheckpoint removes what the checkpoint it just saved supersedes: with `async_save`
         # only once that one committed, so a crash never leaves no complete checkpoint
-        self._checkpointing.after_commit(lambda: super(ZeroStrategy, self).remove_checkpoint(filepath))
+        self._checkpointing.remove(filepath, self.is_global_zero, lambda: super(ZeroStrategy, self).remove_checkpoint(filepath))
 
     def wait_for_checkpoint(self) -> None:
         """Block until the save in flight (``async_save``), if any, has committed; raise its
