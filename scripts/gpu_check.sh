@@ -32,7 +32,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # run (2026-12-04: 196 s in all, the longest step 31 s); the summary says how long each step took.
 if [ "$dry_run" = 1 ]; then
   # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
-  tier_steps=("cuda-tier:engine lightning checkpoint compile nccl_contracts reduce_stream:60") overhead_precisions=(fp32)
+  tier_steps=("cuda-tier:engine host_work lightning checkpoint compile nccl_contracts reduce_stream:60") overhead_precisions=(fp32)
   overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
@@ -43,11 +43,11 @@ if [ "$dry_run" = 1 ]; then
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else
   # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
-  tier_steps=("cuda-tier-engine:engine:45" "cuda-tier-lightning:lightning:75" "cuda-tier-checkpoint:checkpoint:40"
+  tier_steps=("cuda-tier-engine:engine host_work:45" "cuda-tier-lightning:lightning:75" "cuda-tier-checkpoint:checkpoint:40"
               "cuda-tier-compile:compile:60" "cuda-tier-nccl-contracts:nccl_contracts:40"
               "cuda-tier-reduce-stream:reduce_stream:40")
   overhead_precisions=(fp32 bf16-mixed) overhead_limit=50 offload_limit=70 nvme_limit=45 capacity_limit=55
-  overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 4 variants in fresh processes
+  overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 5 variants round-robin in one process
   offload_args=(--warmup 1 --steps 3 --time-budget-s 60)  # the default 1.2B GPT, bf16-mixed
   # a GPT of 8 x 1024 (101M parameters, 1.6 GB of fp32 states), 4 x 256 tokens: the optimizer step
   # streams 0.8 GB of moments (and 0.4 GB of chunks, read 3 times) per step through the local disk

@@ -172,9 +172,12 @@ def test_ownership_path_rows_show_its_communication_and_state(bench: BenchResult
             sent = 4 * (2 * chunks + owned[rank.rank])
             assert counted.buffer_bytes["all_to_all"] == sent > 0
             assert counted.wire_bytes["all_to_all"] == pytest.approx(sent * (n - 1) / n)
-            # everything else is the chunk path's
+            # everything else is the chunk path's, and the all-reduce that agrees on which parameters
+            # take part (one 4-byte flag per parameter; issue 52)
             others = {kind: b for kind, b in counted.buffer_bytes.items() if kind != "all_to_all"}
-            assert others == chunk.ranks[rank.rank].collectives.buffer_bytes
+            expected = dict(chunk.ranks[rank.rank].collectives.buffer_bytes)
+            expected["all_reduce"] = expected.get("all_reduce", 0) + 4 * len(numels)
+            assert others == expected
             # the owner's moments (2 × 4 B per owned element) and step counters (4 B per owned tensor)
             state = rank.phases["step"].optimizer_state
             assert state == 8 * owned[rank.rank] + 4 * owned_tensors[rank.rank]
@@ -182,7 +185,9 @@ def test_ownership_path_rows_show_its_communication_and_state(bench: BenchResult
             assert state <= whole.theory.optimizer_state_bound_bytes
         exchange = whole.comm_bytes_by_kind["all_to_all"]
         assert exchange == pytest.approx(whole.theory.owner_exchange_bytes_per_step)
-        assert whole.comm_bytes_per_step == pytest.approx(chunk.comm_bytes_per_step + exchange)
+        agreement = whole.comm_bytes_by_kind["all_reduce"] - chunk.comm_bytes_by_kind.get("all_reduce", 0)
+        assert 0 < agreement <= 4 * len(numels)  # the participation flags' all-reduce (issue 52)
+        assert whole.comm_bytes_per_step == pytest.approx(chunk.comm_bytes_per_step + exchange + agreement)
         assert whole.theory.comm_bytes_per_step == pytest.approx(chunk.theory.comm_bytes_per_step + exchange)
         assert whole.aten_ops_per_step > 0 and whole.targets["step_time"] is None and whole.targets["overhead"] is None
         assert whole.targets["model_state"] is True
