@@ -7,7 +7,8 @@ under CPU offload (``optimizer/host_step.py``) and, with NVMe offload, moves its
 (``offload/disk_tier.py``). A whole-tensor optimizer (Muon, Adafactor, an unknown class) steps each
 parameter whole on an owner rank instead (``optimizer/whole_tensor_step.py``; see [Note: step
 granularity] in ``optimizer/optimizer_kinds.py``). An optimizer's ``train()``/``eval()`` that move the
-weights (schedule-free optimizers) reach the module (``optimizer/weight_swaps.py``). ``clear`` undoes
+weights (schedule-free optimizers), and its ``zero_grad``, reach the module
+(``optimizer/weight_swaps.py``). ``clear`` undoes
 all of it, so a new ``fit`` can bring new optimizers.
 
 Checkpoints read and write an optimizer's state as the chunk path holds it (``chunked_state`` /
@@ -41,7 +42,8 @@ class ShardedOptimizers:
     ``before_step`` runs before every step of each (it takes the gradients assigned to
     ``param.grad``); ``disk`` and ``buckets``: the NVMe tier and the gradient buckets its files follow;
     ``group`` and ``compute_device``: where whole-tensor optimizers' owners exchange tensors;
-    ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step.
+    ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step;
+    ``after_zero_grad`` runs after any of them freed or zeroed its gradients (``zero_grad``).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class ShardedOptimizers:
         group: collectives.ProcessGroup,
         compute_device: torch.device,
         refresh: Callable[[Optimizer], None],
+        after_zero_grad: Callable[[], None] = lambda: None,
     ) -> None:
         self._sharded = {id(sp.param): sp for sp in params}
         self._config = config
@@ -67,6 +70,7 @@ class ShardedOptimizers:
         self._group = group
         self._compute_device = compute_device
         self._refresh = refresh
+        self._after_zero_grad = after_zero_grad
         self._whole: dict[int, WholeTensorStep] = {}
         """The whole-tensor optimizers' steps, by ``id`` of the optimizer (kept after hooks go, for checkpoints)."""
         self._swaps: list[WeightSwaps] = []
@@ -95,7 +99,9 @@ class ShardedOptimizers:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
         if self._disk is not None:
             self._disk.attach(optimizer, params, self._buckets)
-        self._swaps.append(WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext))
+        self._swaps.append(
+            WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext, self._after_zero_grad)
+        )
 
     # ---- state, as the chunk path holds it ---------------------------------------------------
     def chunked_state(self, optimizer: Optimizer) -> ChunkedState:
