@@ -109,11 +109,14 @@ def fabric_grads_after_the_step(ctx: RankContext) -> dict[str, Any]:
         module = small_gpt()
         model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
         seen = []
-        for step, batch in enumerate(batches_for(ctx.rank, 2)):
+        # after each step: optimizer.zero_grad(), none at all (the next backward accumulates into the
+        # step's gradients), zero_grad(set_to_none=False), the module's own zero_grad()
+        zero_grads = [optimizer.zero_grad, lambda: None, lambda: optimizer.zero_grad(set_to_none=False), module.zero_grad, optimizer.zero_grad]
+        for zero_grad, batch in zip(zero_grads, batches_for(ctx.rank, 5)):
             fabric.backward(model(batch[:, :-1], batch[:, 1:])[1])
             optimizer.step()
             after_step = _grad_reads(module)  # the user's module: DDP's wrapper renames the parameters
-            optimizer.zero_grad(set_to_none=step == 0)
+            zero_grad()
             seen.append({"after_step": after_step, "after_zero_grad": _grad_reads(module)})
         results[variant] = seen
     return results
@@ -324,8 +327,9 @@ def test_fabric_grad_after_the_step_reads_as_under_ddp_until_zero_grad(results: 
         for step, (ours, ddp) in enumerate(zip(runs[variant], runs["ddp"])):
             for when in ("after_step", "after_zero_grad"):
                 _assert_like_ddp(ours[when], ddp[when], f"rank {rank} step {step} {when}")
-        assert all(v is None for v in runs["ddp"][0]["after_zero_grad"].values())
-        assert all(v is not None for v in runs["ddp"][1]["after_zero_grad"].values())
+        assert len(runs[variant]) == 5
+        nones = [all(v is None for v in seen["after_zero_grad"].values()) for seen in runs["ddp"]]
+        assert nones == [True, False, False, True, True]
 
 
 @pytest.mark.parametrize("variant", ["zero1", "zero2", "zero3"])
