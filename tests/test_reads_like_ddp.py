@@ -402,3 +402,36 @@ def test_reading_every_parameter_one_at_a_time_holds_one_more_parameter_at_most(
         assert r["norms"] == 8 and r["world"] == 2
         # one weight gathered at a time (4 MiB), beside the fit's peak; 2 MiB for the process's noise
         assert r["read_peak"] <= r["fit_peak"] + r["largest"] + 2 * 2**20, (r["read_peak"] - r["fit_peak"]) / 2**20
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_plain_loop_zeroing_the_module_trains_as_torch_does(stage: int) -> None:
+    """``model.zero_grad()`` after the step (not the optimizer's), in a plain engine loop that calls
+    no ``before_backward``: the dropped gradients reach the chunks at ``begin_step``, so the next
+    backward starts from nothing, as in torch's own loop (one process)."""
+    import copy
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from models import OddShapes, batches
+
+    torch.manual_seed(0)
+    model = OddShapes()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage))
+    for x, y in batches(0, 3):
+        engine.begin_step()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        engine.finish_backward()
+        engine.end_step()
+        optimizer.step()
+        engine.after_optimizer_step(optimizer)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        reference.zero_grad()
+    with engine.gathered():
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), name
+    engine.close()

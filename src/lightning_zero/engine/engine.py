@@ -187,7 +187,10 @@ class ZeroEngine:
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Before each training/evaluation step (stage 3 gathers the root unit here). ``param.grad``
-        keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP."""
+        keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP;
+        gradients dropped or assigned since the step (``model.zero_grad()``) reach the chunks now, so
+        a loop that calls no ``before_backward`` accumulates into what they left."""
+        self.gradients.take_assignments()
         self.residency.begin_step()
 
     def before_backward(self) -> None:
