@@ -58,6 +58,10 @@ class GatheredValue(Tensor):
             result = func(*args, **(kwargs or {}))
             return keep_read_only(result, sources, sources[0]._names if sources else "")
 
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # printed as the plain tensor it reads as
+        with torch._C.DisableTorchFunctionSubclass():
+            return repr(self.as_subclass(Tensor))
+
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickled (torch.save) as the plain tensor it reads as
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(Tensor).__reduce_ex__(protocol)
