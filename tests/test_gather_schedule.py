@@ -79,38 +79,64 @@ def test_each_backward_of_a_step_keeps_units_gathered_until_their_gradients_accu
     _assert_stage3_matches_torch(TwoBackwardsPerStep())  # the 2nd backward freed blocks[0] after its bias
 
 
-def test_a_parameter_at_rest_refuses_to_be_read_and_names_itself():
-    """Outside its unit's forward and backward (see [Note: parameters at rest]): what describes the
-    parameter works, what reads its values fails naming it; gathered, it is a plain parameter."""
+def test_a_parameter_at_rest_reads_as_its_full_value_and_refuses_writes_naming_itself():
+    """Outside its unit's forward and backward (see [Note: parameters at rest], [Note: reads at
+    rest]): what describes the parameter works, what reads its values gets DDP's values (gathered
+    for that read), what writes into it fails naming it and the way to edit; gathered, it is a plain
+    parameter."""
+    import pickle
+
     import pytest
 
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     model = CalledTwiceInARow()
+    before = copy.deepcopy(model)
     engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
-    weight = model.blocks[1].weight
-    # its true size at rest (as DDP's, and FSDP2's DTensors), its values refused
+    weight, expected = model.blocks[1].weight, before.blocks[1].weight.detach()
+    # its true size at rest (as DDP's, and FSDP2's DTensors)
     assert weight.numel() == 64 and weight.shape == (8, 8) and weight.requires_grad and weight.dtype == torch.float32 and weight.grad is None
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in CalledTwiceInARow().parameters())
     reads = {
         "clone": lambda: weight.clone(),
         "detach": lambda: weight.detach(),
-        "sum": lambda: weight.sum(),
         "data": lambda: weight.data,
-        "state_dict": lambda: model.state_dict(),
-        "deepcopy": lambda: copy.deepcopy(model),
-        "to": lambda: model.to(torch.float64),
+        "view": lambda: weight.view(-1).view(8, 8),
+        "cpu": lambda: weight.cpu(),
+        "numpy": lambda: torch.from_numpy(weight.detach().numpy().copy()),
+        "tolist": lambda: torch.tensor(weight.tolist()),
+        "state_dict": lambda: model.state_dict()["blocks.1.weight"],
+        "deepcopy": lambda: copy.deepcopy(model).blocks[1].weight,
+        "pickle": lambda: pickle.loads(pickle.dumps(weight)),
     }
     for what, read in reads.items():
-        with pytest.raises(RuntimeError, match=r"parameter 'blocks\.[01]\.(weight|bias)', which lightning-zero holds sharded") as err:
-            read()
-        assert "summon_full_params" in str(err.value), what
+        value = read()
+        assert torch.equal(value, expected), what
+    assert torch.equal(weight, expected) and weight.sum() == expected.sum()
+    assert type(pickle.loads(pickle.dumps(weight))) is nn.Parameter and type(weight.clone()) is torch.Tensor
+    writes = {
+        "add_": lambda: weight.add_(1),
+        "copy_": lambda: weight.copy_(expected),
+        "setitem": lambda: weight.__setitem__(0, 1.0),
+        "out": lambda: torch.add(expected, expected, out=weight),
+        "init": lambda: nn.init.zeros_(weight),
+        "through detach": lambda: weight.detach().mul_(2),
+        "through data": lambda: weight.data.zero_(),
+        "through view": lambda: weight.view(-1)[0:2].fill_(3.0),
+    }
+    for what, write in writes.items():
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"parameter 'blocks\.1\.weight'") as err:
+            write()
+        assert "summon_full_params(writeback=True)" in str(err.value), what
+    with pytest.raises(RuntimeError, match=r"'blocks\.[01]\.(weight|bias)' was replaced or resized"):
+        model.to(torch.float64)  # reads, then assigns `.data` a new dtype: refused
     from lightning_zero.engine.shards.at_rest import is_at_rest
 
     assert is_at_rest(weight)
     with engine.gathered():
         assert not is_at_rest(weight) and weight.clone().shape == (8, 8) and type(weight.clone()) is torch.Tensor
         assert type(copy.deepcopy(weight)) is nn.Parameter  # copies are plain, never of the unit's class
+        assert torch.equal(weight, expected)  # no refused write changed anything
     assert is_at_rest(weight)
     assert model(torch.randn(2, 8)).isfinite()  # a unit's forward sees its full parameters
     engine.close()

@@ -701,3 +701,23 @@ def test_every_reader_and_writer_of_the_chunks_sees_what_cpu_offload_sees(result
     for key in ("weights", "swapped", "average"):
         assert _equal(in_memory[key], on_disk[key]), key
     assert on_disk["at_rest"] == 0
+
+
+def test_a_parameter_whose_chunk_lives_on_disk_reads_as_its_value_at_rest(tmp_path: Path) -> None:
+    """A read at rest ([Note: reads at rest]) of a parameter whose chunk is in a file between uses:
+    its bucket is read in for the read and leaves memory again."""
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
+    engine = ZeroEngine(model, [optimizer], config, device=torch.device("cpu"))
+    masters = engine.residency.masters_on_disk
+    assert masters and sum(m.master.untyped_storage().nbytes() for m in masters) == 0
+    for name, p in model.named_parameters():
+        assert torch.equal(p.clone(), expected[name]) and torch.equal(p.detach().view(-1), expected[name].view(-1)), name
+    assert sum(m.master.untyped_storage().nbytes() for m in masters) == 0  # back on disk after each read
+    engine.close()

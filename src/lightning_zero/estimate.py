@@ -16,6 +16,9 @@ Model states only: weights, gradients and optimizer states. A real run also need
 - stage 3's gathered units: each unit's full weights (and, in backward, full gradients) while it
   runs, plus the next unit's when prefetching,
 - communication buckets (flat gather / reduce-scatter buffers, a few bucket sizes per rank),
+- stage 3's reads of parameters at rest (``w.clone()`` between steps, ``torch.save(model)``): each
+  holds that one parameter's full value while it runs, and whatever the code keeps of it after
+  (see [Note: reads at rest] in ``engine/shards/at_rest.py``),
 - the caching allocator's fragmentation and the CUDA context (roughly 0.5-1 GB per device),
 - per-parameter padding of shards (at most N-1 elements per parameter, see `shard_numel`),
 - frozen parameters, which are counted here as if trained (an upper bound: they have no gradients

@@ -115,6 +115,7 @@ class ZeroEngine:
             self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets, group,
             self.residency.compute_device, lambda opt: self.residency.after_optimizer_step(opt, self.params_of(opt)),
             lambda: self.gradients.reduced,
+            after_zero_grad=lambda: self.gradients.released(),
         )  # fmt: skip
         for optimizer in optimizers:
             self._optimizers.add(optimizer)
@@ -186,14 +187,17 @@ class ZeroEngine:
 
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
-        """Before each training/evaluation step (stage 3 gathers the root unit here)."""
-        self.gradients.close()
+        """Before each training/evaluation step (stage 3 gathers the root unit here). ``param.grad``
+        keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP;
+        gradients dropped or assigned since the step (``model.zero_grad()``) reach the chunks now, so
+        a loop that calls no ``before_backward`` accumulates into what they left."""
+        self.gradients.take_assignments()
         self.residency.begin_step()
 
     def before_backward(self) -> None:
         """Before each backward (only needed when a step runs several): ``param.grad`` stops
         showing the previous backward's reduced gradients, so autograd accumulates as usual."""
-        self.gradients.close()
+        self.gradients.close(before_backward=True)
 
     def begin_evaluation_step(self) -> None:
         """Before each evaluation (validation, test, predict) step, instead of ``begin_step``."""
@@ -221,8 +225,10 @@ class ZeroEngine:
             self.disk.prefetch()  # the optimizer step is next: its first reads start now
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Make the module see the shards ``optimizer`` just updated (``param.grad`` is None again)."""
-        self.gradients.close()
+        """Make the module see the shards ``optimizer`` just updated. ``param.grad`` still shows the
+        gradients it stepped with, as under DDP, until ``optimizer.zero_grad()`` or the next backward
+        (see ``grad_window.py``); a chunk the step freed (a whole-tensor optimizer's) shows None."""
+        self.gradients.released()
         self.residency.after_optimizer_step(optimizer, self.params_of(optimizer))
         self._unstepped_gradients = False
 

@@ -16,8 +16,9 @@ stages 1-2 need anyway). Full weights appear only where asked for: ``summon_full
 (optionally on rank 0 only, or in host memory), a ``state_dict_type="full"`` save, the spawn
 launcher's hand-back to the calling process (rank 0 only).
 
-The link is neither copied nor pickled with the module: a copy made inside ``summon_full_params``
-is a plain module with full weights.
+The link is neither copied nor pickled with the module (it unpickles as None, so loading needs no
+lightning-zero): a copy made inside ``summon_full_params``, or ``torch.save(model)`` at rest (see
+[Note: reads at rest] in ``shards/at_rest.py``), is a plain module with full weights.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class _Link:
         self.engine = engine
 
     def __reduce__(self) -> Any:
-        return (_Link, (None,))
+        return (type(None), ())  # unpickled as None: loading the module needs no lightning-zero
 
     def __deepcopy__(self, memo: dict) -> "_Link":
         return _Link(None)
@@ -56,4 +57,4 @@ def unlink(module: nn.Module, engine: object) -> None:
 def linked(module: nn.Module) -> Optional[object]:
     """The engine holding ``module``'s parameters sharded, if one does."""
     held = module.__dict__.get(_ATTRIBUTE)
-    return held.engine if held is not None else None
+    return held.engine if isinstance(held, _Link) else None

@@ -7,7 +7,8 @@ under CPU offload (``optimizer/host_step.py``) and, with NVMe offload, moves its
 (``offload/disk_tier.py``). A whole-tensor optimizer (Muon, Adafactor, an unknown class) steps each
 parameter whole on an owner rank instead (``optimizer/whole_tensor_step.py``; see [Note: step
 granularity] in ``optimizer/optimizer_kinds.py``). An optimizer's ``train()``/``eval()`` that move the
-weights (schedule-free optimizers) reach the module (``optimizer/weight_swaps.py``). ``clear`` undoes
+weights (schedule-free optimizers), and its ``zero_grad``, reach the module
+(``optimizer/weight_swaps.py``). ``clear`` undoes
 all of it, so a new ``fit`` can bring new optimizers.
 
 Checkpoints read and write an optimizer's state as the chunk path holds it (``chunked_state`` /
@@ -44,6 +45,7 @@ class ShardedOptimizers:
     ``refresh(optimizer)`` makes the module see the chunks ``optimizer`` changed outside a step;
     ``reduced()``: the ``id``s of the parameters the last reduction gave a gradient (on every rank
     alike), which decide which take part in a whole-tensor step (None: no reduction to go by).
+    ``after_zero_grad`` runs after any of them freed or zeroed its gradients (``zero_grad``).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class ShardedOptimizers:
         compute_device: torch.device,
         refresh: Callable[[Optimizer], None],
         reduced: Callable[[], Optional[frozenset[int]]] = lambda: None,
+        after_zero_grad: Callable[[], None] = lambda: None,
     ) -> None:
         self._sharded = {id(sp.param): sp for sp in params}
         self._config = config
@@ -71,6 +74,7 @@ class ShardedOptimizers:
         self._compute_device = compute_device
         self._refresh = refresh
         self._reduced = reduced
+        self._after_zero_grad = after_zero_grad
         self._whole: dict[int, WholeTensorStep] = {}
         """The whole-tensor optimizers' steps, by ``id`` of the optimizer (kept after hooks go, for checkpoints)."""
         self._swaps: list[WeightSwaps] = []
@@ -99,7 +103,9 @@ class ShardedOptimizers:
             self._fused_host_steps.extend(fuse_host_steps([optimizer], HOST))
         if self._disk is not None:
             self._disk.attach(optimizer, params, self._buckets)
-        self._swaps.append(WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext))
+        self._swaps.append(
+            WeightSwaps(optimizer, lambda: self._refresh(optimizer), whole.whole_weights if whole else nullcontext, self._after_zero_grad)
+        )
 
     # ---- state, as the chunk path holds it ---------------------------------------------------
     def chunked_state(self, optimizer: Optimizer) -> ChunkedState:

@@ -11,7 +11,7 @@ callbacks' ``setup``, in a class inserted between the callback's own class and L
 (``sharded_class``):
 
     WeightAveraging:           setup, on_fit_start, _swap_models, _copy_average_to_current, on_load_checkpoint
-    StochasticWeightAveraging: setup, on_fit_start, update_parameters, transfer_weights
+    StochasticWeightAveraging: setup, on_fit_start
 
 ``setup`` copies nothing (nor calls ``configure_model``, which at stage 3 builds on the meta device
 in the strategy's context); ``on_fit_start`` makes the average from the weights the strategy set
@@ -20,8 +20,14 @@ average, as on a Trainer that never fitted: after ``fit`` the module holds the a
 when training ends), and ``validate(ckpt_path=...)`` loads the checkpoint's average (its weights),
 so evaluation sees the average as under DDP, where the callback swaps it in and out again. A
 subclass's own override of one of the replaced methods runs, and its ``super()`` call reaches the
-sharded version (Lightning's own tests count calls that way); one that calls Lightning's SWA
-methods by class name (``StochasticWeightAveraging.update_parameters(...)``) fails, saying so.
+sharded version (Lightning's own tests count calls that way).
+
+SWA's ``update_parameters`` and ``transfer_weights`` are static methods, which subclasses (Lightning's
+own tests among them) also call by class name: ``StochasticWeightAveraging.update_parameters(...)``
+reaches no subclass. So Lightning's two static methods themselves are given a first look at their
+arguments (``sharded_static_methods``, once, when a ZeroStrategy first sets up a callback): an
+average kept as shards (a ``ShardedAverage``) is averaged or copied from as shards, and anything else
+goes to Lightning's own code, unchanged.
 """
 
 from __future__ import annotations
@@ -107,13 +113,12 @@ class ShardedAverage:
 
     # ---- what the callbacks call -----------------------------------------------------------------
     def parameters(self) -> Any:
-        """Lightning's own SWA ``update_parameters``/``transfer_weights`` iterate a full copy's
-        parameters; reached directly (``StochasticWeightAveraging.update_parameters(...)`` in a
-        subclass), they would average nothing here, so they fail saying what to call instead."""
+        """Code iterating a full copy's parameters (SWA's static methods do so for any average not
+        kept as shards) would average nothing here, so it fails saying what reaches the shards."""
         raise RuntimeError(
-            "StochasticWeightAveraging's own `update_parameters`/`transfer_weights` were called on an average that"
-            " lightning-zero keeps as shards (a subclass calling them by class name?). HINT: call"
-            " `super().update_parameters(...)` / `super().transfer_weights(...)`, which reach the sharded versions."
+            "The parameters of a weight average lightning-zero keeps as shards were iterated; no full copy exists."
+            " HINT: update and copy the average through the callback's `update_parameters`/`transfer_weights`"
+            " (by `super()`, by class name or on the instance), which reach the shards."
         )
 
     def update_parameters(self, model: Any) -> None:
@@ -219,14 +224,51 @@ def _averaging_load(callback: Any, trainer: "pl.Trainer", pl_module: "pl.Lightni
         average.load_weights(checkpoint["state_dict"], strict=False)
 
 
-def _swa_update(callback: Any, average: ShardedAverage, model: Any, n_averaged: Tensor, avg_fn: AvgFn) -> None:
+def _swa_update(average: ShardedAverage, model: Any, n_averaged: Tensor, avg_fn: AvgFn) -> None:
     """``StochasticWeightAveraging.update_parameters``: its ``avg_fn`` on the parameters' chunks."""
     average.shards.update(n_averaged, avg_fn)
     n_averaged += 1
 
 
-def _swa_transfer(callback: Any, average: ShardedAverage, pl_module: "pl.LightningModule") -> None:
+def _swa_transfer(average: ShardedAverage, pl_module: Any) -> None:
+    """``StochasticWeightAveraging.transfer_weights`` from the average into the module."""
     average.shards.copy_to_training()
+
+
+def _swa_transfer_into(src: Any, average: ShardedAverage) -> None:
+    raise RuntimeError(
+        "StochasticWeightAveraging.transfer_weights(module, average) was called with the average lightning-zero keeps"
+        " as shards as its destination; only the average's own updates (`update_parameters`) write it. HINT: to"
+        " restart the average from the current weights, let the callback make it again at `on_fit_start`."
+    )
+
+
+_SHARDED_STATICS = {"update_parameters": (_swa_update, None), "transfer_weights": (_swa_transfer, _swa_transfer_into)}
+"""SWA's static methods -> (what they do when their first argument is a ``ShardedAverage``, and when
+their second is)."""
+
+
+def sharded_static_methods() -> None:
+    """Give ``StochasticWeightAveraging.update_parameters``/``transfer_weights`` a first look at their
+    arguments (see the module's docstring). Idempotent; Lightning's code runs for any other argument."""
+    for name, (first_sharded, second_sharded) in _SHARDED_STATICS.items():
+        lightning_own = StochasticWeightAveraging.__dict__[name].__func__
+        if getattr(lightning_own, "_lightning_zero_original", None) is not None:
+            continue
+        setattr(StochasticWeightAveraging, name, staticmethod(_dispatching(lightning_own, first_sharded, second_sharded)))
+
+
+def _dispatching(lightning_own: Callable[..., Any], first_sharded: Callable[..., Any], second_sharded: Optional[Callable[..., Any]]) -> Callable[..., Any]:
+    def dispatching(*args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], ShardedAverage):
+            return first_sharded(*args, **kwargs)
+        if second_sharded is not None and len(args) > 1 and isinstance(args[1], ShardedAverage):
+            return second_sharded(*args, **kwargs)
+        return lightning_own(*args, **kwargs)
+
+    dispatching.__name__, dispatching.__qualname__, dispatching.__doc__ = lightning_own.__name__, lightning_own.__qualname__, lightning_own.__doc__
+    dispatching._lightning_zero_original = lightning_own  # type: ignore[attr-defined]
+    return dispatching
 
 
 REPLACED: list[tuple[Optional[type], dict[str, Callable[..., Any]]]] = [
@@ -242,7 +284,7 @@ REPLACED: list[tuple[Optional[type], dict[str, Callable[..., Any]]]] = [
     ),
     (
         StochasticWeightAveraging,
-        {"setup": _swa_setup, "on_fit_start": _start, "update_parameters": _swa_update, "transfer_weights": _swa_transfer},
+        {"setup": _swa_setup, "on_fit_start": _start},  # and its static methods: `sharded_static_methods`
     ),
 ]
 """Each callback class, and its methods replaced by functions of (callback, *the method's arguments)."""
@@ -254,8 +296,11 @@ def shard_weight_averaging(trainer: "pl.Trainer") -> None:
 
     Each callback's class becomes a subclass of its own in which the replaced methods sit between
     the user's class and Lightning's (``sharded_class``): a subclass's own override of one of them
-    (counting calls, say) still runs, and its ``super()`` call reaches the sharded version."""
+    (counting calls, say) still runs, and its ``super()`` call reaches the sharded version. SWA's
+    static methods reach it by class name too (``sharded_static_methods``)."""
     for callback in trainer.callbacks:
+        if isinstance(callback, StochasticWeightAveraging):
+            sharded_static_methods()
         for cls, methods in REPLACED:
             if cls is not None and isinstance(callback, cls) and type(callback) not in _SHARDED_CLASSES.values():
                 callback.__class__ = sharded_class(type(callback), cls, methods)

@@ -92,8 +92,8 @@ class ZeroStepHooks(DDPStrategy):
         engine, module = self._engine, self.lightning_module
         if engine is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # `on_before_backward` still sees `.grad`
         engine.before_backward()
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         engine.finish_backward()
         if module.automatic_optimization:

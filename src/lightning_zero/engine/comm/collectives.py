@@ -279,6 +279,46 @@ def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error:
         raise error(problem)
 
 
+def default_timeout() -> timedelta:
+    """How long torch's process groups wait for peers unless told otherwise."""
+    return getattr(dist, "default_pg_timeout", timedelta(minutes=30))
+
+
+def post_and_collect(prefix: str, value: str, group: ProcessGroup, timeout: timedelta) -> list[Optional[str]]:
+    """Post ``value`` under ``prefix`` for this rank in the process group's store, and wait up to
+    ``timeout`` for every rank of ``group`` to post under the same ``prefix``: each rank's value in
+    ``group`` order, None for a rank that posted nothing in time. Not a collective: a rank that never
+    posts leaves nothing half-done in any process group, so the others can fail and go on."""
+    store = _default_store()
+    keys = [f"{prefix}/{r}" for r in group_ranks(group)]
+    store.set(f"{prefix}/{dist.get_rank()}", value)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError:  # DistStoreError on timeout: who is missing is read below
+        pass
+    return [store.get(key).decode() if store.check([key]) else None for key in keys]
+
+
+def post_mark(key: str) -> None:
+    """Set ``key`` in the store (seen by ``is_marked`` on every rank)."""
+    _default_store().set(key, "1")
+
+
+def is_marked(key: str) -> bool:
+    return _default_store().check([key])
+
+
+def forget_posts(keys: list[str]) -> None:
+    """Delete ``keys`` from the store (those no rank reads any more)."""
+    store = _default_store()
+    for key in keys:
+        store.delete_key(key)
+
+
+def _default_store() -> Any:
+    return dist.distributed_c10d._get_default_store()
+
+
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor, group)
     check_compute_tensors("broadcast", (tensor,))

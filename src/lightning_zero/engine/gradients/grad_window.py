@@ -1,14 +1,19 @@
 """When ``param.grad`` shows the reduced gradients, and how edits to it reach the optimizer.
 
-The window opens when a backward's gradients are reduced (``ZeroEngine.finish_backward``) and
-closes at the optimizer step, or before the next backward. While it is open every trainable
-parameter with a gradient has a :class:`ShardedGradient` in ``.grad`` (see [Note: gradients where
-users look] in ``sharded_grad.py``):
+The window opens when a backward's gradients are reduced (``ZeroEngine.finish_backward``) and,
+as ``param.grad`` under DDP, stays open past the optimizer step until ``optimizer.zero_grad()``
+(``released``: the optimizer frees or zeroes the chunks, so the views go or show zeros) or the next
+step's backward (``close``). While it is open every trainable parameter with a gradient has a
+:class:`ShardedGradient` in ``.grad`` (see [Note: gradients where users look] in
+``sharded_grad.py``); it holds nothing itself, so keeping it open costs no memory beyond the
+chunks the optimizer kept anyway:
 
 - in-place edits through it edit ``shard.grad`` itself, so they need no further step;
 - an assignment (``p.grad = None``, ``p.grad = p.grad * mask``, ``p.grad = tensor``) is taken by
   ``take_assignments`` right before the optimizer steps: None drops that gradient, as under DDP
-  (the optimizer skips the parameter), a tensor becomes it (this rank keeps its chunk);
+  (the optimizer skips the parameter), a tensor becomes it (this rank keeps its chunk); one made
+  after the step (``model.zero_grad()``) is taken before the next backward, which accumulates into
+  what it left, as under DDP;
 - on a micro-batch that only accumulates (stages 2-3), DDP would show this rank's own unreduced
   gradient, which no rank holds here: reading it fails and says to read gradients after the last
   micro-batch. (Stage 1 keeps full unreduced gradients until the last micro-batch, as DDP does.)
@@ -77,8 +82,21 @@ class GradientWindow:
         for p in self._shown:
             p.show_grad(self._views[id(p)] if p.shard.grad is not None else None)
 
-    def close(self) -> None:
-        """Before the next backward, and after the optimizer step: ``.grad`` is None again."""
+    def released(self) -> None:
+        """After ``optimizer.zero_grad()`` (or a step that freed chunks): a parameter whose chunk is
+        gone shows None, as under DDP; a zeroed chunk (``set_to_none=False``) shows zeros as it is."""
+        views = self._views
+        with torch._C.DisableTorchFunctionSubclass():  # at rest, no Python call per parameter
+            for p in self._shown:
+                if p.shard.grad is None and p.param.grad is views[id(p)]:
+                    p.param.grad = None
+
+    def close(self, before_backward: bool = False) -> None:
+        """``.grad`` is None again. ``before_backward`` (the next backward follows, nothing has
+        accumulated since the window opened): gradients user code assigned or dropped meanwhile
+        become the chunks that backward accumulates into (``take_assignments``)."""
+        if before_backward:
+            self.take_assignments()
         views = self._views
         with torch._C.DisableTorchFunctionSubclass():
             for p in self._shown:

@@ -1,5 +1,6 @@
-"""Optimizers that move the weights outside their step: schedule-free optimizers' ``train()`` and
-``eval()``.
+"""Optimizer methods outside the step that reach the module: schedule-free optimizers' ``train()``
+and ``eval()``, which move the weights, and every optimizer's ``zero_grad()``, which frees the
+gradients ``param.grad`` shows (see ``gradients/grad_window.py``).
 
 A schedule-free optimizer (``schedulefree.AdamWScheduleFree`` and its kin) trains at one point and
 evaluates at another: ``optimizer.eval()`` moves every parameter to the averaged point before
@@ -10,7 +11,9 @@ what is gathered or copied to the device.
 
 So a bound optimizer's ``train`` and ``eval`` (where it has them: ``torch.optim.Optimizer`` has
 neither) run where the optimizer can run them (``around()``: whole tensors on owners, or nothing),
-then ``refresh()`` makes the module see the result. They are wrapped on a subclass made for this one
+then ``refresh()`` makes the module see the result; ``zero_grad`` is followed by
+``after_zero_grad()``, so that a parameter whose gradient chunk it freed shows None, as under DDP.
+They are wrapped on a subclass made for this one
 optimizer, not on the instance: Lightning's and Fabric's optimizer wrappers copy the optimizer's
 class and find methods there before they reach the optimizer. A collective: call them on every
 rank, as Lightning hooks do.
@@ -19,8 +22,8 @@ rank, as Lightning hooks do.
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager
-from typing import Any, Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Optional
 
 from torch.optim import Optimizer
 
@@ -28,12 +31,21 @@ SWAP_METHODS = ("train", "eval")
 
 
 class WeightSwaps:
-    """``optimizer``'s ``train()``/``eval()``, followed by ``refresh()`` and run inside ``around()``."""
+    """``optimizer``'s ``train()``/``eval()``, followed by ``refresh()`` and run inside ``around()``;
+    its ``zero_grad()``, followed by ``after_zero_grad()``."""
 
-    def __init__(self, optimizer: Optimizer, refresh: Callable[[], None], around: Callable[[], AbstractContextManager]) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        refresh: Callable[[], None],
+        around: Callable[[], AbstractContextManager],
+        after_zero_grad: Optional[Callable[[], None]] = None,
+    ) -> None:
         self._optimizer = optimizer
         self._user_class = cls = type(optimizer)
         methods = {name: _then_refresh(getattr(cls, name), refresh, around) for name in SWAP_METHODS if callable(getattr(cls, name, None))}
+        if after_zero_grad is not None:
+            methods["zero_grad"] = _then_refresh(cls.zero_grad, after_zero_grad, nullcontext)
         if methods:
 
             def __reduce_ex__(self: Optimizer, protocol: Any) -> Any:  # noqa: N807

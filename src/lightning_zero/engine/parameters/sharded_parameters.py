@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -23,6 +23,7 @@ from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.parameters.gather_schedule import GatherSchedule
 from lightning_zero.engine.parameters.materialize import build_units
+from lightning_zero.engine.parameters.reads_at_rest import ReadsAtRest
 from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopies, ParameterResidency
 from lightning_zero.engine.parameters.unit import UnitCommunication, UnitState
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
@@ -91,6 +92,9 @@ class ShardedParameters(ParameterResidency):
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
         ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
+        self.reads = ReadsAtRest(comm.gather_group, device, timeout, self._chunk_in_memory, self._before_host_read)
+        """Full values of single parameters for reads at rest (see [Note: reads at rest] in ``at_rest.py``)."""
+        ParameterAtRest.readers.update({id(p.param): _reader_at_rest(self, p) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
@@ -129,6 +133,17 @@ class ShardedParameters(ParameterResidency):
         for bucket in self._buckets_on_disk:
             with bucket.host.in_memory(writing):  # written back (and freed) before the next is read
                 yield bucket.params
+
+    def _chunk_in_memory(self, p: ShardedParam) -> AbstractContextManager:
+        """A context in which ``p.shard`` can be read: its bucket read in where it lives on disk."""
+        for bucket in self._buckets_on_disk:
+            if any(q is p for q in bucket.params):
+                return bucket.host.in_memory()
+        return nullcontext()
+
+    def _before_host_read(self) -> None:
+        if self.copies is not None:
+            self.copies.synchronize()  # no copy to the host still writes the chunks
 
     def weight_chunks(self) -> dict[int, Tensor]:
         if not self.masters_on_disk:
@@ -262,6 +277,7 @@ class ShardedParameters(ParameterResidency):
             p.let_go()
             ParameterAtRest.names.pop(id(p.param), None)
             ParameterAtRest.adopters.pop(id(p.param), None)
+            ParameterAtRest.readers.pop(id(p.param), None)
 
 
 def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[Tensor], bool]:
@@ -279,3 +295,17 @@ def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Calla
         return True
 
     return adopt
+
+
+def _reader_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[], Tensor]:
+    """What gathers ``param``'s full value for a read at rest (see ``reads_at_rest.py``); weak
+    references, as ``_adopter_at_rest``'s."""
+    residency_ref, param_ref = weakref.ref(residency), weakref.ref(param)
+
+    def read() -> Tensor:
+        residency, param = residency_ref(), param_ref()
+        if residency is None or param is None:
+            raise RuntimeError("The lightning-zero engine that held this parameter is gone; its values went with it.")
+        return residency.reads.full_value(param)
+
+    return read

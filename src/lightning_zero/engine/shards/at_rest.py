@@ -1,32 +1,47 @@
-"""A stage-3 parameter at rest refuses to be read, instead of reading freed memory.
+"""A stage-3 parameter at rest: reads gather its values collectively, writes are refused.
 
 [Note: parameters at rest]
 Between its unit's uses a stage-3 parameter is a view of a storage shrunk to 0 bytes (see [Note:
-stage-3 storage] in ``gathered_storage.py``), with its true shape. Code that reads it then — a
-callback averaging weights, ``p.clone()``, ``module.state_dict()``, ``copy.deepcopy(module)`` —
-would read freed memory. So while at rest the parameter's class is :class:`ParameterAtRest`, whose
+stage-3 storage] in ``gathered_storage.py``), with its true shape. Code that reads it then would
+read freed memory, so while at rest the parameter's class is :class:`ParameterAtRest`, whose
 ``__torch_function__`` lets through what describes the tensor (shape, dtype, device,
-``requires_grad``, ``grad``, ``numel``, hooks) and refuses everything that would read or write its
-values, naming the parameter and ``summon_full_params``. Gathering puts the parameter's own class
-back, so a unit's forward and backward pay nothing for this: while gathered it is exactly an
-``nn.Parameter``, as Dynamo and torch's fast paths expect. The switch is one ``__class__``
-assignment per parameter in a loop over the unit (no Python call; 51 ns per parameter measured on
-the CPU); a class per unit switched once would cost less but makes Dynamo guard on each unit's
-class and recompile a compiled block once per unit. The engine's own reads of ``.grad`` at rest
-run under ``torch._C.DisableTorchFunctionSubclass()``.
+``requires_grad``, ``grad``, ``numel``, hooks) and sees every other use of its values. Gathering
+puts the parameter's own class back, so a unit's forward and backward pay nothing for this: while
+gathered it is exactly an ``nn.Parameter``, as Dynamo and torch's fast paths expect. The switch is
+one ``__class__`` assignment per parameter in a loop over the unit (no Python call; 51 ns per
+parameter measured on the CPU); a class per unit switched once would cost less but makes Dynamo
+guard on each unit's class and recompile a compiled block once per unit. The engine's own reads of
+``.grad`` at rest run under ``torch._C.DisableTorchFunctionSubclass()``.
 
-One write is adopted where it happens: ``param.data = full_tensor`` (loading pretrained weights
-into a built model between steps) goes to the engine's adopter for the parameter, which keeps this
-rank's chunk of the value, as stages 1-2 keep the tensor, and leaves the parameter at rest (a new
-shape or dtype fails there, naming both).
+[Note: reads at rest]
+A read (``clone``, ``cpu``, ``detach``, ``view``, ``numpy`` after ``detach``, ``tolist``, ``torch.equal``,
+``.data``, pickling the parameter or its module, ``copy.deepcopy``) gives DDP's values: the
+engine's reader for the parameter (``readers``; ``engine/parameters/reads_at_rest.py``) gathers that
+one tensor across the shard group at that moment, on every rank that reads, and the operation runs
+on the gathered copy, which is dropped afterwards unless the result is it. A read is a collective:
+every rank of the shard group must read the same parameters in the same order, as every rank runs
+the same training script; a read on some ranks only fails within the group's timeout on each rank
+that reads, naming the parameter (see ``reads_at_rest.py``). Results that alias the copy (``detach``,
+``view``, ``.data``) are :class:`GatheredValue` s, which refuse writes (``gathered_value.py``).
+
+A write (``p.add_``, ``p.copy_``, ``p[0] = 1``, ``out=p``) is refused, naming the parameter and
+``summon_full_params(writeback=True)``, except one adopted where it happens: ``param.data =
+full_tensor`` (loading pretrained weights into a built model between steps) goes to the engine's
+adopter for the parameter, which keeps this rank's chunk of the value, as stages 1-2 keep the
+tensor, and leaves the parameter at rest (a new shape or dtype fails there, naming both). Printing a
+parameter at rest describes it and never communicates.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_zero.engine.shards.gathered_value import WRITE_HINT, keep_read_only, written_tensors
 
 DESCRIBING = frozenset(
     {
@@ -47,6 +62,9 @@ class ParameterAtRest(nn.Parameter):
     adopters: dict[int, Callable[[torch.Tensor], bool]] = {}
     """``id(param)`` → what takes a tensor assigned to its ``.data``, True once it did (filled and
     emptied by the engine)."""
+    readers: dict[int, Callable[[], Tensor]] = {}
+    """``id(param)`` → what gathers its full value for a read (a collective; see [Note: reads at
+    rest]); filled and emptied by the engine. Without one, reads are refused."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -55,8 +73,12 @@ class ParameterAtRest(nn.Parameter):
         if _describes(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        at_rest = next((a for a in args if isinstance(a, ParameterAtRest)), None)
-        raise RuntimeError(cls.refusal(at_rest, getattr(func, "__name__", str(func))))
+        operation = getattr(func, "__name__", str(func))
+        at_rest = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ParameterAtRest)]
+        written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, ParameterAtRest)]
+        if written or _is_data_set(func) or any(id(p) not in cls.readers for p in at_rest):
+            raise RuntimeError(cls.refusal(written[0] if written else at_rest[0] if at_rest else None, operation))
+        return _read(func, args, kwargs, at_rest)
 
     @staticmethod
     def refusal(param: Any, operation: str) -> str:
@@ -64,10 +86,15 @@ class ParameterAtRest(nn.Parameter):
         return _message(param, operation)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise RuntimeError(type(self).refusal(self, "copy.deepcopy"))
+        """A plain ``nn.Parameter`` with the full value, as DDP's copy (a read: a collective)."""
+        copied = nn.Parameter(_full_value(self, "copy.deepcopy"), self.requires_grad)
+        memo[id(self)] = copied
+        return copied
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise RuntimeError(type(self).refusal(self, "pickle"))
+        """Pickled (``torch.save(model)``) as a plain ``nn.Parameter`` with the full value, which any
+        process loads without lightning-zero (a read: a collective)."""
+        return torch._utils._rebuild_parameter, (_full_value(self, "pickle"), self.requires_grad, OrderedDict())
 
     def __repr__(self) -> str:
         name = ParameterAtRest.names.get(id(self), "?")
@@ -76,9 +103,33 @@ class ParameterAtRest(nn.Parameter):
 
 def _describes(func: Any) -> bool:
     name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):  # a property: only `.data`'s getter hands out values
-        return not (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data")
+    if name in ("__get__", "__set__"):  # a property: only `.data` reads or writes values
+        return getattr(getattr(func, "__self__", None), "__name__", "") != "data"
     return name in DESCRIBING or name.startswith(("is_", "_is_"))  # predicates (`is_contiguous`, `_is_view`)
+
+
+def _full_value(param: "ParameterAtRest", operation: str) -> Tensor:
+    reader = ParameterAtRest.readers.get(id(param))
+    if reader is None:
+        raise RuntimeError(type(param).refusal(param, operation))
+    return reader()
+
+
+def _read(func: Any, args: tuple, kwargs: Any, at_rest: list["ParameterAtRest"]) -> Any:
+    """``func`` run on the full values of the parameters at rest among its arguments, each gathered
+    for this read, in argument order (the same on every rank); results aliasing a gathered copy
+    refuse writes (``gathered_value.py``)."""
+    full = {id(p): ParameterAtRest.readers[id(p)]() for p in dict.fromkeys(at_rest)}
+    names = ", ".join(ParameterAtRest.names.get(id(p), "?") for p in dict.fromkeys(at_rest))
+    swap = lambda a: full[id(a)] if isinstance(a, ParameterAtRest) else a  # noqa: E731
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*tree_map(swap, args), **tree_map(swap, kwargs or {}))
+        return keep_read_only(result, list(full.values()), names)
+
+
+def _is_data_set(func: Any) -> bool:
+    """``param.data = value`` (not adopted): a write."""
+    return getattr(func, "__name__", "") == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
 
 
 def _adopted(func: Any, args: tuple) -> bool:
@@ -91,6 +142,12 @@ def _adopted(func: Any, args: tuple) -> bool:
 
 def _message(param: Any, operation: str) -> str:
     name = ParameterAtRest.names.get(id(param), "a parameter") if param is not None else "a parameter"
+    if id(param) in ParameterAtRest.readers:  # reads are answered: this was a write
+        return (
+            f"`{operation}` writes into parameter {name!r}, which lightning-zero holds sharded (stage 3): outside"
+            " its unit's forward and backward only this rank's chunk exists, and reads of it are copies gathered"
+            " for that read." + WRITE_HINT
+        )
     return (
         f"`{operation}` on parameter {name!r}, which lightning-zero holds sharded (stage 3): outside its"
         " unit's forward and backward only this rank's chunk exists, so it would see no values. HINT:"
@@ -100,7 +157,8 @@ def _message(param: Any, operation: str) -> str:
 
 
 def is_at_rest(param: Any) -> bool:
-    """Whether ``param`` refuses reads now (a stage-3 parameter whose unit is at rest)."""
+    """Whether ``param`` is at rest now (a stage-3 parameter whose unit is not gathered: reads of
+    it gather it, writes are refused)."""
     return isinstance(param, ParameterAtRest)
 
 
