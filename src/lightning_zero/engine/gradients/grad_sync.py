@@ -52,6 +52,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
+from lightning_zero.engine.gradients.unreached import UnreachedParameters
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -156,6 +157,8 @@ class ReduceDuringBackward(GradientSync):
         self._waiting_peak = 0  # the most bytes of full gradients ready buckets not yet launched held in this backward
         self._last_waiting_peak = 0
         self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
+        self._unreached = UnreachedParameters([p for bucket in self.buckets for p in bucket.params])
+        self._reach_known = False  # this backward's unreached parameters were marked ready
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -181,12 +184,23 @@ class ReduceDuringBackward(GradientSync):
             if on_grad is not None:
                 on_grad(param)
             became_ready = bucket.mark_ready(param)
+            if not self._reach_known:  # this backward's first gradient hook
+                became_ready = self._mark_unreached_ready() or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
             if became_ready:  # only then can the bytes waiting grow
                 self._note_waiting()
 
         return on_grad_accumulated
+
+    def _mark_unreached_ready(self) -> bool:
+        """The parameters this backward will not reach are ready now (see [Note: unreached
+        parameters] in ``unreached.py``); True if that made a bucket ready."""
+        self._reach_known = True
+        became_ready = False
+        for p in self._unreached.in_this_backward():
+            became_ready = self._bucket_of[id(p.param)].mark_ready(p) or became_ready
+        return became_ready
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
@@ -220,6 +234,7 @@ class ReduceDuringBackward(GradientSync):
         return len(unfinished) < self.max_in_flight
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
+        self._reach_known = False
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()

@@ -1,0 +1,48 @@
+"""Which parameters a backward cannot reach, known at its first gradient hook.
+
+[Note: unreached parameters]
+Buckets are reduced in one fixed order on every rank (see ``grad_sync.py``). A rank whose backward
+never reaches some parameters (a unit whose output it detached, a branch it did not take) would
+leave their buckets unready until the flush after its backward, and every later bucket behind them:
+its peers, having launched those buckets during their backward, would then have a reduce-scatter in
+flight that this rank joins only after its backward — on NCCL a kernel spinning on the peers' reduce
+stream meanwhile, which any device-wide sync there (the allocator's retry after an out-of-memory
+``cudaFree``, a user's ``torch.cuda.synchronize()``) turns into a hang of both ranks.
+
+So at a backward's first gradient hook the engine asks autograd which parameters' accumulation
+nodes this backward will run (``torch._C._will_engine_execute_node``, the query torch's own
+``register_multi_grad_hook`` makes: a lookup in the graph task's node set, which autograd computed
+when the backward started), and marks the others ready at once: they contribute zeros and a 0 used
+flag, as the flush would have made them. Every rank then launches every bucket in the same order
+during its backward. DDP's ``find_unused_parameters`` answers the same question by walking the graph
+from the loss; here it costs one C++ lookup per parameter per backward and no Python call each.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class UnreachedParameters:
+    """The accumulation node of each of ``params`` (kept, so autograd keeps using the same one), and
+    which of them the running backward will not reach."""
+
+    def __init__(self, params: Sequence[ShardedParam]) -> None:
+        self._nodes = [(p, _accumulation_node(p)) for p in params]
+
+    def in_this_backward(self) -> list[ShardedParam]:
+        """The parameters the backward now running will not accumulate a gradient into; call only
+        from inside it (a gradient hook)."""
+        will_run = torch._C._will_engine_execute_node
+        return [p for p, node in self._nodes if not will_run(node)]
+
+
+def _accumulation_node(p: ShardedParam) -> Any:
+    """``p.param``'s ``AccumulateGrad`` node (a stage-3 parameter at rest included: a view is only
+    metadata)."""
+    with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
+        return p.param.view_as(p.param).grad_fn.next_functions[0][0]
