@@ -236,9 +236,10 @@ def _rank_main(rank: int, task: _Task, reports: "multiprocessing.Queue") -> None
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(options.devices),
         LOCAL_SIZE=str(options.devices),  # DeepSpeed's name for it
-        # at world size 1 our collectives still go through torch, so the figures are those of the
-        # sharded path users run at N >= 2, not of the one-rank shortcut
-        **{COLLECTIVES_AT_ONE_RANK: "1"},
+        # at world size 1 our engine takes the sharded path users run at N >= 2, not its one-rank
+        # shortcuts: on a GPU through NCCL itself, on the CPU with each collective a local copy
+        # (gloo's per-call latency is no GPU's host time; see COLLECTIVES_AT_ONE_RANK)
+        **{COLLECTIVES_AT_ONE_RANK: "1" if options.device == "cuda" else "path"},
     )
     if options.device == "cpu":
         os.environ.update(CPU_CHILD_ENVIRONMENT)

@@ -86,6 +86,7 @@ class ZeroEngine:
         replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         self.config = config
+        group = collectives.resolved(group)  # the world as its own group: each collective asks less of torch
         self.group = group
         self.replicate_group = replicate_group
         self.module = module
@@ -128,10 +129,7 @@ class ZeroEngine:
         if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
             self.grad_sync = ReduceAfterBackward(self.buckets, votes=self.stop_vote)
         else:
-            stage3 = isinstance(self.residency, ShardedParameters)
-            self.grad_sync = ReduceDuringBackward(
-                self.buckets, on_grad_accumulated=self.residency.grad_accumulated if stage3 else None, votes=self.stop_vote
-            )
+            self.grad_sync = ReduceDuringBackward(self.buckets, listener=self.residency.gradient_listener, votes=self.stop_vote)
         self.sync_gradients = True
         """False while micro-batches only accumulate (Lightning's ``block_backward_sync``)."""
         self.gradients = GradientWindow(self.params, group)

@@ -161,7 +161,7 @@ class Bucket:
         work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        alone = collectives.skips_collectives(self.group)  # one rank, its collectives skipped
+        alone = collectives.takes_one_rank_shortcuts(self.group)  # one rank, its shortcuts taken
         if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         stream = stream if stream is not None else _NO_STREAM
@@ -245,9 +245,9 @@ class Bucket:
         With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
         finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
         """
-        if self.world_size == 1:
+        if collectives.takes_one_rank_shortcuts(self.gather_group):
             tags = None  # one rank cannot disagree with itself
-            if self.params[0].keeps_full and collectives.skips_collectives(self.gather_group):
+            if self.params[0].keeps_full:
                 return self._write_back_locally()
         n, s = self.world_size, self.shard_numel
         row = s + (tags is not None)

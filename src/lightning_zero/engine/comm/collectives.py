@@ -60,6 +60,13 @@ class CollectiveStats:
 COLLECTIVE_STATS = CollectiveStats()
 
 
+def resolved(group: ProcessGroup) -> ProcessGroup:
+    """``group``, with None (the whole world) as the world's own group object where one exists: a
+    collective then finds what it asks of its group without first asking torch which group is the
+    world (several Python calls each time)."""
+    return dist.group.WORLD if group is None and is_initialized() else group
+
+
 def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
     """The global ranks of ``group`` (None: the whole world; () outside a process group)."""
     return _described(group).ranks
@@ -132,16 +139,27 @@ def rank(group: ProcessGroup = None) -> int:
 
 
 COLLECTIVES_AT_ONE_RANK = "LIGHTNING_ZERO_COLLECTIVES_AT_ONE_RANK"
-"""Environment variable: set to 1, collectives over a group of one rank are issued anyway (and
-buckets reduce through them), so that a one-rank NCCL group runs NCCL's kernels and streams as a
-larger one would; for tests and the benchmark on one GPU. Unset, a group of one returns early."""
+"""Environment variable for a group of one rank, for tests and the benchmark. Unset (or "0"), the
+engine takes its one-rank shortcuts (a bucket's gradient is its shard's as it is, no buffers) and
+collectives return early. "1": collectives are issued through torch anyway (and buckets reduce
+through them), so a one-rank NCCL group runs NCCL's kernels and streams as a larger one would.
+"path": the engine takes the sharded path of N >= 2 ranks (buffers, packing, tags, the reduction's
+bookkeeping), each collective a local copy: the benchmark's CPU stand-in for a fast GPU, whose host
+work it measures without gloo's per-call latency (a GPU's NCCL launch is asynchronous)."""
 
 
 def skips_collectives(group: ProcessGroup) -> bool:
     """Whether collectives over ``group`` return early because it has one rank (no process group
-    counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` asks for them anyway."""
+    counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` is "1"."""
     facts = _described(group)
     return facts.size == 1 and not (facts is not _OUTSIDE and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
+
+
+def takes_one_rank_shortcuts(group: ProcessGroup) -> bool:
+    """Whether the engine skips the sharded path's work for ``group`` of one rank, unless
+    ``COLLECTIVES_AT_ONE_RANK`` is "1" or "path"."""
+    facts = _described(group)
+    return facts.size == 1 and not (facts is not _OUTSIDE and os.environ.get(COLLECTIVES_AT_ONE_RANK) in ("1", "path"))
 
 
 def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:

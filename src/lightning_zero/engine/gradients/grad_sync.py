@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Collection, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -54,6 +54,17 @@ from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.gradients.unreached import UnreachedParameters
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class GradientListener(Protocol):
+    """What hears of each parameter's accumulated gradient in backward (stage 3's gather schedule,
+    for units whose inputs need no gradient: their last parameter gradient ends their backward)."""
+
+    awaiting: Collection
+    """Not empty while some unit waits on its parameters' gradients: only then is it called (an
+    attribute, so the usual backward, where none waits, makes no call per parameter for it)."""
+
+    def grad_accumulated(self, param: ShardedParam) -> None: ...
 
 
 class GradientSync(abc.ABC):
@@ -134,20 +145,21 @@ class ReduceDuringBackward(GradientSync):
     Every micro-batch is reduced, also those that only accumulate: that keeps gradient memory
     sharded (the choice ZeRO-2 and FSDP make), at the cost of one reduce-scatter per micro-batch.
 
-    This class registers the one post-accumulate-grad hook per parameter; ``on_grad_accumulated``
-    (stage 3's gather schedule) is called from it before the bucket is told.
+    This class registers the one post-accumulate-grad hook per parameter; ``listener`` (stage 3's
+    gather schedule) hears of the parameter from it before the bucket is told, while its
+    ``awaiting`` is not empty.
     """
 
     def __init__(
         self,
         buckets: Sequence[Bucket],
         max_in_flight: int = 2,
-        on_grad_accumulated: Optional[Callable[[ShardedParam], None]] = None,
+        listener: Optional[GradientListener] = None,
         votes: Optional[StopVote] = None,
     ) -> None:
         super().__init__(buckets, votes)
         self.max_in_flight = max_in_flight
-        self._on_grad_accumulated = on_grad_accumulated
+        self._listener = listener
         self._bucket_of: dict[int, Bucket] = {id(p.param): bucket for bucket in self.buckets for p in bucket.params}
         self._handles: list[RemovableHandle] = []
         self._next_to_launch = 0
@@ -177,12 +189,12 @@ class ReduceDuringBackward(GradientSync):
 
     def _hook_for(self, param: ShardedParam):
         # runs once per parameter per backward: what it does for a parameter that does not complete
-        # its bucket is one call (``mark_ready``) and, at stage 3, ``on_grad_accumulated``'s early return
-        bucket, on_grad = self._bucket_of[id(param.param)], self._on_grad_accumulated
+        # its bucket is one call (``mark_ready``)
+        bucket, listener = self._bucket_of[id(param.param)], self._listener
 
         def on_grad_accumulated(_: object) -> None:
-            if on_grad is not None:
-                on_grad(param)
+            if listener is not None and listener.awaiting:
+                listener.grad_accumulated(param)
             became_ready = bucket.mark_ready(param)
             if not self._reach_known:  # this backward's first gradient hook
                 became_ready = self._mark_unreached_ready() or became_ready

@@ -156,6 +156,7 @@ class GatherSchedule:
         # (manual optimization runs several backwards per step):
         self._backward_calls_pending: dict[int, int] = {}  # calls with an input that needs a gradient
         self._grads_pending: dict[int, set[int]] = {}  # for a call without one: its trainable parameters
+        self.awaiting = self._grads_pending  # ReduceDuringBackward's GradientListener: calls only while not empty
         # the backward gather queue (see [Note: backward gather order]):
         self._called_with_grad: list[int] = []  # units whose forward output needs a gradient, in call order
         self._backward_queue: Optional[list[Unit]] = None  # made at this backward's first gradient hook
@@ -309,8 +310,6 @@ class GatherSchedule:
     def grad_accumulated(self, param: ShardedParam) -> None:
         """``param``'s gradient for this backward is accumulated: the last one of a unit whose
         inputs need no gradient ends that unit's backward (see the module docstring)."""
-        if not self._grads_pending:  # the usual case: every unit's inputs need a gradient
-            return
         unit = self._unit_of.get(id(param))
         pending = self._grads_pending.get(unit.index) if unit is not None else None
         if pending is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -89,8 +89,11 @@ class ParameterResidency(abc.ABC):
     def end_step(self) -> None:
         """After a step's last backward (or after an evaluation step)."""
 
-    def grad_accumulated(self, param: ShardedParam) -> None:
-        """``param``'s gradient of this backward is accumulated (before its bucket hears of it)."""
+    @property
+    def gradient_listener(self) -> Optional[Any]:
+        """What hears of each parameter's accumulated gradient, a ``grad_sync.GradientListener``
+        (stage 3's gather schedule; None here)."""
+        return None
 
     @abc.abstractmethod
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:

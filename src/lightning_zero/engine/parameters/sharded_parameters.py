@@ -102,8 +102,8 @@ class ShardedParameters(ParameterResidency):
         return [b for unit in self.units for b in unit.buckets if b.host is not None]
 
     @property
-    def grad_accumulated(self) -> Callable[[ShardedParam], None]:
-        return self.schedule.grad_accumulated  # called per parameter in backward: no call in between
+    def gradient_listener(self) -> GatherSchedule:
+        return self.schedule
 
     def begin_step(self) -> None:
         self.schedule.begin_step()
