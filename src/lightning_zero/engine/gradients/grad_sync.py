@@ -170,7 +170,6 @@ class ReduceDuringBackward(GradientSync):
         self._last_waiting_peak = 0
         self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
         self._unreached = UnreachedParameters([p for bucket in self.buckets for p in bucket.params])
-        self._reach_known = False  # this backward's unreached parameters were marked ready
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -190,14 +189,16 @@ class ReduceDuringBackward(GradientSync):
     def _hook_for(self, param: ShardedParam):
         # runs once per parameter per backward: what it does for a parameter that does not complete
         # its bucket is one call (``mark_ready``)
-        bucket, listener = self._bucket_of[id(param.param)], self._listener
+        bucket, listener, unreached = self._bucket_of[id(param.param)], self._listener, self._unreached
+        graph_task = torch._C._current_graph_task_id
 
         def on_grad_accumulated(_: object) -> None:
             if listener is not None and listener.awaiting:
                 listener.grad_accumulated(param)
             became_ready = bucket.mark_ready(param)
-            if not self._reach_known:  # this backward's first gradient hook
-                became_ready = self._mark_unreached_ready() or became_ready
+            task = graph_task()
+            if task != unreached.task:  # this backward's first gradient hook (or a nested backward's)
+                became_ready = self._mark_ready(unreached.seen_task(task)) or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
             if became_ready:  # only then can the bytes waiting grow
@@ -205,12 +206,11 @@ class ReduceDuringBackward(GradientSync):
 
         return on_grad_accumulated
 
-    def _mark_unreached_ready(self) -> bool:
-        """The parameters this backward will not reach are ready now (see [Note: unreached
-        parameters] in ``unreached.py``); True if that made a bucket ready."""
-        self._reach_known = True
+    def _mark_ready(self, unreached: Sequence[ShardedParam]) -> bool:
+        """Parameters this backward will not reach are ready now (see [Note: unreached parameters]
+        in ``unreached.py``); True if that made a bucket ready."""
         became_ready = False
-        for p in self._unreached.in_this_backward():
+        for p in unreached:
             became_ready = self._bucket_of[id(p.param)].mark_ready(p) or became_ready
         return became_ready
 
@@ -246,7 +246,7 @@ class ReduceDuringBackward(GradientSync):
         return len(unfinished) < self.max_in_flight
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
-        self._reach_known = False
+        self._unreached.backward_ended()
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()

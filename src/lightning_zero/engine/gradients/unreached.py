@@ -16,6 +16,14 @@ when the backward started), and marks the others ready at once: they contribute 
 flag, as the flush would have made them. Every rank then launches every bucket in the same order
 during its backward. DDP's ``find_unused_parameters`` answers the same question by walking the graph
 from the loss; here it costs one C++ lookup per parameter per backward and no Python call each.
+
+The answer cannot be trusted where a backward nests others: reentrant activation checkpointing
+(``checkpoint(..., use_reentrant=True)``) runs its region's forward without recording it, so the
+outer backward's graph does not contain that region's parameters, whose gradients then arrive from
+a backward of its own (the reason DDP's ``find_unused_parameters`` refuses reentrant checkpointing).
+So the engine watches which graph task each gradient hook runs in: a backward in which hooks ran in
+more than one task turns the marking off from then on; it is on from the second backward whose hooks
+all ran in one (the first backward only learns).
 """
 
 from __future__ import annotations
@@ -29,16 +37,32 @@ from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 class UnreachedParameters:
     """The accumulation node of each of ``params`` (kept, so autograd keeps using the same one), and
-    which of them the running backward will not reach."""
+    which of them the running backward will not reach, where that can be trusted."""
 
     def __init__(self, params: Sequence[ShardedParam]) -> None:
         self._nodes = [(p, _accumulation_node(p)) for p in params]
+        self.task = -1
+        """The graph task of this backward's first gradient hook (-1 before it): a hook compares
+        ``torch._C._current_graph_task_id()`` with it and calls ``seen_task`` when they differ."""
+        self._nested = False  # this backward's hooks ran in more than one graph task
+        self._trusted = False  # the last backward's did not (and there was one)
 
-    def in_this_backward(self) -> list[ShardedParam]:
-        """The parameters the backward now running will not accumulate a gradient into; call only
-        from inside it (a gradient hook)."""
+    def seen_task(self, task: int) -> list[ShardedParam]:
+        """A gradient hook ran in graph ``task``, not ``self.task``: at a backward's first hook, the
+        parameters that backward will not reach (none where nesting was seen); later, a nested one."""
+        if self.task != -1:
+            self._nested = True
+            return []
+        self.task = task
+        if not self._trusted:
+            return []
         will_run = torch._C._will_engine_execute_node
         return [p for p, node in self._nodes if not will_run(node)]
+
+    def backward_ended(self) -> None:
+        if self.task != -1:
+            self._trusted = not self._nested
+        self.task, self._nested = -1, False
 
 
 def _accumulation_node(p: ShardedParam) -> Any:

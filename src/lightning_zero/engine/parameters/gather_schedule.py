@@ -6,12 +6,12 @@ its parameters may be used anywhere in the step):
 - forward pre-hook: gather U (waiting for its prefetch), then prefetch the units that followed U
   in the previous forward;
 - forward pre-hook, under autograd: U's inputs that need a gradient pass through
-  :class:`_UnitBackwardEnded`, an identity whose backward runs once their gradients are computed —
+  a :class:`_UnitBoundary`, an identity whose backward runs once their gradients are computed —
   U's backward is over — and frees U again; a module called several times in one forward is freed
   after the backward of its last pending call only (its calls' ends come in no fixed order where
   one call's output is the next one's input);
 - forward post-hook: free U; under autograd, U's outputs pass through
-  :class:`_UnitBackwardStarts`, an identity whose backward runs before any of U's and gathers U
+  a :class:`_UnitBoundary`, an identity whose backward runs before any of U's and gathers U
   again (see [Note: backward gather order]);
 - if no input of U needs a gradient, U's backward ends with the last of its trainable parameters'
   gradient accumulation, which then frees it (``grad_accumulated``, called from the one
@@ -70,34 +70,21 @@ from lightning_zero.engine.parameters.unit import Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
-class _UnitBackwardStarts(torch.autograd.Function):
-    """Identity on a unit call's outputs; its backward, which runs before any of the unit's, calls
-    ``schedule._pre_backward(unit)``. The schedule is held weakly (see ``_weakly``)."""
+class _UnitBoundary(torch.autograd.Function):
+    """Identity on a unit call's tensors; its backward calls ``on_backward(schedule, unit)``:
+    ``GatherSchedule._pre_backward`` on the call's outputs (it runs before any of the unit's
+    backward), ``GatherSchedule._call_backward_ended`` on its inputs that need a gradient (it runs
+    once their gradients are computed: the call's backward is over). The schedule is held weakly."""
 
     @staticmethod
-    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, *outputs: torch.Tensor) -> Any:
-        ctx.ref, ctx.index = ref, index
-        return _aliases(ctx, outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        _call(ctx.ref, GatherSchedule._pre_backward, ctx.index)
-        return (None, None, *grads)
-
-
-class _UnitBackwardEnded(torch.autograd.Function):
-    """Identity on a unit call's inputs that need a gradient; its backward, which runs once their
-    gradients are computed (the call's backward is over), calls ``schedule._call_backward_ended``."""
-
-    @staticmethod
-    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, *inputs: torch.Tensor) -> Any:
-        ctx.ref, ctx.index = ref, index
-        return _aliases(ctx, inputs)
+    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, on_backward: Callable, *tensors: torch.Tensor) -> Any:
+        ctx.ref, ctx.index, ctx.on_backward = ref, index, on_backward
+        return _aliases(ctx, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        _call(ctx.ref, GatherSchedule._call_backward_ended, ctx.index)
-        return (None, None, *grads)
+        _call(ctx.ref, ctx.on_backward, ctx.index)
+        return (None, None, None, *grads)
 
 
 def _aliases(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
@@ -120,14 +107,14 @@ def _call(ref: "weakref.ref[GatherSchedule]", method: Callable[["GatherSchedule"
 _LEAVES = (torch.Tensor, int, float, bool, str)
 
 
-def _through(function: Any, ref: Any, index: int, tree: Any) -> tuple[Any, bool]:
-    """``tree`` with its tensors that need a gradient passed through ``function`` (one node for all
-    of them), and whether there were any. A tensor, or a tuple or list of tensors and other values,
+def _through(on_backward: Callable, ref: Any, index: int, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that need a gradient passed through a :class:`_UnitBoundary` calling
+    ``on_backward`` (one node for all of them), and whether there were any. A tensor, or a tuple or list of tensors and other values,
     is handled as it is; anything else (dicts, nested structures) is flattened."""
     if isinstance(tree, torch.Tensor):
         if not tree.requires_grad:
             return tree, False
-        return function.apply(ref, index, tree), True
+        return _UnitBoundary.apply(ref, index, on_backward, tree), True
     if isinstance(tree, (tuple, list)) and all(v is None or isinstance(v, _LEAVES) for v in tree):
         leaves, rebuild = list(tree), lambda new: type(tree)(new) if type(tree) in (tuple, list) else type(tree)(*new)
     else:
@@ -136,7 +123,7 @@ def _through(function: Any, ref: Any, index: int, tree: Any) -> tuple[Any, bool]
     positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
     if not positions:
         return tree, False
-    passed = function.apply(ref, index, *(leaves[i] for i in positions))
+    passed = _UnitBoundary.apply(ref, index, on_backward, *(leaves[i] for i in positions))
     for i, t in zip(positions, passed if len(positions) > 1 else (passed,)):
         leaves[i] = t
     return rebuild(leaves), True
@@ -241,9 +228,9 @@ class GatherSchedule:
             self._prefetch_after(unit.index, len(self._forward_order) - 1)
             if not torch.is_grad_enabled():
                 return None
-            args, with_grad = _through(_UnitBackwardEnded, self._ref, unit.index, args)
+            args, with_grad = _through(GatherSchedule._call_backward_ended, self._ref, unit.index, args)
             if kwargs:
-                kwargs, kwargs_with_grad = _through(_UnitBackwardEnded, self._ref, unit.index, kwargs)
+                kwargs, kwargs_with_grad = _through(GatherSchedule._call_backward_ended, self._ref, unit.index, kwargs)
                 with_grad = with_grad or kwargs_with_grad
             self._inputs_with_grad.append(with_grad)  # read by this call's post-hook
             if not with_grad:
@@ -259,7 +246,7 @@ class GatherSchedule:
             if not torch.is_grad_enabled():
                 return None
             inputs_with_grad = self._inputs_with_grad.pop() if self._inputs_with_grad else False
-            output, with_grad = _through(_UnitBackwardStarts, self._ref, unit.index, output)
+            output, with_grad = _through(GatherSchedule._pre_backward, self._ref, unit.index, output)
             if not with_grad:
                 return None
             self._called_with_grad.append(unit.index)
