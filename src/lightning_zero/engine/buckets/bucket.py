@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: the pending collectives are part of a bucket's API)
+    NO_STREAM,
+    PendingGradientReduction,
+    PendingParamGather,
+    give_back,
+    hand_out_gradients,
+)
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
-from lightning_zero.engine.comm.copy_stream import CopyStream, Event
-from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
@@ -164,7 +169,7 @@ class Bucket:
         alone = collectives.takes_one_rank_shortcuts(self.group)  # one rank, its shortcuts taken
         if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
-        stream = stream if stream is not None else _NO_STREAM
+        stream = stream if stream is not None else NO_STREAM
         n, s, f = self.world_size, self.shard_numel, self.flag_count
         received = None
         if self.host is None:
@@ -300,9 +305,6 @@ class Bucket:
             unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
         else:
             unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
-
-
-_NO_STREAM = ReduceStream(torch.device("cpu"))
 """Runs a reduction on whatever stream is current (no stream given: one-process tests)."""
 
 
@@ -325,109 +327,3 @@ def _take_local_grads(params: Sequence[ShardedParam]) -> list[Optional[Tensor]]:
         for p in params:
             p.param.grad = None
     return grads
-
-
-@dataclass
-class PendingGradientReduction:
-    bucket: Bucket
-    work: collectives.PendingCollective
-    received: Optional[Tensor]
-    """(S + F,): this rank's reduced chunks, used flags and stop votes; None where nothing is left to hand
-    out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
-    lent: list[Tensor] = field(default_factory=list)
-    """Pool buffers the collective reads, given back once it is finished."""
-    stream: Optional[ReduceStream] = None
-    """Where the reduction runs: its waits and what follows them are issued there (see [Note:
-    reduce stream] in ``reduce_stream.py``)."""
-    _flags: Optional[Tensor] = None
-    _across_replicas: Optional[collectives.PendingCollective] = None
-
-    def done(self) -> bool:
-        """Whether ``finish`` would return without the host waiting for a peer; never blocks. Asked
-        only where waits block the host (gloo, NCCL's blocking wait): there the host is what runs
-        the collectives, so it sees a completion as it happens. With hybrid sharding and such waits,
-        a finished reduce-scatter starts the all-reduce across the replicas here, so call it on the
-        reductions in the order they were started (as ``finish``)."""
-        if not self.work.done():
-            return False
-        across = self.start_across_replicas()
-        return across is None or across.done()
-
-    def finish(self) -> None:
-        """Make what runs next on the reduction's stream wait for the collectives (on gloo: the
-        host waits), then give the buffers back; ``hand_out_gradients`` then gives out the chunks.
-        An offloaded bucket's row starts its copy to the host here, during backward."""
-        with (self.stream or _NO_STREAM).finishing():
-            self.work.wait()
-            across = self.start_across_replicas()
-            if across is not None:
-                across.wait()
-            copy = None
-            host = self.bucket.host
-            if host is not None and self.received is not None:
-                self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
-                self.received, copy = host.receive(self.received, self.bucket.pool)
-            _give_back(self.bucket.pool, self.lent, copy)
-
-    def start_across_replicas(self) -> Optional[collectives.PendingCollective]:
-        """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
-        issued (once) on the reduction's stream after the reduce-scatter: on NCCL ordered by the
-        stream; on gloo after the host waited for it (None without replicas)."""
-        if self.bucket.replicate_group is None or self.received is None:
-            return None
-        if self._across_replicas is None:
-            with (self.stream or _NO_STREAM).finishing():
-                self.work.wait()
-                self._across_replicas = collectives.start_all_reduce(self.received, self.bucket.replicate_group)
-        return self._across_replicas
-
-    @property
-    def flags(self) -> Tensor:
-        """(F,): per parameter, how many ranks produced a gradient (see [Note: used flags]), then the
-        summed stop votes; on the device, also for an offloaded bucket, so reading them waits for no copy."""
-        return self._flags if self._flags is not None else self.received[self.bucket.shard_numel :]
-
-    def hand_out(self, votes: Optional[StopVote], flags: Sequence[float]) -> None:
-        """With the flags read on the host: give out the gradient chunks, count the stop votes."""
-        k = len(self.bucket.params)
-        self.bucket.accept_gradients(self.received, flags[:k])
-        if votes is not None:
-            votes.count(flags[k:])
-
-
-def hand_out_gradients(
-    reductions: Sequence[PendingGradientReduction], reads: HostReads, votes: Optional[StopVote] = None
-) -> None:
-    """At ``reads``' next read, give every parameter of the finished ``reductions`` its reduced
-    gradient chunk (the used flags decide which; see [Note: deferred verdicts] in ``host_reads.py``)
-    and count the stop votes they carried into ``votes`` (one rank: its own ballot)."""
-    for reduction in reductions:
-        if reduction.received is None:
-            reduction.bucket.accept_gradients(None, ())
-            if votes is not None:
-                votes.count(votes.ballot())
-        else:
-            reads.add(reduction.flags, functools.partial(reduction.hand_out, votes))
-
-
-@dataclass
-class PendingParamGather:
-    bucket: Bucket
-    work: collectives.PendingCollective
-    gathered: Optional[Tensor]
-    """(N * (S [+ 1]),): every rank's chunks; None where nothing is left to copy (world size 1)."""
-    tags: Optional["GatherTags"] = None
-    lent: list[Tensor] = field(default_factory=list)
-    """Pool buffers the collective reads or fills, given back once their contents are copied out."""
-
-    def finish(self) -> None:
-        """Wait for the all-gather and copy every rank's chunk into the full parameters."""
-        self.work.wait()
-        self.bucket._finish_param_gather(self.gathered, self.tags)
-        _give_back(self.bucket.pool, self.lent)
-
-
-def _give_back(pool: BufferPool, lent: list[Tensor], copy: Event = None) -> None:
-    for buffer in lent:
-        pool.give_back(buffer, copy)
-    lent.clear()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
