@@ -66,7 +66,7 @@ def _writer(folder: Folder) -> dcp.FileSystemWriter:
     else:
         writer = dcp.FileSystemWriter(folder.dcp_path, sync_files=False, thread_count=UPLOAD_THREADS, per_thread_copy_ahead=0)
     writer.fs = folder.dcp_files()
-    writer.path = folder.dcp_path
+    writer.path = writer.fs.init_path(folder.dcp_path)  # a Path locally: torch 2.6's FileSystem.mkdir takes no str
     return writer
 
 
@@ -81,7 +81,7 @@ class _Reader(dcp.FileSystemReader):
         folder = as_folder(directory)
         super().__init__(folder.dcp_path if folder.is_local else ".")
         self.fs = folder.dcp_files()
-        self.path = folder.dcp_path
+        self.path = self.fs.init_path(folder.dcp_path)  # a Path locally, as torch 2.6 needs
         self._metadata = _read_metadata(directory) if metadata is None else metadata
         _check_files_inside(directory, self._metadata)
 
