@@ -98,16 +98,25 @@ GROUP.case(name="grads_after_the_step", fn=grads_after_the_step, set_to_none=Tru
 GROUP.case(name="grads_after_the_step_zeroed", fn=grads_after_the_step, set_to_none=False)
 
 
-@GROUP.case
-def fabric_grads_after_the_step(ctx: RankContext) -> dict[str, Any]:
-    from fabric_loop import batches_for, fabric_for, small_gpt
+def _fabric_runs():
+    """For DDP and zero1-3 in turn: (variant, fabric, the user's module, the set-up model, its
+    optimizer), a small GPT under Fabric seeded alike."""
+    from fabric_loop import fabric_for, small_gpt
 
-    results = {}
     for variant in ["ddp", "zero1", "zero2", "zero3"]:
         fabric = fabric_for(variant)
         fabric.seed_everything(0)
         module = small_gpt()
         model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+        yield variant, fabric, module, model, optimizer
+
+
+@GROUP.case
+def fabric_grads_after_the_step(ctx: RankContext) -> dict[str, Any]:
+    from fabric_loop import batches_for
+
+    results = {}
+    for variant, fabric, module, model, optimizer in _fabric_runs():
         seen = []
         # after each step: optimizer.zero_grad(), none at all (the next backward accumulates into the
         # step's gradients), zero_grad(set_to_none=False), the module's own zero_grad()
@@ -160,14 +169,10 @@ def reads_after_fit(ctx: RankContext) -> dict[str, Any]:
 
 @GROUP.case
 def fabric_reads_after_training(ctx: RankContext) -> dict[str, Any]:
-    from fabric_loop import batches_for, fabric_for, small_gpt
+    from fabric_loop import batches_for
 
     results = {}
-    for variant in ["ddp", "zero1", "zero2", "zero3"]:
-        fabric = fabric_for(variant)
-        fabric.seed_everything(0)
-        module = small_gpt()
-        model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    for variant, fabric, module, model, optimizer in _fabric_runs():
         for batch in batches_for(ctx.rank, 2):
             fabric.backward(model(batch[:, :-1], batch[:, 1:])[1])
             optimizer.step()
