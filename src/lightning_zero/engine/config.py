@@ -177,6 +177,19 @@ class ZeroConfig:
     match non-offloaded ones to float rounding instead of bitwise (see ``host_step.py``). False:
     keep the kernel the optimizer was configured with."""
 
+    overlap_host_step: bool = True
+    """With ``offload_optimizer=True`` at stages 2-3: step each bucket's chunks on a host thread as soon
+    as its reduced gradients are in host memory, while backward computes the earlier layers, instead of
+    all buckets after backward. The result is bitwise the one stepping after backward gives: a step
+    the gradients, the hyperparameters or a verdict (clipping, loss scaling) turn out to change is
+    rolled back and taken again (see [Note: the host step during backward] in ``step_ahead.py``).
+    False: the whole host step after backward."""
+
+    host_threads: Optional[int] = None
+    """With ``offload_optimizer``: the threads each rank's host step uses (``torch.set_num_threads``).
+    None: the cores this process may run on, divided by the ranks of its node (what a rank owns when
+    the ranks of a node share its cores), or ``OMP_NUM_THREADS`` where it is set."""
+
     elementwise_optimizers: Sequence[str] = ()
     """Optimizer classes the engine does not know, declared element-wise (their update of each element
     reads only that element and scalars), by class name (``"MyAdam"``) or qualified name
@@ -212,6 +225,10 @@ class ZeroConfig:
         self._check_offload_tiers()
         if not isinstance(self.fused_host_step, bool):
             raise TypeError(f"`fused_host_step` must be True or False, got {self.fused_host_step!r}.")
+        if not isinstance(self.overlap_host_step, bool):
+            raise TypeError(f"`overlap_host_step` must be True or False, got {self.overlap_host_step!r}.")
+        if self.host_threads is not None and (isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1):
+            raise ValueError(f"`host_threads` must be a positive number of threads, or None (the rank's share of its node's cores), got {self.host_threads!r}.")
         check_offload(self.zero_stage, self.offload_optimizer, self.offload_params)
         if self.params_on_disk and not self.optimizer_state_on_disk:
             # the NVMe stream of the optimizer step is what reads and writes the chunks it steps
@@ -291,6 +308,14 @@ class ZeroConfig:
                 " optimizer step on the host); without offload the optimizer keeps its own settings."
                 " Remove it, or set `offload_optimizer=True`."
             )
+
+        for name in ("overlap_host_step", "host_threads"):
+            if getattr(self, name) != defaults[name] and not self.offload_optimizer:
+                raise ValueError(
+                    f"`{name}` only applies with `offload_optimizer` (it shapes the optimizer step on the"
+                    " host); without offload the optimizer steps on the device. Remove it, or set"
+                    " `offload_optimizer=True`."
+                )
 
     @property
     def zero_stage(self) -> ZeroStage:

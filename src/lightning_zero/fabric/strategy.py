@@ -75,6 +75,8 @@ class ZeroFabricStrategy(DDPStrategy):
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
+        overlap_host_step: bool = True,
+        host_threads: Optional[int] = None,
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",

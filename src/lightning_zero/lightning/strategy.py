@@ -87,6 +87,11 @@ class ZeroStrategy(ZeroStepHooks):
         fused_host_step: with offload, step Adam/AdamW/SGD/Adagrad with torch's fused CPU kernel
             (default; matches a non-offloaded run to float rounding, not bitwise). False keeps the
             optimizer's configured kernel.
+        overlap_host_step: with ``offload_optimizer=True`` at stages 2-3, step each bucket on a host
+            thread as soon as its reduced gradients reach host memory, during backward (default;
+            bitwise the result of stepping after backward: see docs/offload.md). False: after backward.
+        host_threads: with offload, the threads each rank's host step uses. Default: the cores this
+            process may run on ÷ the ranks of its node (or ``OMP_NUM_THREADS`` where set).
         elementwise_optimizers: optimizer classes lightning-zero does not know, declared
             element-wise (each element's update reads only that element), by class name or
             qualified name (``["MyAdam"]``): they step flat chunks like Adam instead of whole tensors
@@ -138,6 +143,8 @@ class ZeroStrategy(ZeroStepHooks):
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
         fused_host_step: bool = True,
+        overlap_host_step: bool = True,
+        host_threads: Optional[int] = None,
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
