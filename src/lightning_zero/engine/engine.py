@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -50,6 +51,7 @@ from lightning_zero.engine.gradients.norms import norms_by_name
 from lightning_zero.engine.memory import MemoryReport, measure, working_memory
 from lightning_zero.engine.offload.disk_tier import DiskTier
 from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
+from lightning_zero.engine.offload.step_ahead import HostStepReport, StepAhead
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, optimizer_index_of_params
 from lightning_zero.engine.optimizer.whole_tensor_step import ChunkedState
@@ -116,7 +118,7 @@ class ZeroEngine:
             self.params, config, lambda: self.gradients.take_assignments(), self.disk, self.buckets, group,
             self.residency.compute_device, lambda opt: self.residency.after_optimizer_step(opt, self.params_of(opt)),
             lambda: self.gradients.reduced,
-            after_zero_grad=lambda: self.gradients.released(),
+            after_zero_grad=self._after_zero_grad,
         )  # fmt: skip
         for optimizer in optimizers:
             self._optimizers.add(optimizer)
@@ -139,6 +141,10 @@ class ZeroEngine:
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
         self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
         """Weight averages kept beside the shards (``average_weights``), counted by ``memory_report``."""
+        self._step_ahead: Optional[StepAhead] = None
+        """With CPU offload: the host step during backward (see [Note: the host step during backward]
+        in ``step_ahead.py``); built at the first step, for the optimizers bound then."""
+        self._ahead_plan = _AheadPlan()
         if self.shards_parameters:
             module_link.link(module, self)  # the module's weights are this engine's chunks now
 
@@ -160,6 +166,7 @@ class ZeroEngine:
     def use_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
         finished run's (whose state is dropped), as a new engine would have been built with them."""
+        self._close_step_ahead()
         self._optimizers.clear()
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
@@ -189,13 +196,78 @@ class ZeroEngine:
         keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP;
         gradients dropped or assigned since the step (``model.zero_grad()``) reach the chunks now, so
         a loop that calls no ``before_backward`` accumulates into what they left."""
+        self._arm_step_ahead()
         self.gradients.take_assignments()
         self.residency.begin_step()
 
     def before_backward(self) -> None:
         """Before each backward (only needed when a step runs several): ``param.grad`` stops
         showing the previous backward's reduced gradients, so autograd accumulates as usual."""
+        self._arm_step_ahead()
         self.gradients.close(before_backward=True)
+
+    # ---- the host step during backward (CPU offload) ------------------------------------------
+    def plan_host_step(self, ahead: bool = True, keep_rollback: bool = True, reason: str = "") -> None:
+        """How the adapter wants offloaded optimizer steps taken from the next step on: ``ahead`` during
+        backward (where the engine can: see [Note: the host step during backward] in ``step_ahead.py``),
+        else after it, for ``reason`` (counted in ``host_step_report``); ``keep_rollback``: keep copies
+        to undo a step that something after backward changes (clipping, a hook's edit). Default: ahead,
+        with rollback copies (a plain loop may clip or edit anything before ``optimizer.step()``)."""
+        self._ahead_plan = _AheadPlan(ahead, keep_rollback, reason)
+        if self._step_ahead is not None:
+            self._step_ahead.keep_rollback = keep_rollback
+
+    def host_step_report(self) -> Optional[HostStepReport]:
+        """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last
+        step's timing); None without CPU offload or where steps are never taken during backward."""
+        return self._step_ahead.report() if self._step_ahead is not None else None
+
+    def _arm_step_ahead(self) -> None:
+        """Before a step's backward: undo a step taken ahead and never committed, then arm the buckets
+        to step as they arrive when this backward's micro-batch steps."""
+        ahead = self._ensure_step_ahead()
+        if ahead is None:
+            return
+        ahead.settle("no `optimizer.step()` followed the backward")
+        plan = self._ahead_plan
+        if not plan.ahead:
+            ahead.count_not_ahead(plan.reason or "the adapter takes the step after backward")
+        armed = plan.ahead and self.sync_gradients
+        ahead.arm(armed)
+        self.grad_sync.finish_early = armed
+
+    def _ensure_step_ahead(self) -> Optional[StepAhead]:
+        optimizers = self._optimizers.optimizers
+        if self._step_ahead is not None and [self._step_ahead.optimizer] == optimizers:
+            return self._step_ahead
+        self._close_step_ahead()
+        config = self.config
+        if not (config.offload_optimizer is True and config.overlap_host_step and len(optimizers) == 1):
+            return None  # NVMe, no offload, several optimizers (each would need its own verdict)
+        if self._optimizers.steps_whole_tensors(optimizers[0]):
+            return None
+        buckets = [(b.index, b.host) for b in self.residency.buckets_with_host if b.host.grads is not None]
+        if not buckets:
+            return None
+        self._step_ahead = StepAhead(
+            optimizers[0], self.params_of(optimizers[0]), buckets, self.gradients.take_assignments, self._ahead_plan.keep_rollback
+        )
+        return self._step_ahead
+
+    def _settle_step_ahead(self, why: str) -> None:
+        """Something is about to read or write the chunks: undo a step taken ahead and not committed."""
+        if self._step_ahead is not None:
+            self._step_ahead.settle(why)
+
+    def _close_step_ahead(self) -> None:
+        if self._step_ahead is not None:
+            self.grad_sync.finish_early = False
+            self._step_ahead.close()
+            self._step_ahead = None
+
+    def _after_zero_grad(self) -> None:
+        self._settle_step_ahead("`zero_grad()` before `optimizer.step()`")
+        self.gradients.released()
 
     def begin_evaluation_step(self) -> None:
         """Before each evaluation (validation, test, predict) step, instead of ``begin_step``."""
@@ -210,9 +282,18 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
+        ahead = self._step_ahead
+        if ahead is not None:
+            ahead.backward_ended()
         self.residency.finish_backward_gathers()
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
+        if ahead is not None:
+            ahead.disarm()
+            self.grad_sync.finish_early = False
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
+        if ahead is not None and self.residency.holds_assigned_data():
+            # `param.data = ...` in this step is kept as of before the step, as without overlap
+            ahead.settle("weights assigned in the step")
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._unstepped_gradients = True
         self._read_from_device()  # the backward's one host sync: see [Note: deferred verdicts]
@@ -260,6 +341,7 @@ class ZeroEngine:
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
         (``keep=False``: take part, return nothing)."""
+        self._settle_step_ahead("the optimizer state was read before `optimizer.step()`")
         chunked = self._optimizers.chunked_state(optimizer)
         return gather_full_state_dict(chunked, self.params_of(optimizer), self.group, self.residency.compute_device, keep)
 
@@ -269,6 +351,7 @@ class ZeroEngine:
     def optimizer_chunked_state(self, optimizer: Optimizer) -> ChunkedState:
         """``optimizer``'s state in this rank's chunks, however it steps (a collective; what a sharded
         checkpoint saves: see ``optimizers.py``)."""
+        self._settle_step_ahead("the optimizer state was read before `optimizer.step()`")
         return self._optimizers.chunked_state(optimizer)
 
     def load_optimizer_chunked_state(self, optimizer: Optimizer, state_dict: dict[str, Any], chunked: frozenset[tuple[int, str]]) -> None:
@@ -280,11 +363,13 @@ class ZeroEngine:
         ``writing`` written) while the group is the current one: with ``offload_params="nvme"`` one
         bucket at a time, read in from disk (and written back after); otherwise one group, in memory
         anyway (see ``ParameterResidency.buckets_in_memory``)."""
+        self._settle_step_ahead("the chunks were read before `optimizer.step()`")
         return self.residency.buckets_in_memory(writing)
 
     def weight_chunks(self) -> dict[int, torch.Tensor]:
         """This rank's chunk of every weight, by ``id`` of its ``ShardedParam`` (copies, one bucket at
         a time, where the chunks live on disk)."""
+        self._settle_step_ahead("the chunks were read before `optimizer.step()`")
         return self.residency.weight_chunks()
 
     def sync_master_weights(self) -> None:
@@ -327,6 +412,7 @@ class ZeroEngine:
     def release_parameters(self, device: torch.device) -> None:
         """Leave the module with plain full parameters on ``device`` and remove every hook (stage 3
         gathers one unit at a time; every rank then holds the whole model)."""
+        self._close_step_ahead()
         self.gradients.close()
         self._optimizers.remove_step_hooks()
         self.grad_sync.close()
@@ -343,6 +429,7 @@ class ZeroEngine:
         if not self.shards_parameters:
             self.release_parameters(self.residency.compute_device)
             return
+        self._close_step_ahead()
         self.gradients.close()
         self.grad_sync.close()
         self.residency.end_training()
@@ -371,6 +458,7 @@ class ZeroEngine:
         reuse, pinned blocks, copy rows, the last backward's gradients waiting: ``working_memory``)."""
         averages = [held for average in self.averages for held in average.held()]
         working = working_memory(self.residency, self.disk, self.grad_sync)
+        working["host_step_rollback"] = self._step_ahead.rollback_bytes if self._step_ahead is not None else 0
         return measure(self.module, self.params, self._optimizers.with_params(), averages=averages, **working)
 
     @property
@@ -380,6 +468,7 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Remove every hook (the optimizers step with their configured kernels again)."""
+        self._close_step_ahead()
         self.gradients.close()
         self._optimizers.remove_step_hooks()
         self.grad_sync.close()
@@ -400,6 +489,15 @@ class ZeroEngine:
         )  # fmt: skip
         self.averages.add(average)
         return average
+
+
+@dataclass(frozen=True)
+class _AheadPlan:
+    """What the adapter said of taking offloaded steps during backward (``ZeroEngine.plan_host_step``)."""
+
+    ahead: bool = True
+    keep_rollback: bool = True
+    reason: str = ""
 
 
 def _device_of(module: nn.Module) -> torch.device:

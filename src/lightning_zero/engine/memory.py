@@ -89,6 +89,14 @@ class MemoryReport:
     keeps that much reserved for the copy stream once they are freed. Not model state, beside
     ``comm_buffers``; 0 without offload, and where host and device are one memory."""
 
+    host_step_rollback: int = 0
+    """Bytes of host memory holding rollback copies for the host step taken during backward (CPU
+    offload with ``overlap_host_step``; see [Note: the host step during backward] in
+    ``engine/offload/step_ahead.py``): each offloaded bucket's master chunks and optimizer state as
+    they were before its step, kept for the next step (about 12 B per parameter / N with AdamW in
+    fp32). 0 where no copy is kept (the Trainer with no clipping and no hook between backward and the
+    step). Not model state, not in ``total``."""
+
     @property
     def parameters(self) -> int:
         return self.device.parameters + self.host.parameters
@@ -122,6 +130,7 @@ def measure(
     pinned_host: int = 0,
     copy_buffers: int = 0,
     waiting_gradients: int = 0,
+    host_step_rollback: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
@@ -170,6 +179,7 @@ def measure(
         pinned_host=pinned_host,
         copy_buffers=copy_buffers,
         waiting_gradients=waiting_gradients,
+        host_step_rollback=host_step_rollback,
     )
 
 

@@ -130,6 +130,10 @@ class ShardedOptimizers:
         check_full_state_dict(full_state_dict, self.params_of(optimizer))
         optimizer.load_state_dict(whole.owners_part(full_state_dict))
 
+    def steps_whole_tensors(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` steps whole tensors on owner ranks (``whole_tensor_step.py``)."""
+        return id(optimizer) in self._whole
+
     def params_of(self, optimizer: Optimizer) -> list[ShardedParam]:
         """The sharded parameters `optimizer` steps, in its `state_dict` order."""
         for opt, params in zip(self.optimizers, self._params_of):

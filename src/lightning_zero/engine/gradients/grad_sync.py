@@ -77,6 +77,12 @@ class GradientSync(abc.ABC):
         self.stream = ReduceStream(self.buckets[0].device if self.buckets else torch.device("cpu"))
         """Where the reductions run (see [Note: reduce stream] in ``reduce_stream.py``)."""
 
+    finish_early = False
+    """Finish each reduction as soon as that waits for nothing (NCCL: at once, on the reduce stream;
+    where waits block the host: once it is done), not only to make room: set while offloaded
+    buckets step during backward, which starts as a bucket's row is copied to the host, in ``finish``
+    (see [Note: the host step during backward] in ``step_ahead.py``)."""
+
     def _start(self, bucket: Bucket) -> PendingGradientReduction:
         """Start ``bucket``'s reduce-scatter, carrying this rank's stop votes as they are now."""
         ballot = self.votes.ballot() if self.votes is not None else (False,) * StopVote.WIDTH
@@ -201,6 +207,8 @@ class ReduceDuringBackward(GradientSync):
                 became_ready = self._mark_ready(unreached.seen_task(task)) or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
+            elif self.finish_early and self._unfinished:  # gloo: one launched earlier may be done by now
+                self._finish_done()
             if became_ready:  # only then can the bytes waiting grow
                 self._note_waiting()
 
@@ -228,6 +236,14 @@ class ReduceDuringBackward(GradientSync):
             self._in_flight.append(self._start(bucket))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
+            if self.finish_early:
+                self._finish_done()
+
+    def _finish_done(self) -> None:
+        """Finish the oldest reductions for as long as that waits for nothing (``finish_early``)."""
+        unfinished = self._unfinished
+        while unfinished and (not self._waits_block_host or unfinished[0].done()):
+            unfinished.popleft().finish()
 
     def _note_waiting(self) -> None:
         """Raise this backward's peak to the full gradients that ready buckets not yet launched hold now."""

@@ -27,7 +27,9 @@ next to the shards; it is not pinned, since it never crosses the bus.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
+
+import threading
 
 import torch
 from torch import Tensor
@@ -37,6 +39,14 @@ from lightning_zero.engine.comm.copy_stream import CopyStream, Event
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+class Arrivals(Protocol):
+    """What steps a bucket as its gradients arrive, during backward (``step_ahead.py``)."""
+
+    def arrived(self, host: "HostChunks", row: Tensor, copy: Event) -> threading.Event:
+        """``row`` is being copied to the host (``copy``); the event is set once ``accept_now`` ran."""
+        ...
 
 
 class HostChunks:
@@ -77,6 +87,13 @@ class HostChunks:
         self._grad_chunks = self._chunks(self.grads) if self.grads is not None else []
         self._landing: Optional[Tensor] = None
         self._landing_chunks: list[Tensor] = []
+        self.arrivals: Optional[Arrivals] = None
+        """While this bucket steps during backward (see [Note: the host step during backward] in
+        ``step_ahead.py``): told of each reduced row as its copy starts; it hands the gradients out."""
+        self._accepted_ahead: Optional[threading.Event] = None
+        self.unsettled: Optional[Callable[[], None]] = None
+        """Set while the master chunks hold a step taken ahead of its verdict: called before anything
+        reads them (a gather, a copy to the device), it undoes that step first."""
 
     @property
     def row_numel(self) -> int:
@@ -98,6 +115,8 @@ class HostChunks:
     def in_memory(self, writing: bool = False) -> Iterator[None]:
         """A context in which ``master`` (and the shards viewing it) can be read, and with
         ``writing`` written; a no-op unless it lives on disk between uses."""
+        if self.unsettled is not None:
+            self.unsettled()
         if self.on_disk is None:
             yield
             return
@@ -135,6 +154,8 @@ class HostChunks:
         copy = self.copies.to_host(row, staged)
         if staged is not reduced:
             pool.give_back(staged, copy)
+        if self.arrivals is not None:
+            self._accepted_ahead = self.arrivals.arrived(self, row, copy)
         return row, copy
 
     def _landing_row(self) -> Tensor:
@@ -145,7 +166,16 @@ class HostChunks:
 
     def accept(self, row: Tensor, used_anywhere: Sequence[float]) -> None:
         """Give every parameter a rank used its chunk of ``row`` as ``shard.grad``, added to what it
-        holds already (see [Note: used flags] in ``bucket.py``)."""
+        holds already (see [Note: used flags] in ``bucket.py``); where the row went to a step during
+        backward, that step's thread has done so: wait for it."""
+        if self._accepted_ahead is not None:
+            accepted, self._accepted_ahead = self._accepted_ahead, None
+            accepted.wait()
+            return
+        self.accept_now(row, used_anywhere)
+
+    def accept_now(self, row: Tensor, used_anywhere: Sequence[float]) -> None:
+        """``accept`` itself, on the thread that calls it."""
         chunks = self._grad_chunks if row is self.grads else self._landing_chunks
         for i, p in enumerate(self.params):
             if used_anywhere[i] <= 0:
@@ -162,7 +192,7 @@ class HostChunks:
     def copy_master_to(self, out: Tensor) -> None:
         """Copy every chunk (S,) into ``out`` on the device, cast to its dtype there; kernels later
         on the compute stream see the result."""
-        with self.in_memory():
+        with self.in_memory():  # a step taken ahead of its verdict is undone first (`unsettled`)
             out.copy_(self.copies.to_device(self.master))
 
     def refresh_device_chunks(self) -> None:

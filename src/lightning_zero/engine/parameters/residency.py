@@ -123,6 +123,10 @@ class ParameterResidency(abc.ABC):
         returns: the chunks the optimizer steps, or copies of them where they live on disk."""
         return {id(p): p.shard for p in self.params}
 
+    def holds_assigned_data(self) -> bool:
+        """Whether some parameter's ``.data`` was assigned since its data was placed (``adopt_assigned_data`` has work)."""
+        return any(p.data_was_assigned() for p in self._placed_params())
+
     def adopt_assigned_data(self) -> None:
         """After each backward, before any optimizer step: keep the values of parameters whose
         ``.data`` was assigned (see ``ShardedParam.adopt_assigned_data``)."""

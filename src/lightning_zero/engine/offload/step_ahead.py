@@ -1,0 +1,403 @@
+"""The host step during backward: each offloaded bucket steps on a host thread as soon as its reduced
+gradients are in host memory, and the result is bitwise the one stepping after backward gives.
+
+[Note: the host step during backward]
+With CPU offload the optimizer steps host chunks. Stepping all of them after backward puts the whole
+host step on the critical path: backward, then the host step, then the copies back. But a bucket's
+update reads only that bucket's chunks, gradients and state (the optimizer is element-wise, see
+[Note: step granularity] in ``optimizer_kinds.py``), so it can run as soon as the bucket's reduced
+row has landed, while the device computes the earlier layers' gradients:
+
+- **when**: ``HostChunks.receive`` starts a row's copy to the host as the bucket's reduce-scatter
+  finishes, during backward, and hands it to the ``StepAhead``, which queues the bucket for one
+  worker thread. The worker waits for the copy (its event, in its own thread: the host thread that
+  runs backward never waits), hands the gradients out (``HostChunks.accept``, with the used flags
+  read from the landed row) and steps the bucket with the optimizer's own update, on a view of the
+  optimizer whose param groups are narrowed to the bucket's shards. The user's optimizer object is
+  never narrowed: the main thread may read it meanwhile.
+- **the verdict**: whether that is the step stepping after backward would take is known only at
+  ``optimizer.step()``. Clipping by norm needs every bucket's gradients, and user code between
+  backward and the step (``on_before_optimizer_step``) may edit gradients or the learning rate. So
+  each bucket records what its step read: each gradient tensor with its version counter (every
+  in-place edit bumps it; our clipping skips multiplying by exactly 1.0, which changes no bit),
+  the hyperparameters of its param groups, and the version of its master row after the step.
+  ``optimizer.step()`` waits for the worker and compares. All the same: the step is taken already
+  (**commit**). Anything different: every bucket stepped ahead is restored from its rollback copy
+  and the optimizer steps as it always did (**redo**). Bitwise the same result either way: a clip
+  coefficient that is not 1 edits the gradients, so its step is redone with them.
+- **rollback copies** (``rollback.py``): before a bucket steps, its master row and state are copied
+  into host buffers allocated once (``memory_report().host_step_rollback``). Where the adapter knows
+  nothing can change the verdict (the Trainer with no clipping, no loss scaling and no hook between
+  backward and the step), none is kept, and a verdict that fails anyway raises rather than train a
+  different model.
+- **never committed**: a step ahead that no ``optimizer.step()`` follows (a loop that skips the step)
+  is rolled back before anything reads the chunks again: the next step, ``zero_grad``, a gather of
+  the chunks, a checkpoint.
+- **when not**: the host step waits for backward, as before, with more than one optimizer, a
+  whole-tensor optimizer, NVMe offload, and where the adapter says a step cannot be taken ahead
+  (the Trainer's manual optimization, loss scaling, clipping by value). ``report()`` counts each
+  step's mode and why.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine.comm.copy_stream import Event
+from lightning_zero.engine.offload.host_chunks import HostChunks
+from lightning_zero.engine.offload.rollback import RollbackCopy
+from lightning_zero.engine.offload.state_on_disk import _unhooked_step
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+@dataclass(frozen=True)
+class HostStepTiming:
+    """When the host stepped in the last optimizer step (``time.perf_counter()`` seconds)."""
+
+    mode: str
+    """"ahead" (stepped during backward and kept), "redone" (stepped ahead, rolled back and stepped
+    again after backward) or "after_backward"."""
+    buckets: tuple[tuple[int, float, float], ...]
+    """(bucket index, start, end) of each bucket stepped ahead, in the order they stepped."""
+    backward_end: Optional[float]
+    """When backward ended (``finish_backward`` began); None if no backward was seen."""
+    host_step_s: float
+    """Seconds the host spent stepping: the buckets stepped ahead, plus a step after backward."""
+
+    @property
+    def before_backward_end_s(self) -> float:
+        """Seconds of the host step that ran before backward ended."""
+        end = self.backward_end
+        if end is None or self.mode != "ahead":
+            return 0.0
+        return sum(max(0.0, min(stop, end) - start) for _, start, stop in self.buckets)
+
+    @property
+    def overlap(self) -> float:
+        """The share of the host step that ran before backward ended (0 to 1)."""
+        return self.before_backward_end_s / self.host_step_s if self.host_step_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class HostStepReport:
+    """How an offloaded optimizer's steps ran, counted since the engine was built."""
+
+    ahead: int = 0
+    """Steps taken during backward and kept."""
+    redone: int = 0
+    """Steps taken during backward, then rolled back and taken again after it (the gradients or
+    hyperparameters changed after backward: clipping that applied, a hook's edit)."""
+    after_backward: int = 0
+    """Steps taken after backward only."""
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Why steps were redone or taken after backward, counted."""
+    rollback_bytes: int = 0
+    """Host bytes of the rollback copies kept now."""
+    last: Optional[HostStepTiming] = None
+
+
+@dataclass
+class _BucketStep:
+    """A bucket queued or stepped ahead in this backward, and what its step read."""
+
+    host: HostChunks
+    index: int
+    accepted: threading.Event = field(default_factory=threading.Event)
+    future: Optional[Future] = None
+    grads: list[tuple[Tensor, Optional[Tensor], int]] = field(default_factory=list)
+    """Per shard of the optimizer in the bucket: (shard, its ``.grad`` as stepped, that grad's version)."""
+    hyperparameters: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    master_version: int = -1
+    saved: bool = False
+    """Its rollback copy holds the state before its step."""
+    stepped: bool = False
+    start: float = 0.0
+    end: float = 0.0
+
+
+class StepAhead:
+    """Steps ``optimizer``'s offloaded ``buckets`` during backward (see [Note: the host step during
+    backward]). ``params``: the optimizer's sharded parameters; ``before_step()`` takes what was
+    assigned to ``param.grad`` (the engine's, run before every step); ``keep_rollback``: keep copies
+    to undo a step whose verdict fails."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        params: Sequence[ShardedParam],
+        buckets: Sequence[tuple[int, HostChunks]],
+        before_step: Callable[[], None],
+        keep_rollback: bool = True,
+    ) -> None:
+        self.optimizer = optimizer
+        self.keep_rollback = keep_rollback
+        self._before_step = before_step
+        self._unhooked = _unhooked_step(optimizer)
+        shards = {id(p.shard) for p in params}
+        self._buckets = [(index, host) for index, host in buckets if any(id(p.shard) in shards for p in host.params)]
+        self._index_of = {id(host): index for index, host in self._buckets}
+        self._shards_of = {id(host): [p.shard for p in host.params if id(p.shard) in shards] for _, host in self._buckets}
+        self._all_shards = [p.shard for p in params]
+        self._rollbacks: dict[int, RollbackCopy] = {}
+        self._queued: list[_BucketStep] = []
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._armed = False
+        self._armed_reason_counted = False  # the adapter said why this step is not armed
+        self._backward_end: Optional[float] = None
+        self._counts: Counter = Counter()
+        self._reasons: Counter = Counter()
+        self._last: Optional[HostStepTiming] = None
+        self._had_step = "step" in optimizer.__dict__
+        self._previous_step = optimizer.__dict__.get("step")
+        optimizer.step = self._step_function()  # type: ignore[method-assign]
+
+    # ---- during backward -------------------------------------------------------------------
+    def arm(self, armed: bool) -> None:
+        """Whether the next backward's buckets step as they arrive (its micro-batch steps)."""
+        self._armed = armed
+        for _, host in self._buckets:
+            host.arrivals = self if armed else None
+
+    def arrived(self, host: HostChunks, row: Tensor, copy: Event) -> threading.Event:
+        """``host``'s reduced ``row`` is being copied to the host (``copy``): queue its step; the
+        returned event is set once its gradients were handed out (``HostChunks.accept``)."""
+        job = _BucketStep(host, self._index_of[id(host)])
+        self._queued.append(job)
+        job.future = self._worker().submit(self._run, job, row, copy)
+        return job.accepted
+
+    def backward_ended(self) -> None:
+        """Backward's gradients are all computed (``finish_backward`` begins): no more arrive ahead."""
+        self._backward_end = time.perf_counter()
+
+    def disarm(self) -> None:
+        self.arm(False)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-host-step")
+        return self._executor
+
+    def _run(self, job: _BucketStep, row: Tensor, copy: Event) -> None:
+        """On the worker thread: wait for the row, hand its gradients out, step the bucket."""
+        host = job.host
+        try:
+            if copy is not None:
+                copy.synchronize()  # this thread waits for the copy; backward goes on
+            k = len(host.params)
+            host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
+        finally:
+            job.accepted.set()
+        shards = self._shards_of[id(host)]
+        job.start = time.perf_counter()
+        job.grads = [(shard, shard.grad, shard.grad._version if shard.grad is not None else 0) for shard in shards]
+        if self.keep_rollback:
+            rollback = self._rollbacks.get(id(host))
+            if rollback is None:
+                rollback = self._rollbacks[id(host)] = RollbackCopy(host.master, shards)
+            rollback.save(self.optimizer.state)
+            job.saved = True
+        job.hyperparameters = self._step_bucket(shards)
+        job.master_version = host.master._version
+        host.unsettled = self.settle  # a read of these chunks before the verdict undoes the step first
+        job.stepped = True
+        job.end = time.perf_counter()
+
+    def _step_bucket(self, shards: Sequence[Tensor]) -> list[tuple[int, dict[str, Any]]]:
+        """The optimizer's own update of ``shards``, on a view of the optimizer whose param groups hold
+        only them; returns each group's hyperparameters as stepped, by group index."""
+        members = {id(s) for s in shards}
+        groups, narrowed, read = self.optimizer.param_groups, [], []
+        for i, group in enumerate(groups):
+            params = [p for p in group["params"] if id(p) in members]
+            if params:
+                narrowed.append({**group, "params": params})
+                read.append((i, _hyperparameters(group, copy=True)))
+        view = object.__new__(type(self.optimizer))
+        view.__dict__.update(self.optimizer.__dict__)
+        view.param_groups = narrowed
+        self._unhooked(view)
+        return read
+
+    # ---- the verdict ------------------------------------------------------------------------
+    def _step_function(self) -> Callable[..., Any]:
+        """``optimizer.step``: torch's hooks around the closure and the verdict (or the optimizer's own
+        update where nothing was stepped ahead), marked the way LR schedulers mark the step they track."""
+
+        def step_or_commit(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            mode = self._verdict()
+            after_s = 0.0
+            if mode != "ahead":
+                start = time.perf_counter()
+                self._unhooked(optimizer, **kwargs)
+                after_s = time.perf_counter() - start
+            self._counts[mode] += 1
+            self._last = self._timing(mode, after_s)
+            self._clear()
+            return loss
+
+        hooked = types.MethodType(Optimizer.profile_hook_step(step_or_commit), self.optimizer)
+        optimizer = self.optimizer
+
+        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+            return hooked(closure, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        return step
+
+    def _verdict(self) -> str:
+        """"ahead" when every bucket stepped ahead read what stepping now would read (the step is
+        taken); "redone" when one did not (they are rolled back, the optimizer steps again);
+        "after_backward" when nothing was stepped ahead."""
+        self._drain()
+        if not any(job.stepped for job in self._queued):
+            if not self._queued and not self._armed_reason_counted:
+                self._reasons["not armed for this backward"] += 1
+            return "after_backward"
+        self._before_step()
+        changed = self._what_changed()
+        if not changed:
+            return "ahead"
+        self._undo(changed)
+        self._reasons[changed] += 1
+        return "redone"
+
+    def _timing(self, mode: str, after_s: float) -> HostStepTiming:
+        stepped = [job for job in self._queued if job.stepped] if mode != "after_backward" else []
+        buckets = tuple((job.index, job.start, job.end) for job in stepped)
+        return HostStepTiming(mode, buckets, self._backward_end, sum(job.end - job.start for job in stepped) + after_s)
+
+    def _what_changed(self) -> str:
+        """Why the step taken ahead is not the one to take now ("" if it is)."""
+        groups = self.optimizer.param_groups
+        stepped: set[int] = set()
+        for job in self._queued:
+            if not job.stepped:
+                continue
+            for shard, grad, version in job.grads:
+                stepped.add(id(shard))
+                if shard.grad is not grad or (grad is not None and grad._version != version):
+                    return "gradients changed after backward"
+            for i, hyperparameters in job.hyperparameters:
+                if i >= len(groups) or not _same(_hyperparameters(groups[i]), hyperparameters):
+                    return "hyperparameters changed after backward"
+            if job.host.master._version != job.master_version:
+                return "weights written after backward"
+        if any(shard.grad is not None and id(shard) not in stepped for shard in self._all_shards):
+            return "gradients outside the buckets stepped ahead"
+        return ""
+
+    def _undo(self, why: str) -> None:
+        """Restore every bucket stepped ahead (the worker is idle)."""
+        if not self.keep_rollback:
+            self._clear()
+            raise RuntimeError(
+                f"The optimizer step was taken during backward, and then {why}, so it is not the step"
+                " to take; no rollback copies were kept because nothing was expected to change between"
+                " backward and `optimizer.step()`. HINT: pass `ZeroStrategy(..., overlap_host_step=False)`"
+                " (or report what changed them: the strategy keeps rollback copies where clipping or a"
+                " hook between backward and the step is configured)."
+            )
+        for job in reversed(self._queued):
+            if job.saved:
+                self._rollbacks[id(job.host)].restore(self.optimizer.state)
+            job.host.unsettled = None
+
+    def settle(self, why: str = "the chunks were read before the optimizer step") -> None:
+        """Undo a step taken ahead that is not committed yet (anything about to read the chunks, or
+        a next step that comes without ``optimizer.step()``); a no-op when there is none."""
+        if not self._queued:
+            return
+        self._drain()
+        if any(job.stepped for job in self._queued):
+            self._undo(why)
+            self._reasons[why] += 1
+        self._clear()
+
+    def _drain(self) -> None:
+        """Wait for the worker's jobs; where one failed, undo what was stepped ahead and re-raise."""
+        errors = [job.future.exception() for job in self._queued if job.future is not None]
+        error = next((e for e in errors if e is not None), None)
+        if error is None:
+            return
+        for job in reversed(self._queued):
+            if job.saved:
+                self._rollbacks[id(job.host)].restore(self.optimizer.state)
+        self._clear()
+        raise RuntimeError("The optimizer step taken on a host thread during backward failed (the error above).") from error
+
+    def _clear(self) -> None:
+        for job in self._queued:
+            job.host.unsettled = None
+        self._queued = []
+        self._armed_reason_counted = False
+
+    # ---- what the user sees ---------------------------------------------------------------------
+    def report(self) -> HostStepReport:
+        return HostStepReport(
+            ahead=self._counts["ahead"],
+            redone=self._counts["redone"],
+            after_backward=self._counts["after_backward"],
+            reasons=dict(self._reasons),
+            rollback_bytes=self.rollback_bytes,
+            last=self._last,
+        )
+
+    def count_not_ahead(self, why: str) -> None:
+        """Why the coming step is not armed (the adapter's reason, counted once for the step)."""
+        if not self._armed_reason_counted:
+            self._reasons[why] += 1
+            self._armed_reason_counted = True
+
+    @property
+    def rollback_bytes(self) -> int:
+        return sum(copy.nbytes for copy in self._rollbacks.values())
+
+    def close(self) -> None:
+        """Undo anything uncommitted, stop the worker, give the optimizer its own ``step`` back."""
+        try:
+            self.settle()
+        finally:
+            self.disarm()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._had_step:
+                self.optimizer.step = self._previous_step  # type: ignore[method-assign]
+            else:
+                self.optimizer.__dict__.pop("step", None)
+
+
+def _hyperparameters(group: dict[str, Any], copy: bool = False) -> dict[str, Any]:
+    """A param group's entries but its parameters (``copy``: tensor values cloned, since a scheduler
+    may change them in place)."""
+    return {key: value.clone() if copy and isinstance(value, Tensor) else value for key, value in group.items() if key != "params"}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two param groups' hyperparameters are equal (tensor values by their elements)."""
+    if a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, Tensor) or isinstance(other, Tensor):
+            if not (isinstance(value, Tensor) and isinstance(other, Tensor) and torch.equal(value, other)):
+                return False
+        elif value != other:
+            return False
+    return True
