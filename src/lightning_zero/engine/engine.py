@@ -145,6 +145,8 @@ class ZeroEngine:
         """With CPU offload: the host step during backward (see [Note: the host step during backward]
         in ``step_ahead.py``); built at the first step, for the optimizers bound then."""
         self._ahead_plan = _AheadPlan()
+        self._finished_host_steps: Optional[HostStepReport] = None
+        self._ensure_step_ahead()  # before the first `optimizer.step()`, which runs the first backward in Lightning
         if self.shards_parameters:
             module_link.link(module, self)  # the module's weights are this engine's chunks now
 
@@ -162,6 +164,7 @@ class ZeroEngine:
             return
         optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
         self._optimizers.add(optimizer)
+        self._ensure_step_ahead()
 
     def use_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
@@ -220,7 +223,7 @@ class ZeroEngine:
     def host_step_report(self) -> Optional[HostStepReport]:
         """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last
         step's timing); None without CPU offload or where steps are never taken during backward."""
-        return self._step_ahead.report() if self._step_ahead is not None else None
+        return self._step_ahead.report() if self._step_ahead is not None else self._finished_host_steps
 
     def _arm_step_ahead(self) -> None:
         """Before a step's backward: undo a step taken ahead and never committed, then arm the buckets
@@ -261,6 +264,7 @@ class ZeroEngine:
 
     def _close_step_ahead(self) -> None:
         if self._step_ahead is not None:
+            self._finished_host_steps = self._step_ahead.report()  # still reported after `fit`
             self.grad_sync.finish_early = False
             self._step_ahead.close()
             self._step_ahead = None

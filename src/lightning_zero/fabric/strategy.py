@@ -197,8 +197,11 @@ class ZeroFabricStrategy(DDPStrategy):
     # ---- the training step ---------------------------------------------------------------------------
     @override
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        scaler = getattr(self.precision, "scaler", None)
         for sharded in self._modules:
             if sharded.engine is not None:
+                if scaler is not None and scaler.is_enabled():  # unscaling edits every gradient after backward
+                    sharded.engine.plan_host_step(ahead=False, keep_rollback=False, reason="loss scaling (16-mixed)")
                 sharded.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         for sharded in self._modules:

@@ -45,6 +45,7 @@ from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMul
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
 from lightning_zero.lightning.preemption import PreemptedExit, handle_preemption
 from lightning_zero.lightning.sharded_averaging import shard_weight_averaging
+from lightning_zero.lightning.host_step_plan import plan_host_step
 from lightning_zero.lightning.sharded_setup import check_optimizer_types, start_engine, teardown_keeping_shards
 from lightning_zero.lightning.step_hooks import ZeroStepHooks, grad_norms
 
@@ -241,6 +242,8 @@ class ZeroStrategy(ZeroStepHooks):
         if fitting:  # evaluation leaves the optimizers' state as the finished run left it
             self._finished = None
         self._engine = start_engine(self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups())
+        if fitting and self._engine is not None:
+            plan_host_step(trainer, self._engine)  # offloaded steps during backward, where they can be
         self.setup_precision_plugin()  # after the engine: Lightning's optimizer wrappers copy its classes (weight_swaps.py)
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
