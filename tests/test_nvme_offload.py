@@ -369,9 +369,7 @@ def test_a_saved_state_reshards_to_one_rank(results: GroupResults, tmp_path) -> 
         module = GPTModule()
         module.load_state_dict(saved["saved"])
         optimizer = module.configure_optimizers()
-        # the CPU control steps after backward, inside the window measured (its steps during backward
-    # would allocate the state before it)
-    options = {"nvme_path": str(tmp_path)} if tier == "nvme" else {"overlap_host_step": False}
+        options = {"nvme_path": str(tmp_path)} if tier == "nvme" else {}
         engine = ZeroEngine(module, [optimizer], ZeroConfig(stage=2, bucket_size_mb=SMALL_BUCKETS, offload_optimizer=tier, **options))
         engine.load_full_optimizer_state_dict(optimizer, copy.deepcopy(saved["optimizer"]))  # torch's load aliases `step`
         if tier == "nvme":
@@ -464,7 +462,9 @@ def _peak_step_growth(tier: Any, tmp_path: Path) -> tuple[list[int], Any, int]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(LAYERS)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    options = {"nvme_path": str(tmp_path)} if tier == "nvme" else {}
+    # the CPU control steps after backward, inside the window measured (its steps during backward
+    # would allocate the state before it)
+    options = {"nvme_path": str(tmp_path)} if tier == "nvme" else {"overlap_host_step": False}
     engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=2, bucket_size_mb=1, offload_optimizer=tier, **options))
     peaks = []
     for _ in range(2):
