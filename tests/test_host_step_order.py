@@ -147,6 +147,48 @@ def step_never_taken(ctx: RankContext) -> dict:
     return out
 
 
+def _scaled_run(ctx: RankContext, overlap: bool) -> dict:
+    """Loss scaling (a ``ZeroGradScaler`` on the CPU, as ``16-mixed`` has on a GPU): rank 1's gradient
+    overflows at step 1, so every rank skips that step and the scale backs off."""
+    from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
+
+    torch.manual_seed(0)
+    model = _Model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3, offload_optimizer=True, offload_params=True, unit_classes=["Sequential"], overlap_host_step=overlap))
+    scaler = ZeroGradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    engine.plan_host_step(loss_scale=lambda: scaler._scale)
+    torch.manual_seed(1 + ctx.rank)
+    history, scales = [], []
+    for step in range(STEPS):
+        engine.begin_step()
+        loss = model(torch.randn(8, 64), False).pow(2).mean()
+        if step == 1 and ctx.rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        engine.finish_backward()
+        engine.end_step()
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        engine.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+        with engine.gathered():
+            history.append([p.detach().clone() for p in model.parameters()])
+    report = engine.host_step_report()
+    engine.close()
+    return {"history": history, "scales": scales, "report": report}
+
+
+@GROUP.case
+def loss_scaling(ctx: RankContext) -> dict:
+    ahead, after = _scaled_run(ctx, True), _scaled_run(ctx, False)
+    return {"bitwise": _same(ahead["history"], after["history"]), "scales": (ahead["scales"], after["scales"]), "report": ahead["report"]}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("host_step_order"))
@@ -214,3 +256,17 @@ def test_host_step_options_refuse_bad_values(option, value):
 
     with pytest.raises((TypeError, ValueError), match=f"`{option}` must be"):
         ZeroConfig(stage=2, offload_optimizer=True, **{option: value})
+
+
+def test_loss_scaling_unscales_ahead_and_undoes_a_skipped_step(results):
+    ranks = results["loss_scaling"]
+    for r in ranks:
+        assert r["bitwise"]
+        ahead_scales, after_scales = r["scales"]
+        assert ahead_scales == after_scales == [2048.0, 1024.0, 2048.0, 4096.0]
+        # not the first step (no scale before its backward), and the skipped one is no step
+        assert r["report"].ahead == STEPS - 2 and r["report"].after_backward == 1
+        assert r["report"].reasons == {
+            "loss scale not known before the backward": 1,
+            "inf or NaN gradients: loss scaling skipped the step": 1,
+        }

@@ -33,7 +33,7 @@ import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -210,15 +210,20 @@ class ZeroEngine:
         self.gradients.close(before_backward=True)
 
     # ---- the host step during backward (CPU offload) ------------------------------------------
-    def plan_host_step(self, ahead: bool = True, keep_rollback: bool = True, reason: str = "") -> None:
+    def plan_host_step(
+        self, ahead: bool = True, keep_rollback: bool = True, reason: str = "", loss_scale: Optional[Callable[[], Optional[torch.Tensor]]] = None
+    ) -> None:
         """How the adapter wants offloaded optimizer steps taken from the next step on: ``ahead`` during
         backward (where the engine can: see [Note: the host step during backward] in ``step_ahead.py``),
         else after it, for ``reason`` (counted in ``host_step_report``); ``keep_rollback``: keep copies
         to undo a step that something after backward changes (clipping, a hook's edit). Default: ahead,
-        with rollback copies (a plain loop may clip or edit anything before ``optimizer.step()``)."""
-        self._ahead_plan = _AheadPlan(ahead, keep_rollback, reason)
+        with rollback copies (a plain loop may clip or edit anything before ``optimizer.step()``).
+        ``loss_scale``: with a ``ZeroGradScaler`` (``16-mixed``), its scale now (None before its first
+        use): gradients are unscaled as they arrive, and a step the scaler skips is undone."""
+        self._ahead_plan = _AheadPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale)
         if self._step_ahead is not None:
-            self._step_ahead.keep_rollback = keep_rollback
+            self._step_ahead.keep_rollback = self._ahead_plan.keep_rollback
+            self._step_ahead.loss_scale = loss_scale
 
     def host_step_report(self) -> Optional[HostStepReport]:
         """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last
@@ -233,11 +238,8 @@ class ZeroEngine:
             return
         ahead.settle("no `optimizer.step()` followed the backward")
         plan = self._ahead_plan
-        if not plan.ahead:
-            ahead.count_not_ahead(plan.reason or "the adapter takes the step after backward")
-        armed = plan.ahead and self.sync_gradients
-        ahead.arm(armed)
-        self.grad_sync.finish_early = armed
+        ahead.arm(plan.ahead and self.sync_gradients, plan.reason or "the adapter takes the step after backward")
+        self.grad_sync.finish_early = ahead.armed
 
     def _ensure_step_ahead(self) -> Optional[StepAhead]:
         optimizers = self._optimizers.optimizers
@@ -255,6 +257,7 @@ class ZeroEngine:
         self._step_ahead = StepAhead(
             optimizers[0], self.params_of(optimizers[0]), buckets, self.gradients.take_assignments, self._ahead_plan.keep_rollback
         )
+        self._step_ahead.loss_scale = self._ahead_plan.loss_scale
         return self._step_ahead
 
     def _settle_step_ahead(self, why: str) -> None:
@@ -502,6 +505,7 @@ class _AheadPlan:
     ahead: bool = True
     keep_rollback: bool = True
     reason: str = ""
+    loss_scale: Optional[Callable[[], Optional[torch.Tensor]]] = None
 
 
 def _device_of(module: nn.Module) -> torch.device:

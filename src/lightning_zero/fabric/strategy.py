@@ -200,8 +200,8 @@ class ZeroFabricStrategy(DDPStrategy):
         scaler = getattr(self.precision, "scaler", None)
         for sharded in self._modules:
             if sharded.engine is not None:
-                if scaler is not None and scaler.is_enabled():  # unscaling edits every gradient after backward
-                    sharded.engine.plan_host_step(ahead=False, keep_rollback=False, reason="loss scaling (16-mixed)")
+                if scaler is not None and scaler.is_enabled():  # each bucket is unscaled as it arrives (step_ahead.py)
+                    sharded.engine.plan_host_step(loss_scale=lambda: scaler._scale)
                 sharded.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         for sharded in self._modules:

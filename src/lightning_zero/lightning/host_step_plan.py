@@ -5,10 +5,11 @@ The engine takes a step ahead only where the step after backward would read the 
 hyperparameters, and checks that at ``optimizer.step()``; what the Trainer's configuration tells
 decides the rest:
 
-- **after backward**: manual optimization (the Trainer cannot tell which backward a step follows),
-  loss scaling (``16-mixed``: unscaling edits every gradient after backward, so every step would be
-  redone) and clipping by value (it edits every gradient it clamps, which it cannot tell before);
-- **ahead, with rollback copies**: clipping by norm (a step where it applies is redone), or a hook
+- **after backward**: manual optimization (the Trainer cannot tell which backward a step follows)
+  and clipping by value (it edits every gradient it clamps, which it cannot tell before);
+- **ahead, with rollback copies**: clipping by norm (a step where it applies is redone), loss
+  scaling (``16-mixed``: each bucket is unscaled as it arrives; a step skipped for inf/NaN is
+  undone), or a hook
   between backward and the step that may edit gradients or hyperparameters: the LightningModule's
   ``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping`` or
   ``optimizer_step``, or a callback's ``on_after_backward`` / ``on_before_optimizer_step``;
@@ -38,15 +39,14 @@ def plan_host_step(trainer: Trainer, engine: ZeroEngine) -> None:
     hooks = [f"LightningModule.{name}" for name in MODULE_HOOKS if is_overridden(name, module, LightningModule)]
     for callback in trainer.callbacks:
         hooks += [f"{type(callback).__name__}.{name}" for name in CALLBACK_HOOKS if is_overridden(name, callback, Callback)]
-    engine.plan_host_step(ahead=True, keep_rollback=bool(trainer.gradient_clip_val) or bool(hooks))
+    scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    loss_scale = (lambda: scaler._scale) if scaler is not None and scaler.is_enabled() else None
+    engine.plan_host_step(ahead=True, keep_rollback=bool(trainer.gradient_clip_val) or bool(hooks), loss_scale=loss_scale)
 
 
 def _why_after_backward(trainer: Trainer, module: LightningModule) -> str:
     if not module.automatic_optimization:
         return "manual optimization"
-    scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    if scaler is not None and scaler.is_enabled():
-        return "loss scaling (16-mixed)"
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value":
         return "clipping by value"
     return ""

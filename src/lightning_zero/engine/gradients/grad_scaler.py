@@ -17,6 +17,9 @@ FSDP's own scaler. Here:
 - ``_unscale_grads_`` copies the two scalars to each device with blocking copies (on the host: one
   host sync per step, which an offloaded step makes anyway before stepping there) and returns one
   verdict, on the scale's device, reduced across the ranks;
+- where the host step runs during backward (``engine/offload/step_ahead.py``), each bucket's
+  gradients were unscaled there, on the worker, by the same factor and kernel: ``_unscale_grads_``
+  takes their verdict instead of unscaling twice, and a step it skips is undone;
 - an optimizer stepping host tensors never takes the path that hands a fused optimizer the
   device's ``grad_scale`` and ``found_inf`` (``_step_supports_amp_scaling``), which its CPU kernel
   would read the same way: it is unscaled first and stepped unless a rank found inf/NaN, as
@@ -33,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.device_roles import is_host
+from lightning_zero.engine.offload.step_ahead import step_ahead_of
 
 
 class ZeroGradScaler(torch.amp.GradScaler):
@@ -63,6 +67,12 @@ class ZeroGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
         flag = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+        ahead = step_ahead_of(optimizer)
+        found_ahead = ahead.unscaled_ahead(inv_scale) if ahead is not None else None
+        if found_ahead is not None:  # unscaled bucket by bucket during backward (step_ahead.py)
+            flag.fill_(found_ahead)
+            collectives.all_reduce(flag, self.group, op="max")
+            return {flag.device: flag}
         with torch.no_grad():
             for device, same_kinds in _grads_by_device_and_dtype(optimizer, allow_fp16).items():
                 # blocking where ``device`` is the host; the same tensors where it is the scale's
@@ -76,6 +86,13 @@ class ZeroGradScaler(torch.amp.GradScaler):
         return {flag.device: flag}
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        stepped = self._step(optimizer, *args, **kwargs)
+        ahead = step_ahead_of(optimizer)
+        if ahead is not None:  # a step skipped for inf/NaN: what was stepped during backward is undone
+            ahead.settle("inf or NaN gradients: loss scaling skipped the step")
+        return stepped
+
+    def _step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not (self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False) and self._on_host(optimizer)):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:

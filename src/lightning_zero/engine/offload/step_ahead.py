@@ -44,6 +44,7 @@ from __future__ import annotations
 import threading
 import time
 import types
+import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,6 +119,8 @@ class _BucketStep:
     """Per shard of the optimizer in the bucket: (shard, its ``.grad`` as stepped, that grad's version)."""
     hyperparameters: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     master_version: int = -1
+    found_inf: float = 0.0
+    """With loss scaling: what unscaling its gradients found (non-zero: inf/NaN, not stepped)."""
     saved: bool = False
     """Its rollback copy holds the state before its step."""
     stepped: bool = False
@@ -152,21 +155,39 @@ class StepAhead:
         self._queued: list[_BucketStep] = []
         self._executor: Optional[ThreadPoolExecutor] = None
         self._armed = False
-        self._armed_reason_counted = False  # the adapter said why this step is not armed
+        self._why_not = ""  # why the last backward was not armed
         self._backward_end: Optional[float] = None
         self._counts: Counter = Counter()
         self._reasons: Counter = Counter()
         self._last: Optional[HostStepTiming] = None
+        self.loss_scale: Optional[Callable[[], Optional[Tensor]]] = None
+        """With loss scaling (``16-mixed``): the scaler's scale now (None before its first use). Each
+        bucket's gradients are then unscaled on the worker before its step, and the scaler takes
+        their verdict instead of unscaling again (``unscaled_ahead``)."""
+        self._inv_scale: Optional[Tensor] = None
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         optimizer.step = self._step_function()  # type: ignore[method-assign]
+        _STEPS_AHEAD[optimizer] = self
 
     # ---- during backward -------------------------------------------------------------------
-    def arm(self, armed: bool) -> None:
-        """Whether the next backward's buckets step as they arrive (its micro-batch steps)."""
+    def arm(self, armed: bool, why_not: str = "") -> None:
+        """Whether the next backward's buckets step as they arrive (its micro-batch steps); if not,
+        ``why_not`` (counted if the step comes after it)."""
+        if armed and self.loss_scale is not None and self._inv_scale is None:
+            scale = self.loss_scale()
+            if scale is None:  # the scaler has not scaled a loss yet: nothing to unscale by
+                armed, why_not = False, "loss scale not known before the backward"
+            else:  # a host sync before forward, once per step: the worker unscales on the host
+                self._inv_scale = scale.double().reciprocal().float().to("cpu")  # as GradScaler computes it
         self._armed = armed
+        self._why_not = "" if armed else why_not
         for _, host in self._buckets:
             host.arrivals = self if armed else None
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
 
     def arrived(self, host: HostChunks, row: Tensor, copy: Event) -> threading.Event:
         """``host``'s reduced ``row`` is being copied to the host (``copy``): queue its step; the
@@ -181,7 +202,10 @@ class StepAhead:
         self._backward_end = time.perf_counter()
 
     def disarm(self) -> None:
-        self.arm(False)
+        """No more arrivals step (backward ended); keeps why the backward was not armed."""
+        self._armed = False
+        for _, host in self._buckets:
+            host.arrivals = None
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -200,6 +224,11 @@ class StepAhead:
             job.accepted.set()
         shards = self._shards_of[id(host)]
         job.start = time.perf_counter()
+        if self._inv_scale is not None:
+            job.found_inf = _unscale([s.grad for s in shards if s.grad is not None], self._inv_scale)
+            if job.found_inf:
+                job.end = time.perf_counter()
+                return  # the scaler skips this step on every rank: nothing to step, nothing to undo
         job.grads = [(shard, shard.grad, shard.grad._version if shard.grad is not None else 0) for shard in shards]
         if self.keep_rollback:
             rollback = self._rollbacks.get(id(host))
@@ -228,6 +257,19 @@ class StepAhead:
         view.param_groups = narrowed
         self._unhooked(view)
         return read
+
+    def unscaled_ahead(self, inv_scale: Tensor) -> Optional[float]:
+        """For the scaler's ``unscale_``: where this backward's gradients were unscaled on the worker
+        (by ``inv_scale``), the inf/NaN they held (summed over the buckets); None where they were not."""
+        if self._inv_scale is None or not self._queued:
+            return None
+        self._drain()
+        if not torch.equal(inv_scale.to("cpu"), self._inv_scale):
+            raise RuntimeError(
+                "The loss scale changed between backward and unscaling (`GradScaler.update()` ran in"
+                " between); the gradients were unscaled during backward by the scale before."
+            )
+        return sum(job.found_inf for job in self._queued)
 
     # ---- the verdict ------------------------------------------------------------------------
     def _step_function(self) -> Callable[..., Any]:
@@ -266,8 +308,8 @@ class StepAhead:
         "after_backward" when nothing was stepped ahead."""
         self._drain()
         if not any(job.stepped for job in self._queued):
-            if not self._queued and not self._armed_reason_counted:
-                self._reasons["not armed for this backward"] += 1
+            if not self._queued:
+                self._reasons[self._why_not or "no backward armed before the step"] += 1
             return "after_backward"
         self._before_step()
         changed = self._what_changed()
@@ -326,7 +368,7 @@ class StepAhead:
         self._drain()
         if any(job.stepped for job in self._queued):
             self._undo(why)
-            self._reasons[why] += 1
+        self._reasons[why] += 1
         self._clear()
 
     def _drain(self) -> None:
@@ -345,7 +387,7 @@ class StepAhead:
         for job in self._queued:
             job.host.unsettled = None
         self._queued = []
-        self._armed_reason_counted = False
+        self._inv_scale = None
 
     # ---- what the user sees ---------------------------------------------------------------------
     def report(self) -> HostStepReport:
@@ -358,18 +400,13 @@ class StepAhead:
             last=self._last,
         )
 
-    def count_not_ahead(self, why: str) -> None:
-        """Why the coming step is not armed (the adapter's reason, counted once for the step)."""
-        if not self._armed_reason_counted:
-            self._reasons[why] += 1
-            self._armed_reason_counted = True
-
     @property
     def rollback_bytes(self) -> int:
         return sum(copy.nbytes for copy in self._rollbacks.values())
 
     def close(self) -> None:
         """Undo anything uncommitted, stop the worker, give the optimizer its own ``step`` back."""
+        _STEPS_AHEAD.pop(self.optimizer, None)
         try:
             self.settle()
         finally:
@@ -381,6 +418,25 @@ class StepAhead:
                 self.optimizer.step = self._previous_step  # type: ignore[method-assign]
             else:
                 self.optimizer.__dict__.pop("step", None)
+
+
+_STEPS_AHEAD: "weakref.WeakKeyDictionary[Optimizer, StepAhead]" = weakref.WeakKeyDictionary()
+
+
+def step_ahead_of(optimizer: Optimizer) -> Optional[StepAhead]:
+    """The ``StepAhead`` stepping ``optimizer`` during backward, if any (the loss scaler asks)."""
+    return _STEPS_AHEAD.get(optimizer)
+
+
+def _unscale(grads: Sequence[Tensor], inv_scale: Tensor) -> float:
+    """Unscale ``grads`` (host tensors) in place by ``inv_scale`` as ``GradScaler`` does; the inf/NaN found."""
+    found = torch.zeros((), dtype=torch.float32)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
+    return found.item()
 
 
 def _hyperparameters(group: dict[str, Any], copy: bool = False) -> dict[str, Any]:
