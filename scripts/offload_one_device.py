@@ -16,21 +16,28 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 VARIANTS = {
     "zero3": ZeroConfig(stage=3),
     "zero3_offload": ZeroConfig(stage=3, offload_optimizer=True, offload_params=True),
+    # the host step after backward, as before issue 53 (the comparison for the step during backward)
+    "zero3_offload_after_backward": ZeroConfig(stage=3, offload_optimizer=True, offload_params=True, overlap_host_step=False),
 }
 
 
-def timed_step(engine: ZeroEngine, model: GPT, optimizer: torch.optim.Optimizer, data: torch.Tensor, amp=None) -> tuple[float, float]:
-    """One training step through the engine API (under ``amp`` when given): seconds, loss."""
+def timed_step(
+    engine: ZeroEngine, model: GPT, optimizer: torch.optim.Optimizer, data: torch.Tensor, amp=None, clip_norm: Optional[float] = None
+) -> tuple[float, float]:
+    """One training step through the engine API (under ``amp`` when given; ``clip_norm``: gradients
+    clipped by their global norm before the step, as Lightning's ``gradient_clip_val``): seconds, loss."""
     start = time.perf_counter()
     engine.begin_step()
     with amp if amp is not None else contextlib.nullcontext():
@@ -38,6 +45,9 @@ def timed_step(engine: ZeroEngine, model: GPT, optimizer: torch.optim.Optimizer,
     loss.backward()
     engine.finish_backward()
     engine.end_step()
+    if clip_norm is not None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grads_by_global_norm_(params, clip_norm, data.device, group=engine.group)
     optimizer.step()
     engine.after_optimizer_step(optimizer)
     optimizer.zero_grad(set_to_none=True)
