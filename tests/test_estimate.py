@@ -153,16 +153,28 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
     assert everything_on_disk.choice.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
     assert everything_on_disk.choice.disk == 90 * GB  # 12 B per parameter: the moments and the masters
     assert sizing.recommend(estimates, 10 * GB, host_memory=30 * GB).choice is None
-    enough = sizing.recommend(estimates, 10 * GB, host_memory=128 * GB)
+    # CPU offload fits 128 GB only where the host step keeps no rollback copies (12 B per parameter
+    # more, 90 GB: the Trainer without clipping or hooks, or overlap_host_step=False) ...
+    no_copies = est.estimate_all(7_500_000_000, MIXED, est.Topology(8), rollback_copies=False)
+    enough = sizing.recommend(no_copies, 10 * GB, host_memory=128 * GB)
     assert enough.choice.layout.label == "zero3 + offload optimizer"
-    assert "120 GB of host memory per node (60 GB of it pinned)" in enough.message
+    assert "120 GB of host memory per node (60 GB of it pinned)." in enough.message
+    # ... where they may be kept, the host needs 210 GB for it, and 128 GB takes the moments to NVMe
+    assert sizing.recommend(estimates, 10 * GB, host_memory=128 * GB).choice.layout.label == "zero3 + offload optimizer (nvme)"
+    with_copies = sizing.recommend(estimates, 10 * GB, host_memory=210 * GB)
+    assert with_copies.choice.layout.label == "zero3 + offload optimizer"
+    assert "120 GB of host memory per node (60 GB of it pinned), and up to 90 GB more for the host step's rollback copies" in with_copies.message
+    assert sizing.recommend(estimates, 10 * GB, host_memory=210 * GB - 1).choice.layout.state_on_disk
 
 
 def test_recommend_offloads_fp32_parameters_when_the_device_holds_nothing_else():
-    estimates = est.estimate_all(7_500_000_000, FP32, est.Topology(8))
+    estimates = est.estimate_all(7_500_000_000, FP32, est.Topology(8), rollback_copies=False)
     recommendation = sizing.recommend(estimates, 1 * GB, host_memory=128 * GB)
     assert recommendation.choice.layout.label == "zero3 + offload optimizer, params"
     assert recommendation.choice.device.total == 0
+    # with the host step's rollback copies (90 GB more) the host's 128 GB hold only NVMe's layout
+    with_copies = sizing.recommend(est.estimate_all(7_500_000_000, FP32, est.Topology(8)), 1 * GB, host_memory=128 * GB)
+    assert with_copies.choice.layout.label == "zero3 + offload optimizer (nvme), params"
 
 
 def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
@@ -257,6 +269,126 @@ def test_format_count():
     assert sizing.format_count(950) == "950"
 
 
+# --- the host step's rollback copies -----------------------------------------------------------------
+
+
+def test_rollback_copies_are_a_figure_of_their_own_for_cpu_offload():
+    # See [Note: offloaded state]: the master chunk (4 B) and Adam's moments (8 B) per parameter and
+    # rank, beside the model states (no total holds them), never pinned, for the node's ranks.
+    psi, devices, nodes = 16_000, 4, 2
+    shard = psi // (devices * nodes)
+    for scheme in (MIXED, FP32, HALF):
+        counted = est.estimate_all(psi, scheme, est.Topology(devices, nodes))
+        not_counted = est.estimate_all(psi, scheme, est.Topology(devices, nodes), rollback_copies=False)
+        for e, bare in zip(counted, not_counted):
+            label = f"{scheme.name}: {e.layout.label}"
+            on_cpu = e.layout.offload_optimizer is True
+            assert e.host_step_rollback_per_rank == (12 * shard if on_cpu else 0), label
+            assert e.host_step_rollback == devices * e.host_step_rollback_per_rank, label
+            assert bare.host_step_rollback_per_rank == 0, label
+            # nothing else moves: the model states, the pinned part and the disk are the same
+            assert (e.device, e.host_per_rank, e.pinned_per_rank, e.disk_per_rank) == (
+                bare.device,
+                bare.host_per_rank,
+                bare.pinned_per_rank,
+                bare.disk_per_rank,
+            ), label
+            assert e.host_during_step == e.host.total + e.host_step_rollback, label
+    # A whole-tensor optimizer steps after backward: no copies.
+    owned = est.OwnedParameters([8_000, 8_000])
+    whole = est.estimate(psi, Layout(ZeroStage.GRADIENTS, offload_optimizer=True), FP32, est.Topology(4), owned=owned)
+    assert whole.host_step_rollback_per_rank == 0
+
+
+def test_fits_counts_the_rollback_copies_at_most():
+    zero2 = est.estimate(1_000, Layout(ZeroStage.GRADIENTS, offload_optimizer=True), FP32, est.Topology(1))
+    assert (zero2.host.total, zero2.host_step_rollback) == (16_000, 12_000)
+    assert sizing.fits(zero2, 10**6, host_memory=28_000)
+    assert not sizing.fits(zero2, 10**6, host_memory=27_999)
+    bare = est.estimate(1_000, zero2.layout, FP32, est.Topology(1), rollback_copies=False)
+    assert sizing.fits(bare, 10**6, host_memory=16_000)
+
+
+@pytest.fixture
+def one_rank_path(tmp_path):
+    """A gloo group of one rank whose engine takes the sharded path of N >= 2 ranks (buckets, host rows,
+    the host step during backward), as tests/test_host_work.py sets it up."""
+    import torch.distributed as dist
+
+    from lightning_zero.engine.comm.collectives import COLLECTIVES_AT_ONE_RANK
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    os.environ[COLLECTIVES_AT_ONE_RANK] = "path"
+    try:
+        yield tmp_path
+    finally:
+        del os.environ[COLLECTIVES_AT_ONE_RANK]
+        dist.destroy_process_group()
+
+
+def _measured_rollback(stage: int, dtype: torch.dtype, directory: Path, **options) -> tuple[int, int, int]:
+    """Two steps of a small model under the engine (a plain loop: it keeps rollback copies), and
+    ``memory_report().host_step_rollback`` after them; with the model's Ψ and its parameter tensors."""
+    from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.config import ZeroConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(33, 33), torch.nn.Tanh()) for _ in range(3))).to(dtype)
+    psi, tensors = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))  # before stage 3 shards them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    split = {"unit_classes": ["Linear"]} if stage == 3 else {"bucket_size_mb": 33 * 34 * 4 / 2**20}  # a bucket per block
+    if options.get("offload_optimizer") == "nvme":
+        options["nvme_path"] = str(directory)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=stage, **split, **options), device=torch.device("cpu"))
+    try:
+        for _ in range(2):  # the first step has no optimizer state to copy yet
+            engine.begin_step()
+            model(torch.randn(4, 33, dtype=dtype)).float().pow(2).mean().backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+        measured = engine.memory_report().host_step_rollback
+    finally:
+        engine.close()
+    return measured, psi, tensors
+
+
+@pytest.mark.parametrize(
+    ("stage", "dtype", "scheme", "offload_params"),
+    [
+        (1, torch.float32, FP32, False),
+        (2, torch.float32, FP32, False),
+        (3, torch.float32, FP32, False),
+        (3, torch.float32, FP32, True),
+        (2, torch.bfloat16, HALF, False),  # bf16 weights step through fp32 chunks and fp32 moments
+        (3, torch.bfloat16, HALF, True),
+    ],
+    ids=["zero1", "zero2", "zero3", "zero3-params", "zero2-bf16", "zero3-params-bf16"],
+)
+def test_rollback_copies_match_the_engines_memory_report(one_rank_path, stage, dtype, scheme, offload_params):
+    options = {"offload_optimizer": True, "offload_params": offload_params}
+    measured, psi, tensors = _measured_rollback(stage, dtype, one_rank_path, **options)
+    layout = Layout(ZeroStage(stage), offload_optimizer=True, offload_params=offload_params)
+    predicted = est.estimate(psi, layout, scheme, est.Topology(1)).host_step_rollback_per_rank
+    assert predicted == 12 * psi
+    # the engine also copies Adam's step counters, one fp32 scalar per parameter tensor: left out of
+    # the estimate, as the counters themselves are ([Note: what the estimate leaves out])
+    assert measured == predicted + 4 * tensors
+    # with overlap_host_step=False no copy is kept, and `rollback_copies=False` says so
+    assert _measured_rollback(stage, dtype, one_rank_path, overlap_host_step=False, **options)[0] == 0
+    assert est.estimate(psi, layout, scheme, est.Topology(1), rollback_copies=False).host_step_rollback_per_rank == 0
+
+
+@pytest.mark.parametrize("offload_optimizer", ["nvme", False], ids=["nvme", "no offload"])
+def test_no_rollback_copies_with_nvme_or_without_offload(one_rank_path, offload_optimizer):
+    measured, psi, _ = _measured_rollback(2, torch.float32, one_rank_path, offload_optimizer=offload_optimizer)
+    layout = Layout(ZeroStage.GRADIENTS, offload_optimizer=offload_optimizer)
+    assert measured == 0 == est.estimate(psi, layout, FP32, est.Topology(1)).host_step_rollback_per_rank
+
+
 # --- the largest model a budget holds ---------------------------------------------------------------
 
 
@@ -268,22 +400,31 @@ def test_largest_model_exact_on_small_numbers():
     assert (on_device.num_params, on_device.estimate.layout.label) == (10, "ddp")  # the first of equals
     assert "without offload" in on_device.message
     # With a host: zero3 offloading parameters puts nothing on the device and 16 B per parameter on
-    # the host, 8 of them pinned: 62 parameters in 1000 B (992 B), 63 would need 1008 B.
-    offload = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
+    # the host, 8 of them pinned: 62 parameters in 1000 B (992 B), 63 would need 1008 B (where the
+    # host step keeps no rollback copies).
+    offload = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, rollback_copies=False)
     assert offload.num_params == 62
     assert offload.estimate.layout.label == "zero3 + offload optimizer, params"
     assert (offload.estimate.device.total, offload.estimate.host.total, offload.estimate.pinned) == (0, 992, 496)
+    # The rollback copies cost 12 B per parameter more: 35 parameters in 980 B ...
+    copies = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, layouts=[offload.estimate.layout])
+    assert (copies.num_params, copies.estimate.host_during_step, copies.estimate.host_step_rollback) == (35, 980, 420)
+    assert "and up to 420 B more for the host step's rollback copies" in copies.message
+    # ... so NVMe, whose host step keeps none, holds more: with one bucket (the default 25 MiB holds
+    # all of these) its one buffer is the whole state, 16 B per parameter, as CPU offload without copies.
+    best = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
+    assert (best.num_params, best.estimate.layout.label) == (62, "zero3 + offload optimizer (nvme), params")
     # Mixed precision keeps the 2 B half chunk on the device: the device bounds it at 80 B.
-    assert sizing.largest_model(MIXED, one, gpu_memory=160, host_memory=1000).num_params == 62
+    assert sizing.largest_model(MIXED, one, gpu_memory=160, host_memory=1000, rollback_copies=False).num_params == 62
     assert sizing.largest_model(MIXED, one, gpu_memory=100, host_memory=10_000).num_params == 50
     # Two ranks share the sharded terms: each rank's shard is ceil(Ψ/2).
-    two = sizing.largest_model(FP32, est.Topology(2), gpu_memory=160, host_memory=1000)
+    two = sizing.largest_model(FP32, est.Topology(2), gpu_memory=160, host_memory=1000, rollback_copies=False)
     assert two.num_params == 62  # the host holds both ranks' chunks: 2 x 16 x 31 = 992 B
     assert sizing.largest_model(FP32, one, gpu_memory=15).num_params == 0
     assert sizing.largest_model(FP32, one, gpu_memory=15).estimate is None
-    # NVMe, the last resort, wins only when it holds more: with one bucket (the default 25 MiB holds
-    # all of these) its one buffer is the whole state, 16 B per parameter again, so offload keeps it.
-    assert sizing.largest_model(FP32, one, 160, 1000).estimate.layout.label == "zero3 + offload optimizer, params"
+    # NVMe, the last resort, wins only when it holds more: at 16 B per parameter, as much as CPU
+    # offload without rollback copies, offload keeps it.
+    assert sizing.largest_model(FP32, one, 160, 1000, rollback_copies=False).estimate.layout.label == "zero3 + offload optimizer, params"
     # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
     small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
     masters_in_host = [layout for layout in LAYOUTS if not layout.params_on_disk]
@@ -474,18 +615,21 @@ def test_cli_states_host_and_pinned_memory(capsys):
     out = capsys.readouterr().out
     assert "host per node (GB)" in out and "of which pinned" in out
     assert "nvme per node (GB)" in out
-    rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in out.splitlines()}
-    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, nvme, fits
-    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "19.200", "0.000", "0.000", "-", "yes"]
-    # 1.2B fp32 parameters offloaded: 4 B master + 4 B gradient (pinned) + 8 B moments on the host.
-    offload = ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "-", "yes"]
+    assert "+ rollback per node (GB)" in out and "to undo a step that clipping or a hook" in out
+    rows = {line.split("  ")[0].strip(): line.split()[-10:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned,
+    # + rollback, nvme, fits
+    assert rows["zero3"] == ["19.200", "4.800", "4.800", "9.600", "19.200", "0.000", "0.000", "-", "-", "yes"]
+    # 1.2B fp32 parameters offloaded: 4 B master + 4 B gradient (pinned) + 8 B moments on the host,
+    # and the host step's rollback copies of the master and the moments, 12 B, beside them.
+    offload = ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "14.400", "-", "yes"]
     assert rows["zero3 + offload optimizer, params"] == offload
     # NVMe: the chunks stay, the moments go to disk, 4 buffers of 6,553,600 x 8 B (0.21 GB) stay too.
-    on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "9.600", "yes"]
+    on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "-", "9.600", "yes"]
     assert rows["zero3 + offload optimizer (nvme), params"] == on_disk
     # The master chunks on disk too: the host keeps the gradient chunk (4 B) and 4 buckets of
     # masters (0.105 GB) and of moments (0.21 GB); 12 B per parameter on disk.
-    everything = ["0.000", "0.000", "0.000", "0.000", "0.000", "5.115", "4.905", "14.400", "yes"]
+    everything = ["0.000", "0.000", "0.000", "0.000", "0.000", "5.115", "4.905", "-", "14.400", "yes"]
     assert rows["zero3 + offload optimizer (nvme), params (nvme)"] == everything
     # The host holds 16 B per parameter with CPU offload and the device 141 GB / 16 = 8.8B; with
     # the moments on NVMe 8 B per parameter, with the masters too 4 B (and 0.31 GB of buffers):
@@ -494,7 +638,7 @@ def test_cli_states_host_and_pinned_memory(capsys):
     assert "and 383.056 GB of NVMe per node" in out
     # Smaller buckets and fewer buffers: 2 x 8 B x 2,621,440 (10 MiB of fp32 weights) = 0.042 GB.
     assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB", "--bucket-size-mb", "10", "--nvme-buffer-count", "2"]) == 0
-    rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in capsys.readouterr().out.splitlines()}
+    rows = {line.split("  ")[0].strip(): line.split()[-10:] for line in capsys.readouterr().out.splitlines()}
     assert rows["zero3 + offload optimizer (nvme), params"][5] == "9.642"
 
 
@@ -504,9 +648,12 @@ def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
     assert main(argv + ["--shard-group-size", "node"]) == 0
     out = capsys.readouterr().out
     assert "sharded within groups of 8 and replicated across 8" in out
-    rows = {line.split("  ")[0].strip(): line.split()[-8:] for line in out.splitlines()}
-    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned, nvme
-    assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000", "-"]  # TB
+    rows = {line.split("  ")[0].strip(): line.split()[-9:] for line in out.splitlines()}
+    # per device, weights, gradients, optimizer, devices per node, host per node, of which pinned,
+    # + rollback, nvme
+    assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000", "-", "-"]  # TB
+    # CPU offload's rollback copies: 12 B per parameter over the group of 8, for the node's 8 ranks
+    assert rows["zero3 + offload optimizer"][-2] == "0.768"
     # NVMe: 8 B per parameter over the group of 8, for each of the node's 8 ranks: 64e9 x 8 B
     assert rows["zero3 + offload optimizer (nvme), params"][-1] == "0.512"
     assert main(argv + ["--shard-group-size", "16"]) == 0
@@ -514,6 +661,24 @@ def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
     with pytest.raises(SystemExit):
         main(argv + ["--shard-group-size", "3"])
     assert "must divide the world size" in capsys.readouterr().err
+
+
+def test_cli_no_rollback_leaves_the_copies_out(capsys):
+    # 7.5B mixed-precision parameters on 8 devices, 10 GB each: CPU offload needs 120 GB of host
+    # memory, and its host step's rollback copies up to 90 GB more (12 B per parameter)
+    argv = ["estimate", "--params", "7.5e9", "--devices", "8", "--gpu-memory", "10GB", "--host-memory", "128GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    # ..., host per node, of which pinned, + rollback, nvme, fits
+    assert rows["zero3 + offload optimizer"][-5:] == ["120.000", "60.000", "90.000", "-", "no"]  # GB
+    assert "Recommended for 10 GB per device and 128 GB of host memory per node: zero3 + offload optimizer (nvme)" in out
+    assert main(argv + ["--no-rollback"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    assert rows["zero3 + offload optimizer"][-5:] == ["120.000", "60.000", "-", "-", "yes"]
+    assert "Recommended for 10 GB per device and 128 GB of host memory per node: zero3 + offload optimizer," in out
+    assert "not counted (--no-rollback)" in out
 
 
 def test_cli_counts_a_model(capsys):

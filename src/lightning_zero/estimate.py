@@ -46,6 +46,19 @@ sends, in the weights' dtype) and, at stage 1, the full gradients. Stage 3 with 
 half-precision weights still keeps the half chunk on the device (the cast happens there); with fp32
 weights the host's fp32 chunk is the only copy of the weight (counted as parameters, as
 `memory_report()` does) and the device keeps no model state at all.
+With `overlap_host_step` (the engine's default, CPU offload only) each bucket steps during backward,
+before anything after backward (clipping by norm, a hook that edits gradients or the learning rate)
+can change the step; to undo such a step bit for bit the engine keeps rollback copies of each
+bucket's master chunk and optimizer state (see [Note: the host step during backward] in
+``engine/offload/step_ahead.py``): (`offload_chunk_bytes` + `moment_bytes`)·S per rank, 12 B per
+parameter / N with Adam, in ordinary memory (not pinned), allocated at the first step and kept
+(`MemoryEstimate.host_step_rollback_per_rank`; `memory_report().host_step_rollback` measures the same
+plus Adam's step counters). Whether they are kept depends on the training code, not on the layout:
+a plain engine loop and Fabric keep them, the Lightning Trainer only with gradient clipping or a hook
+between backward and the step, and nothing keeps them with `overlap_host_step=False`, NVMe offload,
+several optimizers or a whole-tensor optimizer (those steps wait for backward). So they are a
+figure of their own, in no total, which `sizing.fits` charges as an upper bound unless
+`estimate(..., rollback_copies=False)`.
 
 [Note: optimizer state on NVMe]
 With `offload_optimizer="nvme"` the engine keeps the same master and gradient chunks in host memory
@@ -219,6 +232,11 @@ class MemoryEstimate:
     """With a whole-tensor optimizer (`OwnedParameters`): the full weights and gradients the busiest
     owner holds while it steps, on the device, or on the host with offload; in no total (see [Note:
     whole-tensor optimizer state])."""
+    host_step_rollback_per_rank: int = 0
+    """With CPU offload (not NVMe) and `overlap_host_step`: the rollback copies of the master chunk and
+    optimizer state the host step during backward keeps for each rank, in ordinary host memory; kept
+    only where clipping or a hook between backward and the step may change the step, so in no total
+    (see [Note: offloaded state]). 0 elsewhere, and with `rollback_copies=False`."""
 
     @property
     def device_during_step(self) -> int:
@@ -228,9 +246,10 @@ class MemoryEstimate:
 
     @property
     def host_during_step(self) -> int:
-        """Bytes on each node's host while the optimizer steps: `host`, plus the owners' full
-        tensors with offload."""
-        return self.host.total + (self.step_transient_per_rank * self.devices_per_node if self.layout.offload_optimizer else 0)
+        """Bytes on each node's host while the optimizer steps, at most: `host`, plus the owners' full
+        tensors with offload, plus the host step's rollback copies (`host_step_rollback`)."""
+        owners = self.step_transient_per_rank * self.devices_per_node if self.layout.offload_optimizer else 0
+        return self.host.total + owners + self.host_step_rollback
 
     @property
     def host(self) -> StateBytes:
@@ -241,6 +260,11 @@ class MemoryEstimate:
     def pinned(self) -> int:
         """On each node: the pinned part of `host`."""
         return self.pinned_per_rank * self.devices_per_node
+
+    @property
+    def host_step_rollback(self) -> int:
+        """On each node: the rollback copies of all the node's ranks."""
+        return self.host_step_rollback_per_rank * self.devices_per_node
 
     @property
     def disk(self) -> int:
@@ -262,6 +286,7 @@ def estimate(
     topology: Topology,
     nvme: NvmeStaging = NvmeStaging(),
     owned: Optional[OwnedParameters] = None,
+    rollback_copies: bool = True,
 ) -> MemoryEstimate:
     """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.sharding_ranks`
     (all ranks, or with hybrid sharding the shard group's).
@@ -274,7 +299,10 @@ def estimate(
     state on NVMe]. With `owned` (some or all of the Ψ parameters, stepped by a whole-tensor
     optimizer) each rank keeps the moments of the parameters it owns instead of its chunk of
     theirs, and holds their full weights and gradients while it steps: see [Note: whole-tensor
-    optimizer state].
+    optimizer state]. `rollback_copies`: whether the host step during backward keeps its rollback
+    copies (CPU offload only): True, the engine's default in a plain loop or Fabric, an upper bound;
+    False with `overlap_host_step=False`, or in the Lightning Trainer with no gradient clipping and no
+    hook between backward and the step.
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
@@ -330,6 +358,10 @@ def estimate(
         gradients=chunk,
         optimizer_state=(0 if host_only_weights else master) + in_host,
     )
+    # the host step during backward (CPU tier, one element-wise optimizer) copies each bucket's master
+    # chunk and moments before it steps: see [Note: offloaded state]
+    steps_during_backward = layout.offload_optimizer is True and owned is None
+    rollback = (scheme.offload_chunk_bytes + scheme.moment_bytes) * shard if rollback_copies and steps_during_backward else 0
     return MemoryEstimate(
         layout=layout,
         device=device,
@@ -338,6 +370,7 @@ def estimate(
         pinned_per_rank=chunk + master,
         disk_per_rank=(moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
         step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
+        host_step_rollback_per_rank=rollback,
     )
 
 
@@ -347,8 +380,9 @@ def estimate_all(
     topology: Topology,
     nvme: NvmeStaging = NvmeStaging(),
     owned: Optional[OwnedParameters] = None,
+    rollback_copies: bool = True,
 ) -> tuple[MemoryEstimate, ...]:
     """`estimate` for every layout in `LAYOUTS`, in their order of preference; with `owned` (a
     whole-tensor optimizer) without the NVMe layouts, which refuse it."""
     layouts = [layout for layout in LAYOUTS if owned is None or not layout.state_on_disk]
-    return tuple(estimate(num_params, layout, scheme, topology, nvme, owned) for layout in layouts)
+    return tuple(estimate(num_params, layout, scheme, topology, nvme, owned, rollback_copies) for layout in layouts)

@@ -20,8 +20,10 @@ _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), (
 
 def fits(candidate: MemoryEstimate, gpu_memory: int, host_memory: Optional[int] = None) -> bool:
     """Whether the model states fit in `gpu_memory` bytes per device (and `host_memory` per node, if
-    given), with a whole-tensor optimizer also while it steps (`MemoryEstimate.device_during_step`).
-    Only model states: see the module's note for what else needs room."""
+    given), with a whole-tensor optimizer also while it steps (`MemoryEstimate.device_during_step`),
+    and on the host with the host step's rollback copies where the estimate counts them
+    (`MemoryEstimate.host_during_step`). Only model states: see the module's note for what else
+    needs room."""
     if candidate.device_during_step > gpu_memory:
         return False
     return host_memory is None or candidate.host_during_step <= host_memory
@@ -72,9 +74,12 @@ def recommend(
 
 
 def host_memory_phrase(candidate: MemoryEstimate) -> str:
-    """E.g. `19.2 GB of host memory per node (9.6 GB of it pinned)`, and with NVMe `..., and 9.6 GB of
-    NVMe per node`."""
+    """E.g. `19.2 GB of host memory per node (9.6 GB of it pinned)`, with the host step's rollback
+    copies `..., and up to 14.4 GB more for the host step's rollback copies`, and with NVMe `..., and
+    9.6 GB of NVMe per node`."""
     phrase = f"{format_bytes(candidate.host.total)} of host memory per node ({format_bytes(candidate.pinned)} of it pinned)"
+    if candidate.host_step_rollback:
+        phrase += f", and up to {format_bytes(candidate.host_step_rollback)} more for the host step's rollback copies"
     if candidate.disk:
         phrase += f", and {format_bytes(candidate.disk)} of NVMe per node"
     return phrase
@@ -119,20 +124,23 @@ def largest_model(
     host_memory: Optional[int] = None,
     layouts: Sequence[Layout] = LAYOUTS,
     nvme: NvmeStaging = NvmeStaging(),
+    rollback_copies: bool = True,
 ) -> LargestModel:
     """The largest parameter count whose model states `fits` in some layout of `layouts` (the first in
     their order when several hold the same count, so NVMe only when it holds more). Offload layouts
     are searched only when `host_memory` is given: without a host budget they would have no bound.
-    NVMe's disk is not a budget here: the message says how much of it the model needs."""
+    NVMe's disk is not a budget here: the message says how much of it the model needs.
+    `rollback_copies`: whether the host has room for the host step's rollback copies too (`estimate`'s)."""
     if gpu_memory < 1:
         raise ValueError(f"gpu_memory must be a positive number of bytes, got {gpu_memory}")
     best = LargestModel(num_params=0, estimate=None, gpu_memory=gpu_memory, host_memory=host_memory)
     for layout in layouts:
         if layout.offload_optimizer and host_memory is None:
             continue
-        num_params = _largest_fitting(layout, scheme, topology, gpu_memory, host_memory, nvme)
+        num_params = _largest_fitting(layout, scheme, topology, gpu_memory, host_memory, nvme, rollback_copies)
         if num_params > best.num_params:
-            best = LargestModel(num_params, estimate(num_params, layout, scheme, topology, nvme), gpu_memory, host_memory)
+            at_size = estimate(num_params, layout, scheme, topology, nvme, rollback_copies=rollback_copies)
+            best = LargestModel(num_params, at_size, gpu_memory, host_memory)
     return best
 
 
@@ -143,12 +151,15 @@ def _largest_fitting(
     gpu_memory: int,
     host_memory: Optional[int],
     nvme: NvmeStaging,
+    rollback_copies: bool,
 ) -> int:
     """The largest Ψ whose model states fit in `layout`, or 0 (`largest_passing`). Every layout costs
     at least one byte per parameter somewhere (NVMe's host keeps the master and gradient chunks), and
     both places searched have a budget, so the doubling ends."""
     return largest_passing(
-        lambda num_params: fits(estimate(num_params, layout, scheme, topology, nvme), gpu_memory, host_memory)
+        lambda num_params: fits(
+            estimate(num_params, layout, scheme, topology, nvme, rollback_copies=rollback_copies), gpu_memory, host_memory
+        )
     )
 
 

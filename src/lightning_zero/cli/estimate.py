@@ -3,7 +3,9 @@ count or a model spec (`--model`, counted on the meta device by `model_spec`), w
 offload needs (and how much of it is pinned) and, for NVMe offload, the disk; given the device
 memory (and the host's), a recommendation and the largest model that fits. With
 `--whole-tensor-optimizer`, the optimizer state of an optimizer that steps whole tensors on owner
-ranks ([Note: whole-tensor optimizer state] in `lightning_zero.estimate`)."""
+ranks ([Note: whole-tensor optimizer state] in `lightning_zero.estimate`). CPU offload's rows also
+give the rollback copies the host step during backward may keep, a column of their own that the
+host-memory check counts unless `--no-rollback` ([Note: offloaded state] there)."""
 
 from __future__ import annotations
 
@@ -74,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " (the last column); bytes per element stay --precision's (Adam's moments: an upper bound for Muon or"
         " Adafactor). Needs --model; no NVMe rows (NVMe offload refuses such optimizers)",
     )
+    parser.add_argument(
+        "--no-rollback",
+        action="store_true",
+        help="count no rollback copies for CPU offload's host step during backward (the '+ rollback' column):"
+        " right with overlap_host_step=False, or in the Lightning Trainer with no gradient clipping and no hook"
+        " between backward and the optimizer step. Default: count them (12 B per parameter / N with AdamW), as"
+        " a plain loop, Fabric or the Trainer with clipping keeps them",
+    )
     defaults = est.NvmeStaging()
     nvme = parser.add_argument_group(
         "NVMe offload (the 'nvme' rows): the host keeps the master and gradient chunks plus a few"
@@ -120,13 +130,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         nvme = est.NvmeStaging(bucket_bytes=max(1, int(args.bucket_size_mb * 2**20)), buffer_count=args.nvme_buffer_count)
     except ValueError as error:
         parser.error(f"--nvme-buffer-count: {error}")
-    estimates = est.estimate_all(num_params, scheme, topology, nvme, owned)
+    rollback_copies = not args.no_rollback
+    estimates = est.estimate_all(num_params, scheme, topology, nvme, owned, rollback_copies)
     recommendation = largest = None
     if args.gpu_memory is not None:
         recommendation = sizing.recommend(estimates, args.gpu_memory, args.host_memory)
         if owned is None:  # a larger model's parameter sizes, and so its owners, are unknown
-            largest = sizing.largest_model(scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme)
-    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest, owned)
+            largest = sizing.largest_model(
+                scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme, rollback_copies=rollback_copies
+            )
+    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest, owned, rollback_copies)
     if sys.stdout.isatty():
         _print_rich(report)
     else:
@@ -159,6 +172,7 @@ class _EstimateReport:
     recommendation: Optional[sizing.Recommendation]
     largest: Optional[sizing.LargestModel]
     owned: Optional[est.OwnedParameters] = None
+    rollback_copies: bool = True
 
     @property
     def title(self) -> str:
@@ -203,6 +217,7 @@ class _EstimateReport:
             f"devices per node ({unit})",
             f"host per node ({unit})",
             "of which pinned",
+            f"+ rollback per node ({unit})",
             f"nvme per node ({unit})",
         ]
         if self.owned:
@@ -227,6 +242,7 @@ class _EstimateReport:
                 number(e.device.total * e.devices_per_node),
                 number(e.host.total),
                 number(e.pinned),
+                number(e.host_step_rollback) if e.host_step_rollback else "-",
                 number(e.disk) if e.layout.state_on_disk else "-",
             ]
             if self.owned:
@@ -240,6 +256,8 @@ class _EstimateReport:
     @property
     def footer(self) -> str:
         lines = [WHOLE_TENSOR_NOTE] if self.owned else []
+        if any(e.layout.offload_optimizer is True for e in self.estimates) and not self.owned:
+            lines.append(ROLLBACK_NOTE if self.rollback_copies else NO_ROLLBACK_NOTE)
         if self.recommendation is None:
             lines.append(est.LEFT_OUT)
         else:
@@ -252,6 +270,17 @@ WHOLE_TENSOR_NOTE = (
     "Whole-tensor optimizer: each rank keeps the full optimizer state of the parameters it owns (the optimizer"
     " column, for the busiest owner) and, while it steps them, their full weights and gradients (+ owner's step,"
     " per device, or per rank on the host with offload; counted by 'fits'). NVMe rows are left out."
+)
+ROLLBACK_NOTE = (
+    "+ rollback: copies of the master chunks and optimizer state that CPU offload's host step during backward"
+    " keeps, in ordinary (not pinned) memory, to undo a step that clipping or a hook between backward and the"
+    " step changes; not in 'host per node', counted by 'fits' as at most this. None with overlap_host_step=False,"
+    " or in the Lightning Trainer with no gradient clipping and no such hook: --no-rollback."
+)
+NO_ROLLBACK_NOTE = (
+    "Rollback copies for the host step during backward not counted (--no-rollback): right with"
+    " overlap_host_step=False, or in the Lightning Trainer with no gradient clipping and no hook between"
+    " backward and the step; otherwise CPU offload keeps up to 12 B per parameter / N more on the host."
 )
 LARGEST_NOT_SEARCHED = (
     "Largest model: not searched for a whole-tensor optimizer, whose owners depend on the sizes of a larger"
