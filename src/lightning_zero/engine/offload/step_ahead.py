@@ -408,7 +408,11 @@ class StepAhead:
         """Undo anything uncommitted, stop the worker, give the optimizer its own ``step`` back."""
         _STEPS_AHEAD.pop(self.optimizer, None)
         try:
-            self.settle()
+            if self.keep_rollback or not any(job.stepped for job in self._queued):
+                self.settle("the engine closed before `optimizer.step()`")
+            else:  # nothing to undo with (a run that failed mid-step): the chunks keep the step
+                self._drain()
+                self._clear()
         finally:
             self.disarm()
             if self._executor is not None:
