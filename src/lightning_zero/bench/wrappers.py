@@ -64,6 +64,9 @@ class Setup:
     """Ours: hybrid sharding's group size (None: shard over all ranks)."""
     nvme_path: Optional[str] = None
     """Ours with `offload_optimizer="nvme"`: the directory each rank makes its scratch directory in."""
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Ours: further `ZeroConfig` fields, over the variant's own (`--offload-overlap` sets
+    `overlap_host_step` and `host_threads`, see `offload_overlap.py`)."""
 
     def make_optimizer(self, params: Iterable[Tensor]) -> Optimizer:
         """The benchmark's optimizer over `params`."""
@@ -285,6 +288,7 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
             if name not in fields:
                 raise VariantUnavailable(f"ZeroConfig has no `{name}` option (this offload is not implemented yet)")
             kwargs[name] = value
+    kwargs.update(setup.engine_options)
     try:
         return config_class(**kwargs)
     except (TypeError, ValueError, NotImplementedError) as error:
