@@ -28,7 +28,7 @@ DEFINITIONS = f"""\
   fused AdamW step on the host. **bytes**: 28 B per fp32 element of every rank's chunks (read the
   parameter, gradient, exp_avg, exp_avg_sq; write the parameter, exp_avg, exp_avg_sq). **memory**:
   `a += b` over two 256 MiB float32 tensors (3 x 256 MiB moved), best of 5, on every rank at once
-  with its threads, summed over the ranks, in the same run. **hideable**: the share of the host
+  with its threads, before and after the steps (the better kept), summed over the ranks. **hideable**: the share of the host
   step's elements in buckets whose gradients are all complete before block 0's backward (blocks 1
   and later, the final norm); the rest (block 0, the embeddings and the head tied to them) can only
   step after the sleep, so 1 - hideable is about the least backward / forward can be with overlap."""

@@ -47,7 +47,8 @@ class OverlapRankMeasurement:
 
     rank: int
     bandwidth: HostBandwidth
-    """The memory probe, run on every rank at once, with the rank's threads."""
+    """The memory probe, run on every rank at once with the rank's threads, before and after the steps:
+    the better of the two."""
     stepped_numel: int
     """Elements of the chunks this rank's optimizer steps (its shards, padding included)."""
     hideable_numel: int
