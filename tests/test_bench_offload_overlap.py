@@ -19,6 +19,7 @@ from lightning_zero.bench.offload_overlap_results import CLIPPING, SLEEP_PLACES
 from lightning_zero.bench.options import OFFLOAD_OVERLAP_DEFAULTS, BenchOptions, model_config, num_parameters, shaped
 from lightning_zero.bench.results import OK
 from lightning_zero.cli import main
+from lightning_zero.models.gpt import GPT, GPTConfig
 
 TINY = [
     "--n-layer", "3", "--n-embd", "64", "--n-head", "2", "--block-size", "16",
@@ -170,3 +171,30 @@ def test_two_ranks_split_the_host_step(tmp_path: Path) -> None:
         assert row["sleep_ms"] == 1.0
         numels = [rank["stepped_numel"] for rank in row["ranks"]]
         assert all(n < psi for n in numels) and sum(numels) >= psi
+
+
+@pytest.mark.parametrize("place", SLEEP_PLACES)
+def test_the_sleep_falls_between_the_later_blocks_gradients_and_block_0s(
+    place: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In backward: after every later block's gradients are complete and before any of block 0's (what
+    a host step can hide behind); in forward: before backward starts."""
+    events: list[str] = []
+    monkeypatch.setattr(offload_overlap.time, "sleep", lambda seconds: events.append("sleep"))
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=8))
+    for index, block in enumerate(model.blocks):
+        for p in block.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, index=index: events.append(f"block {index}"))
+    sleep = offload_overlap._SleepAt()
+    sleep.place, sleep.seconds = place, 0.001
+    model.blocks[0].register_forward_hook(sleep.hook)
+    x = torch.randint(0, 256, (1, 8))
+    loss = model(x, x)[1]
+    if place == "forward":
+        assert events == ["sleep"]
+    loss.backward()
+    blocks = [event for event in events if event != "sleep"]
+    assert set(blocks) == {"block 0", "block 1", "block 2"}
+    if place == "backward":
+        at = events.index("sleep")
+        assert set(events[:at]) == {"block 1", "block 2"} and set(events[at + 1 :]) == {"block 0"}
