@@ -6,6 +6,8 @@ ranks' shards adding up), never a speed: the targets are the bench's to judge, i
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,12 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_zero.bench import offload_overlap
+from lightning_zero.bench import offload_overlap, variants, wrappers
 from lightning_zero.bench.host_bandwidth import adamw_step_bytes, measure_host_bandwidth
 from lightning_zero.bench.offload_overlap_results import CLIPPING, SLEEP_PLACES
 from lightning_zero.bench.options import OFFLOAD_OVERLAP_DEFAULTS, BenchOptions, model_config, num_parameters, shaped
 from lightning_zero.bench.results import OK
 from lightning_zero.cli import main
+from lightning_zero.engine import ZeroConfig
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 TINY = [
@@ -198,3 +201,17 @@ def test_the_sleep_falls_between_the_later_blocks_gradients_and_block_0s(
     if place == "backward":
         at = events.index("sleep")
         assert set(events[:at]) == {"block 1", "block 2"} and set(events[at + 1 :]) == {"block 0"}
+
+
+def test_our_offload_variants_keep_the_benchs_threads_and_take_engine_options() -> None:
+    """On the CPU the bench sets each rank's threads (`--threads`); an offload variant passes them as
+    `host_threads`, so that the engine does not set them again from the node's cores."""
+    setup = wrappers.Setup(
+        torch.optim.AdamW, {}, contextlib.nullcontext, torch.device("cpu"), 25.0, 1,
+        engine_options={"overlap_host_step": False},
+    )  # fmt: skip
+    offloaded = wrappers._zero_config(ZeroConfig, variants.BY_NAME["zero3_offload"], setup)
+    assert offloaded.host_threads == torch.get_num_threads()
+    assert offloaded.overlap_host_step is False
+    plain = wrappers._zero_config(ZeroConfig, variants.BY_NAME["zero3"], dataclasses.replace(setup, engine_options={}))
+    assert plain.host_threads is None

@@ -115,9 +115,7 @@ def measure_overlap(rank: int, spec: VariantSpec, options: BenchOptions, config:
     times: list[ConditionTimes] = []
     loss = float("nan")
     for overlap in (False, True):
-        # the bench's threads (`--threads`, or the cores divided among the ranks), which the engine keeps
-        engine_options = {"overlap_host_step": overlap, "host_threads": torch.get_num_threads()}
-        stepper = _Stepper(build_rank(rank, spec, options, config, len(CONDITIONS), engine_options))
+        stepper = _Stepper(build_rank(rank, spec, options, config, len(CONDITIONS), {"overlap_host_step": overlap}))
         try:
             warm_up = stepper.rounds(max(options.warmup, 1 if sleep_ms is None else 0), sleep_ms or 0.0)
             if sleep_ms is None:
