@@ -13,7 +13,10 @@ figures), `report` (markdown, JSON; its side tables `report_sections`, host work
 building blocks `markdown`) and `chart` (PNG). `--capacity`: `capacity`
 (the search for the largest model or batch under a memory budget), `budget` (how the budget is
 enforced, per rank), `footprint` (the prediction beside each row), `capacity_results` (its figures),
-`capacity_report` (its table and chart). The console subcommand is `lightning_zero.cli.bench`.
+`capacity_report` (its table and chart). `--offload-overlap`: `offload_overlap` (how much of the
+offloaded host step a slow backward hides, issue 53's CPU stand-in), `offload_overlap_results` (its
+figures), `offload_overlap_report` (its tables and chart), `host_bandwidth` (the memory probe and
+AdamW's bytes). The console subcommand is `lightning_zero.cli.bench`.
 """
 
 from lightning_zero.bench.options import BenchOptions

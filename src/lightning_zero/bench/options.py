@@ -40,6 +40,18 @@ median's 95% interval to resolve a few % on shared cores. And one intra-op threa
 host is one thread, and on a loaded machine two OpenMP threads per rank spin-wait for each other
 (measured: DDP's step 15 ms with one thread; 57 ms to 3.5 s with two, other jobs running)."""
 
+OFFLOAD_OVERLAP_DEFAULTS: dict[str, object] = dict(
+    n_layer=12, n_embd=512, n_head=8, block_size=32, batch_size=1, devices=1, warmup=1, steps=5,
+    variants=("zero2_offload", "zero3_offload"),
+)  # fmt: skip
+"""`offload_overlap`'s defaults for what the options leave out: a 38M-parameter GPT whose host step
+(fused AdamW moving 1.06 GB) takes ~30 ms on two cores; 1 × 32 tokens, so that forward and backward
+(~0.2 s here) stay small; twelve blocks, so that the buckets complete before block 0's backward hold
+most of the model; one rank. On 2 cores the two variants take about 75 s."""
+OVERLAP_VARIANTS = ("zero2_offload", "zero3_offload")
+"""The variants `offload_overlap` can measure: host memory offload at stages 2-3, where
+`ZeroConfig.overlap_host_step` applies."""
+
 
 @dataclass(frozen=True)
 class BenchOptions:
@@ -114,6 +126,13 @@ class BenchOptions:
     """Step the variants round-robin in the same processes, one step of each in turn, and report
     each one's ratio to DDP as the median of per-round ratios (`paired.py`); variants that cannot
     share a process run alone, as without it."""
+    offload_overlap: bool = False
+    """Instead of the table: how much of an offloaded host step a slow backward hides (issue 53's CPU
+    stand-in, `offload_overlap.py`), for `OVERLAP_VARIANTS`; build with `shaped` for its defaults
+    (`OFFLOAD_OVERLAP_DEFAULTS`)."""
+    sleep_ms: Optional[float] = None
+    """With `offload_overlap`: milliseconds slept in block 0's backward (or forward); None: twice the
+    host step the warm-up measures, so that the whole of it could hide."""
 
     def __post_init__(self) -> None:
         positive = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "steps")
@@ -143,6 +162,7 @@ class BenchOptions:
             raise ValueError(f"`shape` must be one of {', '.join(SHAPES)}, got {self.shape!r}")
         if self.paired and self.capacity is not None:
             raise ValueError("`paired` times steps; `capacity` searches sizes under a budget: use one or the other")
+        self._check_offload_overlap()
         if not self.variants:
             raise ValueError("`variants` must name at least one variant")
         variants.select(self.variants)  # raises for unknown names
@@ -182,6 +202,31 @@ class BenchOptions:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"`capacity` needs `memory_budget`, a positive number of bytes, got {budget!r}")
 
+    def _check_offload_overlap(self) -> None:
+        if self.sleep_ms is not None:
+            if not self.offload_overlap:
+                raise ValueError("`sleep_ms` is only used with `offload_overlap`")
+            if isinstance(self.sleep_ms, bool) or not isinstance(self.sleep_ms, (int, float)) or not 0 <= self.sleep_ms < float("inf"):
+                raise ValueError(f"`sleep_ms` must be a non-negative, finite number of milliseconds, got {self.sleep_ms!r}")
+        if not self.offload_overlap:
+            return
+        for name in ("capacity", "shape", "shard_group_size"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"`offload_overlap` measures one model of its own, without `{name}`: remove one of them")
+        if self.paired:
+            raise ValueError("`offload_overlap` pairs its own conditions step by step; remove `paired`")
+        if self.device != "cpu":
+            raise ValueError(
+                "`offload_overlap` is the CPU stand-in for a GPU (a sleep frees the host as a GPU's backward does);"
+                " on a GPU, time the offloaded step itself with scripts/offload_gpu.py"
+            )
+        others = [name for name in self.variants if name not in OVERLAP_VARIANTS]
+        if others:
+            raise ValueError(
+                f"`offload_overlap` measures {', '.join(OVERLAP_VARIANTS)} (host memory offload at stages 2-3),"
+                f" not {', '.join(others)}"
+            )
+
     @property
     def tokens_per_step(self) -> int:
         """Tokens all ranks together train on per step."""
@@ -189,10 +234,13 @@ class BenchOptions:
 
 
 def shaped(shape: Optional[str], **options: object) -> BenchOptions:
-    """`BenchOptions(**options)` with the defaults of `SHAPES[shape]` for what `options` leaves out."""
+    """`BenchOptions(**options)` with the defaults of `SHAPES[shape]` (or, with `offload_overlap`,
+    `OFFLOAD_OVERLAP_DEFAULTS`) for what `options` leaves out."""
     if shape is not None and shape not in SHAPES:
         raise ValueError(f"`shape` must be one of {', '.join(SHAPES)}, got {shape!r}")
-    preset = SHAPES[shape] if shape is not None else {}
+    preset: dict[str, object] = dict(SHAPES[shape]) if shape is not None else {}
+    if options.get("offload_overlap"):
+        preset = {**OFFLOAD_OVERLAP_DEFAULTS, **preset}
     return BenchOptions(**{**preset, **options, "shape": shape})  # type: ignore[arg-type]
 
 

@@ -70,10 +70,14 @@ def _load_average() -> Optional[float]:
 
 def command_line(options: BenchOptions) -> str:
     """The `lightning-zero bench` command that reproduces `options`."""
-    defaults = shaped(options.shape)
+    defaults = shaped(options.shape, offload_overlap=options.offload_overlap)
     parts = ["lightning-zero bench"]
     if options.shape is not None:
         parts.append(f"--shape {options.shape}")
+    if options.offload_overlap:
+        parts.append("--offload-overlap")
+    if options.sleep_ms is not None:
+        parts.append(f"--sleep-ms {options.sleep_ms:g}")
     if options.params is not None:
         parts.append(f"--params {options.params}")
     flags = [

@@ -64,8 +64,16 @@ class BuiltRank:
     """Whether glibc's mmap threshold could be fixed (see `memory.py`, [Note: peak memory])."""
 
 
-def build_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTConfig, steps: int) -> BuiltRank:
-    """Build `spec` on this rank from the seeded model, with data for `steps` steps (module doc, 1-3)."""
+def build_rank(
+    rank: int,
+    spec: VariantSpec,
+    options: BenchOptions,
+    config: GPTConfig,
+    steps: int,
+    engine_options: Optional[dict[str, Any]] = None,
+) -> BuiltRank:
+    """Build `spec` on this rank from the seeded model, with data for `steps` steps (module doc, 1-3);
+    `engine_options` are further `ZeroConfig` fields for our variants (`Setup.engine_options`)."""
     device = rank_device(rank, options)
     threshold_fixed = device.type != "cpu" or small_mmap_threshold()  # before the model is allocated
     torch.manual_seed(options.seed)
@@ -82,6 +90,7 @@ def build_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GPTC
         batch_size=options.batch_size,
         shard_group_size=options.shard_group_size,
         nvme_path=None if options.nvme_path is None else str(options.nvme_path),
+        engine_options=dict(engine_options or {}),
     )
     return BuiltRank(build(spec, model, setup), batches, device, threshold_fixed)
 

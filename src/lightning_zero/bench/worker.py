@@ -96,7 +96,10 @@ class _Task:
         return self.log_dir / f"{self.name}-rank{rank}.log"
 
 
-_PRELOAD = [__name__, "torch._dynamo", "lightning_zero.bench.capacity", "lightning_zero.bench.paired"]
+_PRELOAD = [
+    __name__, "torch._dynamo", "lightning_zero.bench.capacity", "lightning_zero.bench.paired",
+    "lightning_zero.bench.offload_overlap",
+]  # fmt: skip
 """Imported once by the forkserver and inherited by every rank. `torch._dynamo` is imported by
 the first `Optimizer.add_param_group` of each process (torch wraps it in `_disable_dynamo`):
 0.5 CPU-s per rank if left to the ranks."""

@@ -64,6 +64,9 @@ class Setup:
     """Ours: hybrid sharding's group size (None: shard over all ranks)."""
     nvme_path: Optional[str] = None
     """Ours with `offload_optimizer="nvme"`: the directory each rank makes its scratch directory in."""
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Ours: further `ZeroConfig` fields, over the variant's own (`--offload-overlap` sets
+    `overlap_host_step`, see `offload_overlap.py`)."""
 
     def make_optimizer(self, params: Iterable[Tensor]) -> Optimizer:
         """The benchmark's optimizer over `params`."""
@@ -285,6 +288,11 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
             if name not in fields:
                 raise VariantUnavailable(f"ZeroConfig has no `{name}` option (this offload is not implemented yet)")
             kwargs[name] = value
+    if spec.offload_optimizer and setup.device.type == "cpu" and "host_threads" in fields:
+        # the rank's threads as the bench set them (`--threads`, `worker.threads_per_rank`), which the
+        # engine would otherwise set again from the node's cores (`engine/offload/host_threads.py`)
+        kwargs["host_threads"] = torch.get_num_threads()
+    kwargs.update(setup.engine_options)
     try:
         return config_class(**kwargs)
     except (TypeError, ValueError, NotImplementedError) as error:

@@ -99,6 +99,11 @@ def positive_float(text: str) -> float:
     return _checked(text, float, lambda value: value > 0, "is not a positive number")
 
 
+def non_negative_float(text: str) -> float:
+    """A duration that may be 0, such as a sleep: a finite number, 0 or more."""
+    return _checked(text, float, lambda value: 0 <= value < float("inf"), "is not a finite number (0 or more)")
+
+
 def _checked(text: str, convert: Callable[[str], Any], accept: Callable[[Any], bool], complaint: str) -> Any:
     """``convert(text)`` if it succeeds and ``accept`` takes the value, else the usage error
     "'<text>' <complaint>"."""

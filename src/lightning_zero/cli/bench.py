@@ -1,5 +1,6 @@
 """`lightning-zero bench`: the options of `lightning_zero.bench.BenchOptions`, a run, and where the
-report went; with `--capacity`, a capacity search (`lightning_zero.bench.capacity`) under a progress bar."""
+report went; with `--capacity`, a capacity search (`lightning_zero.bench.capacity`) under a progress bar;
+with `--offload-overlap`, how much of the offloaded host step backward hides (`lightning_zero.bench.offload_overlap`)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,31 @@ from typing import Callable, Iterator
 
 from lightning_zero.bench import variants
 from lightning_zero.bench.capacity import CapacityProgress, run_capacity
+from lightning_zero.bench.offload_overlap import run_offload_overlap
 from lightning_zero.bench.options import (
-    BUDGET_SCOPES, CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, PRECISIONS, SHAPES, BenchOptions, shaped,
+    BUDGET_SCOPES, CAPACITY_MODES, CAPACITY_VARIANTS, DEVICES, OFFLOAD_OVERLAP_DEFAULTS, OVERLAP_VARIANTS, PRECISIONS,
+    SHAPES, BenchOptions, shaped,
 )  # fmt: skip
 from lightning_zero.bench.run import run_bench
 from lightning_zero.cli.arguments import (
-    Subcommand, non_negative_int, parse_count, parse_memory, positive_float, positive_int,
+    Subcommand, non_negative_float, non_negative_int, parse_count, parse_memory, positive_float, positive_int,
 )  # fmt: skip
 
 _DEFAULTS = BenchOptions()
-_SHAPED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "warmup", "steps", "threads")
-"""The options a `--shape` sets; given explicitly, they override it (their parser default is None)."""
+_SHAPED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "devices", "warmup", "steps", "threads")
+"""The options a `--shape` or `--offload-overlap` sets; given explicitly, they override it (their parser
+default is None)."""
 
 
 def _default(name: str) -> str:
-    """An option's default, and each shape's where it sets one, for the help text."""
+    """An option's default, and each shape's (and `--offload-overlap`'s) where it sets one, for the help text."""
     value = getattr(_DEFAULTS, name)
     text = f"default: {'the cores divided among the ranks' if value is None else value}"
     for shape, preset in SHAPES.items():
         if name in preset:
             text += f"; --shape {shape}: {preset[name]}"
+    if name in OFFLOAD_OVERLAP_DEFAULTS:
+        text += f"; --offload-overlap: {OFFLOAD_OVERLAP_DEFAULTS[name]}"
     return text
 
 
@@ -68,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=positive_int, metavar="B", help=f"sequences per rank and step ({_default('batch_size')})"
     )
     training.add_argument(
-        "--devices", type=positive_int, default=d.devices, metavar="N", help=f"ranks; 1 measures engine overhead alone (default: {d.devices})"
+        "--devices", type=positive_int, metavar="N", help=f"ranks; 1 measures engine overhead alone ({_default('devices')})"
     )
     training.add_argument(
         "--threads", type=positive_int, metavar="K",
@@ -98,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS)
         + " (default: all but the ownership path's "
         + ",".join(v.name for v in variants.VARIANTS if v.name not in variants.DEFAULT_VARIANTS)
-        + "; with --capacity: " + ",".join(CAPACITY_VARIANTS) + ")",
+        + "; with --capacity: " + ",".join(CAPACITY_VARIANTS)
+        + "; with --offload-overlap: " + ",".join(OVERLAP_VARIANTS) + ")",
     )
     training.add_argument("--precision", choices=PRECISIONS, default=d.precision, help="default: fp32")
     training.add_argument("--fused", action="store_true", help="fused AdamW in every variant")
@@ -150,6 +157,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " the process's memory): where zero3_offload_nvme shows what it gains",
     )  # fmt: skip
 
+    overlap = parser.add_argument_group(
+        "offload overlap: issue 53's CPU stand-in for a GPU's offloaded step, one rank by default: the step"
+        " time exposed after backward with a sleep in block 0's backward (which a host step running during"
+        " backward can hide behind) against the same sleep in its forward (which it cannot), with and without"
+        " overlap_host_step and clipping; and the host step's bytes/s against the memory's, measured in the"
+        " same run"
+    )
+    overlap.add_argument(
+        "--offload-overlap", action="store_true",
+        help="measure the overlap instead of the table; sets the defaults of the model and run options above"
+        " (their --offload-overlap values)",
+    )  # fmt: skip
+    overlap.add_argument(
+        "--sleep-ms", type=non_negative_float, metavar="MS",
+        help="with --offload-overlap: the sleep in block 0's backward or forward (default: twice the host"
+        " step the warm-up measures)",
+    )  # fmt: skip
+
 
 def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Build `BenchOptions` (its checks fail as usage errors), run, print the table and the files."""
@@ -159,16 +184,19 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         parser.error("--memory-budget is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
     if args.budget_scope != _DEFAULTS.budget_scope and args.capacity is None:
         parser.error("--budget-scope is only used with --capacity (" + " or ".join(CAPACITY_MODES) + ")")
-    default_variants = CAPACITY_VARIANTS if args.capacity else _DEFAULTS.variants
+    if args.sleep_ms is not None and not args.offload_overlap:
+        parser.error("--sleep-ms is only used with --offload-overlap")
     explicit = {name: getattr(args, name) for name in _SHAPED if getattr(args, name) is not None}
+    if args.variants:
+        explicit["variants"] = args.variants
+    elif args.capacity:
+        explicit["variants"] = CAPACITY_VARIANTS
     try:
         options = shaped(
             args.shape,
             **explicit,
             params=args.params,
-            devices=args.devices,
             paired=args.paired,
-            variants=args.variants or default_variants,
             precision=args.precision,
             fused=args.fused,
             activation_checkpointing=args.activation_checkpointing,
@@ -182,11 +210,15 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             memory_budget=args.memory_budget,
             budget_scope=args.budget_scope,
             nvme_path=args.nvme_path,
+            offload_overlap=args.offload_overlap,
+            sleep_ms=args.sleep_ms,
         )
     except ValueError as error:
         parser.error(str(error))
         raise  # parser.error exits; this line only tells type checkers so
-    if options.capacity is None:
+    if options.offload_overlap:
+        result = run_offload_overlap(options, progress=lambda line: print(line, flush=True))
+    elif options.capacity is None:
         result = run_bench(options, progress=lambda line: print(line, flush=True))
     else:
         with _progress_bar() as progress:
