@@ -128,8 +128,9 @@ def measure_overlap(rank: int, spec: VariantSpec, options: BenchOptions, config:
             steps = timed[(sleep_in, clipping)]
             times.append(
                 ConditionTimes(
-                    overlap, sleep_in, clipping, tuple(s.exposed_s for s in steps), tuple(s.optimizer_step_s for s in steps)
-                )
+                    overlap, sleep_in, clipping, tuple(s.exposed_s for s in steps), tuple(s.optimizer_step_s for s in steps),
+                    tuple(s.host_step_s for s in steps), tuple(s.host_step_before_backward_end_s for s in steps),
+                )  # fmt: skip
             )
     assert sleep_ms is not None
     bandwidth = max(bandwidth, _probe(), key=lambda probe: probe.bytes_per_s)
@@ -162,6 +163,10 @@ class _StepTimes:
     """The engine's step count before this one."""
     exposed_s: float
     optimizer_step_s: float
+    host_step_s: float = 0.0
+    """The host's time stepping (``engine.host_step_report().last``; 0 where it reports none)."""
+    host_step_before_backward_end_s: float = 0.0
+    """Of that, what ran before backward ended (the host step during backward)."""
 
 
 class _Stepper:
@@ -209,7 +214,10 @@ class _Stepper:
         optimizer.zero_grad(set_to_none=True)
         self.last_loss = float(loss.detach())
         self.steps += 1
-        return _StepTimes(self.steps - 1, end - backward_end, step_end - step_start)
+        report = engine.host_step_report()
+        last = report.last if report is not None else None
+        host_s, before_s = (last.host_step_s, last.before_backward_end_s) if last is not None else (0.0, 0.0)
+        return _StepTimes(self.steps - 1, end - backward_end, step_end - step_start, host_s, before_s)
 
     def close(self) -> None:
         self._hook.remove()

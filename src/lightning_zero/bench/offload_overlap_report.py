@@ -53,6 +53,7 @@ def _overlap_rows(row: OverlapRow) -> list[list[str]]:
             _ms(line.exposed_forward_ms),
             f"{line.ratio:.2f}",
             f"{_ms(line.optimizer_step_backward_ms)} / {_ms(line.optimizer_step_forward_ms)}",
+            f"{_ms(line.before_backward_end_ms)} / {_ms(line.host_step_ms)} ({line.overlap:.0%})" if line.host_step_ms else "—",
         ]
         for line in row.lines
     ]
@@ -95,9 +96,9 @@ def markdown(result: OverlapResult) -> str:
     ]
     headers = [
         "variant", "overlap_host_step", "clipping", "exposed, sleep in backward ms", "exposed, sleep in forward ms",
-        "backward / forward", "optimizer.step ms (bwd / fwd)",
+        "backward / forward", "optimizer.step ms (bwd / fwd)", "host step before backward's end / total ms",
     ]  # fmt: skip
-    lines += markdown_table(headers, [line for r in ran for line in _overlap_rows(r)], "lllrrrr")
+    lines += markdown_table(headers, [line for r in ran for line in _overlap_rows(r)], "lllrrrrr")
     lines += ["", "## The host step against the memory", ""]
     headers = [
         "variant", "sleep ms", "host step ms", "MB moved", "GB/s", "memory GB/s", "of the memory's", "hideable",

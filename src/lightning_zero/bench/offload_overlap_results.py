@@ -39,6 +39,10 @@ class ConditionTimes:
     (finish_backward, end_step, the clipping, optimizer.step, after_optimizer_step)."""
     optimizer_step_s: tuple[float, ...]
     """Per step: `optimizer.step()` alone (with overlap off, the whole host step runs inside it)."""
+    host_step_s: tuple[float, ...] = ()
+    """Per step: the host's time stepping, as the engine reports it (`host_step_report().last`)."""
+    host_step_before_backward_end_s: tuple[float, ...] = ()
+    """Per step: of that, what ran before backward ended."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,15 @@ class OverlapLine:
     """Median `optimizer.step()` time with the sleep in backward (what is left of the host step there)."""
     optimizer_step_forward_ms: float
     """Median `optimizer.step()` time with the sleep in forward."""
+    before_backward_end_ms: float = 0.0
+    """With the sleep in backward: median ms of the host step that ran before backward ended (slowest rank)."""
+    host_step_ms: float = 0.0
+    """With the sleep in backward: median ms of the host step in all (slowest rank)."""
+
+    @property
+    def overlap(self) -> float:
+        """The share of the host step that ran before backward ended, with the sleep in backward."""
+        return self.before_backward_end_ms / self.host_step_ms if self.host_step_ms > 0 else 0.0
 
     @property
     def ratio(self) -> float:
@@ -161,7 +174,7 @@ def _times(rank: OverlapRankMeasurement, overlap: bool, sleep_in: str, clipping:
 
 def _slowest(ranks: Sequence[OverlapRankMeasurement], overlap: bool, sleep_in: str, clipping: str, field: str) -> float:
     """The largest over ranks of each rank's median `field` (seconds) in one condition."""
-    return max(statistics.median(getattr(_times(rank, overlap, sleep_in, clipping), field)) for rank in ranks)
+    return max(statistics.median(getattr(_times(rank, overlap, sleep_in, clipping), field) or (0.0,)) for rank in ranks)
 
 
 def _line(ranks: Sequence[OverlapRankMeasurement], overlap: bool, clipping: str) -> OverlapLine:
@@ -175,6 +188,8 @@ def _line(ranks: Sequence[OverlapRankMeasurement], overlap: bool, clipping: str)
         exposed_forward_ms=ms("forward", "exposed_s"),
         optimizer_step_backward_ms=ms("backward", "optimizer_step_s"),
         optimizer_step_forward_ms=ms("forward", "optimizer_step_s"),
+        before_backward_end_ms=ms("backward", "host_step_before_backward_end_s"),
+        host_step_ms=ms("backward", "host_step_s"),
     )
 
 

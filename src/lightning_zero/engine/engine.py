@@ -50,6 +50,7 @@ from lightning_zero.engine.gradients.grad_window import GradientWindow
 from lightning_zero.engine.gradients.norms import norms_by_name
 from lightning_zero.engine.memory import MemoryReport, measure, working_memory
 from lightning_zero.engine.offload.disk_tier import DiskTier
+from lightning_zero.engine.offload.host_threads import apply_host_threads
 from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
 from lightning_zero.engine.offload.step_ahead import HostStepReport, StepAhead
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
@@ -88,6 +89,7 @@ class ZeroEngine:
         replicate_group: collectives.ProcessGroup = None,
     ) -> None:
         self.config = config
+        apply_host_threads(config)  # with offload: this rank's share of its node's cores steps on the host
         group = collectives.resolved(group)  # the world as its own group: each collective asks less of torch
         self.group = group
         self.replicate_group = replicate_group
