@@ -79,6 +79,8 @@ class ZeroGradScaler(torch.amp.GradScaler):
                 inv_here, found_here = torch.stack((inv_scale, found_inf)).to(device).unbind()
                 for grads in same_kinds:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv_here)
+                    for grad in grads:  # the kernel moves no version counter; a step taken before it must see the edit
+                        torch.autograd.graph.increment_version(grad)
                 flag += found_here.to(flag.device)
         # one flag, reduced once: a rank whose shard has no gradient on some device must still
         # take part, so the collective count may not depend on the devices

@@ -126,8 +126,9 @@ class GradientWindow:
         view = self._views.get(id(p))
         if view is None:
             view = ShardedGradient(
-                p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name, p.param
-            )
+                p.shape, p.param.dtype, p.device, lambda: self._chunk(p), p.layout.owned_range(p.rank), self._group, p.name, p.param,
+                edited=lambda: _mark_edited(p.shard.grad),
+            )  # fmt: skip
             self._views[id(p)] = view
         return view
 
@@ -147,6 +148,12 @@ class GradientWindow:
                 " ran after the backward). Read gradients between the backward and the optimizer step."
             )
         return grad.detach().view(-1)
+
+
+def _mark_edited(grad: Optional[Tensor]) -> None:
+    """Move ``grad``'s version counter, as an in-place op through autograd would have."""
+    if grad is not None:
+        torch.autograd.graph.increment_version(grad)
 
 
 def _chunk_of_assigned(p: ShardedParam, assigned: Tensor) -> Tensor:

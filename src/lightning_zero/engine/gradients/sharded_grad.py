@@ -66,6 +66,9 @@ class ShardedGradient(torch.Tensor):
     _name: str
     _param: Optional[weakref.ref]
     """The parameter whose ``.grad`` this is (None: a result computed from one)."""
+    _edited: Optional[Callable[[], None]]
+    """Told after an in-place edit: edits made here, below autograd, move no version counter, and
+    the host step taken during backward tells an edited gradient by its chunk's (``step_ahead.py``)."""
 
     @staticmethod
     def __new__(
@@ -78,10 +81,12 @@ class ShardedGradient(torch.Tensor):
         group: collectives.ProcessGroup,
         name: str,
         param: Optional[Tensor] = None,
+        edited: Optional[Callable[[], None]] = None,
     ) -> "ShardedGradient":
         grad = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         grad._local, grad._range, grad._group, grad._name = local, owned_range, group, name
         grad._param = weakref.ref(param) if param is not None else None
+        grad._edited = edited
         return grad
 
     def _like(self, local: LocalChunk, dtype: torch.dtype) -> "ShardedGradient":
@@ -190,6 +195,8 @@ def _elementwise(func: Any, first: ShardedGradient, sharded: Sequence[ShardedGra
 
     if in_place:
         apply()
+        if args[0]._edited is not None:
+            args[0]._edited()
         return args[0]
     computed = apply()
     return first._like(lambda: computed, result.dtype)
