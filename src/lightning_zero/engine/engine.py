@@ -232,6 +232,14 @@ class ZeroEngine:
         step's timing); None without CPU offload or where steps are never taken during backward."""
         return self._step_ahead.report() if self._step_ahead is not None else self._finished_host_steps
 
+    def wait_for_host_step(self) -> None:
+        """Block until the host has stepped every bucket that reached it in this backward (all have
+        by its end): what changes gradients or hyperparameters next then comes after those steps,
+        and the verdict at ``optimizer.step()`` sees it. Nothing to wait for without the host step
+        during backward."""
+        if self._step_ahead is not None:
+            self._step_ahead.wait()
+
     def _arm_step_ahead(self) -> None:
         """Before a step's backward: undo a step taken ahead and never committed, then arm the buckets
         to step as they arrive when this backward's micro-batch steps."""

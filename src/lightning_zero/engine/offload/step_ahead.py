@@ -371,6 +371,10 @@ class StepAhead:
         self._reasons[why] += 1
         self._clear()
 
+    def wait(self) -> None:
+        """Wait for the worker's steps queued so far (their errors raised here)."""
+        self._drain()
+
     def _drain(self) -> None:
         """Wait for the worker's jobs; where one failed, undo what was stepped ahead and re-raise."""
         errors = [job.future.exception() for job in self._queued if job.future is not None]
