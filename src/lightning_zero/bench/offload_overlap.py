@@ -196,6 +196,8 @@ class _Stepper:
         around `optimizer.step()` and after the parameters are refreshed."""
         engine, optimizer = self.engine, self.optimizer
         self.sleep.place, self.sleep.seconds = sleep_in, sleep_s
+        # as the Trainer plans it: rollback copies only where clipping may change the step
+        engine.plan_host_step(keep_rollback=max_norm is not None)
         engine.begin_step()
         with self.built.wrapped.setup.autocast():
             loss = self.model(x, y)[1]
