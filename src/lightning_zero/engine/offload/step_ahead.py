@@ -30,6 +30,11 @@ row has landed, while the device computes the earlier layers' gradients:
   nothing can change the verdict (the Trainer with no clipping, no loss scaling and no hook between
   backward and the step), none is kept, and a verdict that fails anyway raises rather than train a
   different model.
+- **backing off**: a redone step costs its host step twice, plus the copies. Where clipping applies
+  step after step (early in training), stepping ahead would only slow every step, so after a redone
+  step the next steps are taken after backward: 1 after the first redo, then 2, 4, ... up to
+  ``MAX_BACKOFF`` while redos follow one another, and stepping ahead resumes fully once a step taken
+  ahead is kept.
 - **never committed**: a step ahead that no ``optimizer.step()`` follows (a loop that skips the step)
   is rolled back before anything reads the chunks again: the next step, ``zero_grad``, a gather of
   the chunks, a checkpoint.
@@ -59,6 +64,11 @@ from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.offload.state_on_disk import _unhooked_step
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+
+MAX_BACKOFF = 64
+"""The most steps taken after backward in a row after redone steps (see [Note: the host step during backward])."""
+BACKOFF_REASON = "a recent step taken during backward was redone (clipping applied, or an edit)"
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,8 @@ class StepAhead:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._armed = False
         self._why_not = ""  # why the last backward was not armed
+        self._backoff = 0  # steps to take after backward after the next redo (0: none redone lately)
+        self._skipping = 0  # steps still to take after backward before stepping ahead again
         self._backward_end: Optional[float] = None
         self._counts: Counter = Counter()
         self._reasons: Counter = Counter()
@@ -174,6 +186,8 @@ class StepAhead:
     def arm(self, armed: bool, why_not: str = "") -> None:
         """Whether the next backward's buckets step as they arrive (its micro-batch steps); if not,
         ``why_not`` (counted if the step comes after it)."""
+        if armed and self._skipping:
+            armed, why_not = False, BACKOFF_REASON
         if armed and self.loss_scale is not None and self._inv_scale is None:
             scale = self.loss_scale()
             if scale is None:  # the scaler has not scaled a loss yet: nothing to unscale by
@@ -289,6 +303,7 @@ class StepAhead:
                 after_s = time.perf_counter() - start
             self._counts[mode] += 1
             self._last = self._timing(mode, after_s)
+            self._back_off(mode)
             self._clear()
             return loss
 
@@ -301,6 +316,16 @@ class StepAhead:
 
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
+
+    def _back_off(self, mode: str) -> None:
+        """After a step: how many of the next steps to take after backward (see "backing off")."""
+        if mode == "redone":
+            self._backoff = min(MAX_BACKOFF, max(1, 2 * self._backoff))
+            self._skipping = self._backoff
+        elif mode == "ahead":
+            self._backoff = 0
+        elif self._why_not == BACKOFF_REASON:
+            self._skipping -= 1
 
     def _verdict(self) -> str:
         """"ahead" when every bucket stepped ahead read what stepping now would read (the step is
