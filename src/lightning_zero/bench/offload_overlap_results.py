@@ -204,6 +204,16 @@ def _notes(lines: Sequence[OverlapLine], host_step: HostStep, sleep_ms: float) -
             f" backward with the sleep in backward ≤ {RATIO_TARGET:g}x with it in forward:"
             f" {line.exposed_backward_ms:,.1f} vs {line.exposed_forward_ms:,.1f} ms ({line.ratio:.2f}x)"
         )
+    after = {line.clipping: line for line in lines if not line.overlap_host_step}
+    for line in lines:
+        baseline = after.get(line.clipping)
+        if line.overlap_host_step and baseline is not None and baseline.exposed_backward_ms > 0:
+            notes.append(
+                f"clipping {CLIPPING_WORDS[line.clipping]}: exposed after backward with the sleep in backward, host step"
+                f" during backward against after it: {line.exposed_backward_ms:,.1f} vs {baseline.exposed_backward_ms:,.1f} ms"
+                f" ({line.exposed_backward_ms / baseline.exposed_backward_ms:.2f}x); the share of the host step before"
+                f" backward's end: {line.overlap:.0%}"
+            )
     if sleep_ms < host_step.ms:
         notes.append(
             f"the sleep ({sleep_ms:,.1f} ms) is shorter than the host step ({host_step.ms:,.1f} ms): not all of it"
