@@ -221,11 +221,14 @@ class ZeroEngine:
         to undo a step that something after backward changes (clipping, a hook's edit). Default: ahead,
         with rollback copies (a plain loop may clip or edit anything before ``optimizer.step()``).
         ``loss_scale``: with a ``ZeroGradScaler`` (``16-mixed``), its scale now (None before its first
-        use): gradients are unscaled as they arrive, and a step the scaler skips is undone."""
+        use): gradients are unscaled as they arrive, and a step the scaler skips is undone. A plan
+        starts afresh: steps taken after backward because recent ones were redone (backing off, see
+        ``step_ahead.py``) are taken ahead again."""
         self._ahead_plan = _AheadPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale)
         if self._step_ahead is not None:
             self._step_ahead.keep_rollback = self._ahead_plan.keep_rollback
             self._step_ahead.loss_scale = loss_scale
+            self._step_ahead.stop_backing_off()  # a new plan starts afresh
 
     def host_step_report(self) -> Optional[HostStepReport]:
         """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last

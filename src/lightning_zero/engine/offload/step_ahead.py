@@ -317,6 +317,10 @@ class StepAhead:
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
 
+    def stop_backing_off(self) -> None:
+        """Step ahead from the next step on, whatever was redone lately."""
+        self._backoff = self._skipping = 0
+
     def _back_off(self, mode: str) -> None:
         """After a step: how many of the next steps to take after backward (see "backing off")."""
         if mode == "redone":
