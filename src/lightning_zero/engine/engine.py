@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -52,7 +51,8 @@ from lightning_zero.engine.memory import MemoryReport, measure, working_memory
 from lightning_zero.engine.offload.disk_tier import DiskTier
 from lightning_zero.engine.offload.host_threads import apply_host_threads
 from lightning_zero.engine.offload.masters_on_disk import master_bytes_needed
-from lightning_zero.engine.offload.step_ahead import HostStepReport, StepAhead
+from lightning_zero.engine.host_step_overlap import HostStepOverlap, HostStepPlan, LossScale
+from lightning_zero.engine.offload.host_step_report import HostStepReport
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buffers
 from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, optimizer_index_of_params
 from lightning_zero.engine.optimizer.whole_tensor_step import ChunkedState
@@ -143,12 +143,12 @@ class ZeroEngine:
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
         self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
         """Weight averages kept beside the shards (``average_weights``), counted by ``memory_report``."""
-        self._step_ahead: Optional[StepAhead] = None
+        self._host_step = HostStepOverlap(
+            config, lambda: self._optimizers.optimizers, self.params_of, self._optimizers.steps_whole_tensors,
+            lambda: self.residency.buckets_with_host, self.gradients.take_assignments, self.grad_sync,
+        )  # fmt: skip
         """With CPU offload: the host step during backward (see [Note: the host step during backward]
-        in ``step_ahead.py``); built at the first step, for the optimizers bound then."""
-        self._ahead_plan = _AheadPlan()
-        self._finished_host_steps: Optional[HostStepReport] = None
-        self._ensure_step_ahead()  # before the first `optimizer.step()`, which runs the first backward in Lightning
+        in ``offload/step_ahead.py``)."""
         if self.shards_parameters:
             module_link.link(module, self)  # the module's weights are this engine's chunks now
 
@@ -166,12 +166,12 @@ class ZeroEngine:
             return
         optimizer_index_of_params(self.module, [optimizer])  # the checks made at construction
         self._optimizers.add(optimizer)
-        self._ensure_step_ahead()
+        self._host_step.bind()
 
     def use_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Stage 3, a module kept sharded after ``fit`` trains again: ``optimizers`` replace the
         finished run's (whose state is dropped), as a new engine would have been built with them."""
-        self._close_step_ahead()
+        self._host_step.close()
         self._optimizers.clear()
         for optimizer in optimizers:
             self.add_optimizer(optimizer)
@@ -201,19 +201,19 @@ class ZeroEngine:
         keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP;
         gradients dropped or assigned since the step (``model.zero_grad()``) reach the chunks now, so
         a loop that calls no ``before_backward`` accumulates into what they left."""
-        self._arm_step_ahead()
+        self._host_step.arm(self.sync_gradients)
         self.gradients.take_assignments()
         self.residency.begin_step()
 
     def before_backward(self) -> None:
         """Before each backward (only needed when a step runs several): ``param.grad`` stops
         showing the previous backward's reduced gradients, so autograd accumulates as usual."""
-        self._arm_step_ahead()
+        self._host_step.arm(self.sync_gradients)
         self.gradients.close(before_backward=True)
 
     # ---- the host step during backward (CPU offload) ------------------------------------------
     def plan_host_step(
-        self, ahead: bool = True, keep_rollback: bool = True, reason: str = "", loss_scale: Optional[Callable[[], Optional[torch.Tensor]]] = None
+        self, ahead: bool = True, keep_rollback: bool = True, reason: str = "", loss_scale: Optional[LossScale] = None
     ) -> None:
         """How the adapter wants offloaded optimizer steps taken from the next step on: ``ahead`` during
         backward (where the engine can: see [Note: the host step during backward] in ``step_ahead.py``),
@@ -224,69 +224,22 @@ class ZeroEngine:
         use): gradients are unscaled as they arrive, and a step the scaler skips is undone. A plan
         starts afresh: steps taken after backward because recent ones were redone (backing off, see
         ``step_ahead.py``) are taken ahead again."""
-        self._ahead_plan = _AheadPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale)
-        if self._step_ahead is not None:
-            self._step_ahead.keep_rollback = self._ahead_plan.keep_rollback
-            self._step_ahead.loss_scale = loss_scale
-            self._step_ahead.stop_backing_off()  # a new plan starts afresh
+        self._host_step.set_plan(HostStepPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale))
 
     def host_step_report(self) -> Optional[HostStepReport]:
         """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last
         step's timing); None without CPU offload or where steps are never taken during backward."""
-        return self._step_ahead.report() if self._step_ahead is not None else self._finished_host_steps
+        return self._host_step.report()
 
     def wait_for_host_step(self) -> None:
         """Block until the host has stepped every bucket that reached it in this backward (all have
         by its end): what changes gradients or hyperparameters next then comes after those steps,
         and the verdict at ``optimizer.step()`` sees it. Nothing to wait for without the host step
         during backward."""
-        if self._step_ahead is not None:
-            self._step_ahead.wait()
-
-    def _arm_step_ahead(self) -> None:
-        """Before a step's backward: undo a step taken ahead and never committed, then arm the buckets
-        to step as they arrive when this backward's micro-batch steps."""
-        ahead = self._ensure_step_ahead()
-        if ahead is None:
-            return
-        ahead.settle("no `optimizer.step()` followed the backward")
-        plan = self._ahead_plan
-        ahead.arm(plan.ahead and self.sync_gradients, plan.reason or "the adapter takes the step after backward")
-        self.grad_sync.finish_early = ahead.armed
-
-    def _ensure_step_ahead(self) -> Optional[StepAhead]:
-        optimizers = self._optimizers.optimizers
-        if self._step_ahead is not None and [self._step_ahead.optimizer] == optimizers:
-            return self._step_ahead
-        self._close_step_ahead()
-        config = self.config
-        if not (config.offload_optimizer is True and config.overlap_host_step and len(optimizers) == 1):
-            return None  # NVMe, no offload, several optimizers (each would need its own verdict)
-        if self._optimizers.steps_whole_tensors(optimizers[0]):
-            return None
-        buckets = [(b.index, b.host) for b in self.residency.buckets_with_host if b.host.grads is not None]
-        if not buckets:
-            return None
-        self._step_ahead = StepAhead(
-            optimizers[0], self.params_of(optimizers[0]), buckets, self.gradients.take_assignments, self._ahead_plan.keep_rollback
-        )
-        self._step_ahead.loss_scale = self._ahead_plan.loss_scale
-        return self._step_ahead
-
-    def _settle_step_ahead(self, why: str) -> None:
-        """Something is about to read or write the chunks: undo a step taken ahead and not committed."""
-        if self._step_ahead is not None:
-            self._step_ahead.settle(why)
-
-    def _close_step_ahead(self) -> None:
-        if self._step_ahead is not None:
-            self._finished_host_steps = self._step_ahead.report()  # still reported after `fit`
-            self.grad_sync.finish_early = False
-            self._step_ahead.close()
-            self._step_ahead = None
+        self._host_step.wait()
 
     def _after_zero_grad(self) -> None:
-        self._settle_step_ahead("`zero_grad()` before `optimizer.step()`")
+        self._host_step.settle("`zero_grad()` before `optimizer.step()`")
         self.gradients.released()
 
     def begin_evaluation_step(self) -> None:
@@ -302,18 +255,14 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
         ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
-        ahead = self._step_ahead
-        if ahead is not None:
-            ahead.backward_ended()
+        self._host_step.backward_ended()
         self.residency.finish_backward_gathers()
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
-        if ahead is not None:
-            ahead.disarm()
-            self.grad_sync.finish_early = False
+        self._host_step.reductions_finished()
         self.residency.end_backward()  # before the read, so that ranks a verdict fails agree on what is gathered
-        if ahead is not None and self.residency.holds_assigned_data():
+        if self._host_step.ahead is not None and self.residency.holds_assigned_data():
             # `param.data = ...` in this step is kept as of before the step, as without overlap
-            ahead.settle("weights assigned in the step")
+            self._host_step.settle("weights assigned in the step")
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._unstepped_gradients = True
         self._read_from_device()  # the backward's one host sync: see [Note: deferred verdicts]
@@ -361,7 +310,7 @@ class ZeroEngine:
     def full_optimizer_state_dict(self, optimizer: Optimizer, keep: bool = True) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if unsharded, on the CPU; a collective, call on every rank
         (``keep=False``: take part, return nothing)."""
-        self._settle_step_ahead("the optimizer state was read before `optimizer.step()`")
+        self._host_step.settle("the optimizer state was read before `optimizer.step()`")
         chunked = self._optimizers.chunked_state(optimizer)
         return gather_full_state_dict(chunked, self.params_of(optimizer), self.group, self.residency.compute_device, keep)
 
@@ -371,7 +320,7 @@ class ZeroEngine:
     def optimizer_chunked_state(self, optimizer: Optimizer) -> ChunkedState:
         """``optimizer``'s state in this rank's chunks, however it steps (a collective; what a sharded
         checkpoint saves: see ``optimizers.py``)."""
-        self._settle_step_ahead("the optimizer state was read before `optimizer.step()`")
+        self._host_step.settle("the optimizer state was read before `optimizer.step()`")
         return self._optimizers.chunked_state(optimizer)
 
     def load_optimizer_chunked_state(self, optimizer: Optimizer, state_dict: dict[str, Any], chunked: frozenset[tuple[int, str]]) -> None:
@@ -383,13 +332,13 @@ class ZeroEngine:
         ``writing`` written) while the group is the current one: with ``offload_params="nvme"`` one
         bucket at a time, read in from disk (and written back after); otherwise one group, in memory
         anyway (see ``ParameterResidency.buckets_in_memory``)."""
-        self._settle_step_ahead("the chunks were read before `optimizer.step()`")
+        self._host_step.settle("the chunks were read before `optimizer.step()`")
         return self.residency.buckets_in_memory(writing)
 
     def weight_chunks(self) -> dict[int, torch.Tensor]:
         """This rank's chunk of every weight, by ``id`` of its ``ShardedParam`` (copies, one bucket at
         a time, where the chunks live on disk)."""
-        self._settle_step_ahead("the chunks were read before `optimizer.step()`")
+        self._host_step.settle("the chunks were read before `optimizer.step()`")
         return self.residency.weight_chunks()
 
     def sync_master_weights(self) -> None:
@@ -432,7 +381,7 @@ class ZeroEngine:
     def release_parameters(self, device: torch.device) -> None:
         """Leave the module with plain full parameters on ``device`` and remove every hook (stage 3
         gathers one unit at a time; every rank then holds the whole model)."""
-        self._close_step_ahead()
+        self._host_step.close()
         self.gradients.close()
         self._optimizers.remove_step_hooks()
         self.grad_sync.close()
@@ -449,7 +398,7 @@ class ZeroEngine:
         if not self.shards_parameters:
             self.release_parameters(self.residency.compute_device)
             return
-        self._close_step_ahead()
+        self._host_step.close()
         self.gradients.close()
         self.grad_sync.close()
         self.residency.end_training()
@@ -478,7 +427,7 @@ class ZeroEngine:
         reuse, pinned blocks, copy rows, the last backward's gradients waiting: ``working_memory``)."""
         averages = [held for average in self.averages for held in average.held()]
         working = working_memory(self.residency, self.disk, self.grad_sync)
-        working["host_step_rollback"] = self._step_ahead.rollback_bytes if self._step_ahead is not None else 0
+        working["host_step_rollback"] = self._host_step.rollback_bytes
         return measure(self.module, self.params, self._optimizers.with_params(), averages=averages, **working)
 
     @property
@@ -488,7 +437,7 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Remove every hook (the optimizers step with their configured kernels again)."""
-        self._close_step_ahead()
+        self._host_step.close()
         self.gradients.close()
         self._optimizers.remove_step_hooks()
         self.grad_sync.close()
@@ -509,16 +458,6 @@ class ZeroEngine:
         )  # fmt: skip
         self.averages.add(average)
         return average
-
-
-@dataclass(frozen=True)
-class _AheadPlan:
-    """What the adapter said of taking offloaded steps during backward (``ZeroEngine.plan_host_step``)."""
-
-    ahead: bool = True
-    keep_rollback: bool = True
-    reason: str = ""
-    loss_scale: Optional[Callable[[], Optional[torch.Tensor]]] = None
 
 
 def _device_of(module: nn.Module) -> torch.device:

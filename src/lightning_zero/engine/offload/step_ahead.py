@@ -51,8 +51,7 @@ import time
 import types
 import weakref
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -61,6 +60,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload.host_chunks import HostChunks
+from lightning_zero.engine.offload.bucket_step import BucketStep, hyperparameters_of
+from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
 from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.offload.state_on_disk import _unhooked_step
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -69,73 +70,6 @@ from lightning_zero.engine.shards.sharded_param import ShardedParam
 MAX_BACKOFF = 64
 """The most steps taken after backward in a row after redone steps (see [Note: the host step during backward])."""
 BACKOFF_REASON = "a recent step taken during backward was redone (clipping applied, or an edit)"
-
-
-@dataclass(frozen=True)
-class HostStepTiming:
-    """When the host stepped in the last optimizer step (``time.perf_counter()`` seconds)."""
-
-    mode: str
-    """"ahead" (stepped during backward and kept), "redone" (stepped ahead, rolled back and stepped
-    again after backward) or "after_backward"."""
-    buckets: tuple[tuple[int, float, float], ...]
-    """(bucket index, start, end) of each bucket stepped ahead, in the order they stepped."""
-    backward_end: Optional[float]
-    """When backward ended (``finish_backward`` began); None if no backward was seen."""
-    host_step_s: float
-    """Seconds the host spent stepping: the buckets stepped ahead, plus a step after backward."""
-
-    @property
-    def before_backward_end_s(self) -> float:
-        """Seconds of the host step that ran before backward ended."""
-        end = self.backward_end
-        if end is None or self.mode != "ahead":
-            return 0.0
-        return sum(max(0.0, min(stop, end) - start) for _, start, stop in self.buckets)
-
-    @property
-    def overlap(self) -> float:
-        """The share of the host step that ran before backward ended (0 to 1)."""
-        return self.before_backward_end_s / self.host_step_s if self.host_step_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class HostStepReport:
-    """How an offloaded optimizer's steps ran, counted since the engine was built."""
-
-    ahead: int = 0
-    """Steps taken during backward and kept."""
-    redone: int = 0
-    """Steps taken during backward, then rolled back and taken again after it (the gradients or
-    hyperparameters changed after backward: clipping that applied, a hook's edit)."""
-    after_backward: int = 0
-    """Steps taken after backward only."""
-    reasons: dict[str, int] = field(default_factory=dict)
-    """Why steps were redone or taken after backward, counted."""
-    rollback_bytes: int = 0
-    """Host bytes of the rollback copies kept now."""
-    last: Optional[HostStepTiming] = None
-
-
-@dataclass
-class _BucketStep:
-    """A bucket queued or stepped ahead in this backward, and what its step read."""
-
-    host: HostChunks
-    index: int
-    accepted: threading.Event = field(default_factory=threading.Event)
-    future: Optional[Future] = None
-    grads: list[tuple[Tensor, Optional[Tensor], int]] = field(default_factory=list)
-    """Per shard of the optimizer in the bucket: (shard, its ``.grad`` as stepped, that grad's version)."""
-    hyperparameters: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    master_version: int = -1
-    found_inf: float = 0.0
-    """With loss scaling: what unscaling its gradients found (non-zero: inf/NaN, not stepped)."""
-    saved: bool = False
-    """Its rollback copy holds the state before its step."""
-    stepped: bool = False
-    start: float = 0.0
-    end: float = 0.0
 
 
 class StepAhead:
@@ -162,7 +96,7 @@ class StepAhead:
         self._shards_of = {id(host): [p.shard for p in host.params if id(p.shard) in shards] for _, host in self._buckets}
         self._all_shards = [p.shard for p in params]
         self._rollbacks: dict[int, RollbackCopy] = {}
-        self._queued: list[_BucketStep] = []
+        self._queued: list[BucketStep] = []
         self._executor: Optional[ThreadPoolExecutor] = None
         self._armed = False
         self._why_not = ""  # why the last backward was not armed
@@ -206,7 +140,7 @@ class StepAhead:
     def arrived(self, host: HostChunks, row: Tensor, copy: Event) -> threading.Event:
         """``host``'s reduced ``row`` is being copied to the host (``copy``): queue its step; the
         returned event is set once its gradients were handed out (``HostChunks.accept``)."""
-        job = _BucketStep(host, self._index_of[id(host)])
+        job = BucketStep(host, self._index_of[id(host)])
         self._queued.append(job)
         job.future = self._worker().submit(self._run, job, row, copy)
         return job.accepted
@@ -226,7 +160,7 @@ class StepAhead:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-host-step")
         return self._executor
 
-    def _run(self, job: _BucketStep, row: Tensor, copy: Event) -> None:
+    def _run(self, job: BucketStep, row: Tensor, copy: Event) -> None:
         """On the worker thread: wait for the row, hand its gradients out, step the bucket."""
         host = job.host
         try:
@@ -265,7 +199,7 @@ class StepAhead:
             params = [p for p in group["params"] if id(p) in members]
             if params:
                 narrowed.append({**group, "params": params})
-                read.append((i, _hyperparameters(group, copy=True)))
+                read.append((i, hyperparameters_of(group, copy=True)))
         view = object.__new__(type(self.optimizer))
         view.__dict__.update(self.optimizer.__dict__)
         view.param_groups = narrowed
@@ -360,15 +294,10 @@ class StepAhead:
         for job in self._queued:
             if not job.stepped:
                 continue
-            for shard, grad, version in job.grads:
-                stepped.add(id(shard))
-                if shard.grad is not grad or (grad is not None and grad._version != version):
-                    return "gradients changed after backward"
-            for i, hyperparameters in job.hyperparameters:
-                if i >= len(groups) or not _same(_hyperparameters(groups[i]), hyperparameters):
-                    return "hyperparameters changed after backward"
-            if job.host.master._version != job.master_version:
-                return "weights written after backward"
+            stepped.update(id(shard) for shard, _, _ in job.grads)
+            changed = job.what_changed(groups)
+            if changed:
+                return changed
         if any(shard.grad is not None and id(shard) not in stepped for shard in self._all_shards):
             return "gradients outside the buckets stepped ahead"
         return ""
@@ -474,23 +403,3 @@ def _unscale(grads: Sequence[Tensor], inv_scale: Tensor) -> float:
     for same in by_dtype.values():
         torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
     return found.item()
-
-
-def _hyperparameters(group: dict[str, Any], copy: bool = False) -> dict[str, Any]:
-    """A param group's entries but its parameters (``copy``: tensor values cloned, since a scheduler
-    may change them in place)."""
-    return {key: value.clone() if copy and isinstance(value, Tensor) else value for key, value in group.items() if key != "params"}
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two param groups' hyperparameters are equal (tensor values by their elements)."""
-    if a.keys() != b.keys():
-        return False
-    for key, value in a.items():
-        other = b[key]
-        if isinstance(value, Tensor) or isinstance(other, Tensor):
-            if not (isinstance(value, Tensor) and isinstance(other, Tensor) and torch.equal(value, other)):
-                return False
-        elif value != other:
-            return False
-    return True

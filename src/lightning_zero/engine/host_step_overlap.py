@@ -1,0 +1,134 @@
+"""The engine's side of the host step during backward (CPU offload): whether it applies to the bound
+optimizers, the adapter's plan, and where the engine's step arms, settles and ends it. The mechanism is
+``offload/step_ahead.py`` ([Note: the host step during backward]); the adapters' plans are
+``lightning/host_step_plan.py`` and the Fabric strategy's ``backward``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.config import ZeroConfig
+from lightning_zero.engine.gradients.grad_sync import GradientSync
+from lightning_zero.engine.offload.host_step_report import HostStepReport
+from lightning_zero.engine.offload.step_ahead import StepAhead
+from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+LossScale = Callable[[], Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class HostStepPlan:
+    """What the adapter said of taking offloaded steps during backward (``ZeroEngine.plan_host_step``)."""
+
+    ahead: bool = True
+    keep_rollback: bool = True
+    reason: str = ""
+    """Why not ``ahead`` (counted)."""
+    loss_scale: Optional[LossScale] = None
+
+
+class HostStepOverlap:
+    """The ``StepAhead`` of an engine's one offloaded optimizer, where it has one.
+
+    ``optimizers()`` and ``params_of``: the engine's bound optimizers and their sharded parameters;
+    ``steps_whole_tensors``: whether one steps on owner ranks; ``buckets``: the engine's offloaded
+    buckets; ``take_assignments``: what runs before every step (``param.grad`` assignments);
+    ``grad_sync``: finishes reductions early while a backward is armed."""
+
+    def __init__(
+        self,
+        config: ZeroConfig,
+        optimizers: Callable[[], Sequence[Optimizer]],
+        params_of: Callable[[Optimizer], Sequence[ShardedParam]],
+        steps_whole_tensors: Callable[[Optimizer], bool],
+        buckets: Callable[[], Sequence[Bucket]],
+        take_assignments: Callable[[], None],
+        grad_sync: GradientSync,
+    ) -> None:
+        self._config = config
+        self._optimizers = optimizers
+        self._params_of = params_of
+        self._steps_whole_tensors = steps_whole_tensors
+        self._buckets = buckets
+        self._take_assignments = take_assignments
+        self._grad_sync = grad_sync
+        self.plan = HostStepPlan()
+        self.ahead: Optional[StepAhead] = None
+        self._finished: Optional[HostStepReport] = None
+        self.bind()
+
+    def set_plan(self, plan: HostStepPlan) -> None:
+        self.plan = plan
+        if self.ahead is not None:
+            self.ahead.keep_rollback = plan.keep_rollback
+            self.ahead.loss_scale = plan.loss_scale
+            self.ahead.stop_backing_off()  # a new plan starts afresh
+
+    def bind(self) -> Optional[StepAhead]:
+        """The ``StepAhead`` for the optimizers bound now: built before the first ``optimizer.step()``
+        (which, in Lightning, runs the first backward); None where the step runs after backward:
+        no CPU offload (NVMe: its stream steps after backward), several optimizers (each would
+        need its own verdict), a whole-tensor optimizer, no trainable offloaded bucket."""
+        optimizers = list(self._optimizers())
+        if self.ahead is not None and [self.ahead.optimizer] == optimizers:
+            return self.ahead
+        self.close()
+        config = self._config
+        if not (config.offload_optimizer is True and config.overlap_host_step and len(optimizers) == 1):
+            return None
+        if self._steps_whole_tensors(optimizers[0]):
+            return None
+        buckets = [(b.index, b.host) for b in self._buckets() if b.host is not None and b.host.grads is not None]
+        if not buckets:
+            return None
+        self.ahead = StepAhead(optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, self.plan.keep_rollback)
+        self.ahead.loss_scale = self.plan.loss_scale
+        return self.ahead
+
+    def arm(self, sync_gradients: bool) -> None:
+        """Before a step's backward: undo a step taken ahead that no ``optimizer.step()`` followed,
+        then arm the buckets to step as they arrive, if this micro-batch steps."""
+        ahead = self.bind()
+        if ahead is None:
+            return
+        ahead.settle("no `optimizer.step()` followed the backward")
+        ahead.arm(self.plan.ahead and sync_gradients, self.plan.reason or "the adapter takes the step after backward")
+        self._grad_sync.finish_early = ahead.armed
+
+    def backward_ended(self) -> None:
+        if self.ahead is not None:
+            self.ahead.backward_ended()
+
+    def reductions_finished(self) -> None:
+        """Every bucket's row has gone to the host: no more arrive in this backward."""
+        if self.ahead is not None:
+            self.ahead.disarm()
+            self._grad_sync.finish_early = False
+
+    def settle(self, why: str) -> None:
+        """Something is about to read or write the chunks: undo a step taken ahead and not committed."""
+        if self.ahead is not None:
+            self.ahead.settle(why)
+
+    def wait(self) -> None:
+        if self.ahead is not None:
+            self.ahead.wait()
+
+    def report(self) -> Optional[HostStepReport]:
+        return self.ahead.report() if self.ahead is not None else self._finished
+
+    @property
+    def rollback_bytes(self) -> int:
+        return self.ahead.rollback_bytes if self.ahead is not None else 0
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self._finished = self.ahead.report()  # still reported after `fit`
+            self._grad_sync.finish_early = False
+            self.ahead.close()
+            self.ahead = None
