@@ -274,3 +274,18 @@ def test_loss_scaling_unscales_ahead_and_undoes_a_skipped_step(results):
             "loss scale not known before the backward": 1,
             "inf or NaN gradients: loss scaling skipped the step": 1,
         }
+
+
+def test_only_optimizers_that_count_per_parameter_step_bucket_by_bucket():
+    from lightning_zero.engine.optimizer.optimizer_kinds import steps_bucket_by_bucket
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+
+    class CountsInItsGroups(torch.optim.AdamW):  # as schedule-free counts `k` in each param group
+        def step(self, closure=None):  # noqa: ANN001, ANN202
+            for group in self.param_groups:
+                group["k"] = group.get("k", 0) + 1
+            return super().step(closure)
+
+    assert steps_bucket_by_bucket(torch.optim.AdamW(params)) and steps_bucket_by_bucket(torch.optim.SGD(params, lr=0.1))
+    assert not steps_bucket_by_bucket(CountsInItsGroups(params))

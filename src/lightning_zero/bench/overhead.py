@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,9 +76,12 @@ class HostSyncCounter:
         self.ours_by_call: Counter[str] = Counter()
         self.in_forward_backward = True
         self.recording = True
+        self._thread = threading.current_thread()
 
     def record(self, call: str) -> None:
-        if not self.recording:
+        # a read on another thread (the host step during backward reads landed host rows) stalls
+        # no training thread: only the thread that installed the counter counts
+        if not self.recording or threading.current_thread() is not self._thread:
             return
         self.total += 1
         frame = sys._getframe(2)  # the caller of the patched method

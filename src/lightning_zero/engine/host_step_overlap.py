@@ -16,6 +16,7 @@ from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gradients.grad_sync import GradientSync
 from lightning_zero.engine.offload.host_step_report import HostStepReport
 from lightning_zero.engine.offload.step_ahead import StepAhead
+from lightning_zero.engine.optimizer.optimizer_kinds import steps_bucket_by_bucket
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 LossScale = Callable[[], Optional[torch.Tensor]]
@@ -73,7 +74,8 @@ class HostStepOverlap:
         """The ``StepAhead`` for the optimizers bound now: built before the first ``optimizer.step()``
         (which, in Lightning, runs the first backward); None where the step runs after backward:
         no CPU offload (NVMe: its stream steps after backward), several optimizers (each would
-        need its own verdict), a whole-tensor optimizer, no trainable offloaded bucket."""
+        need its own verdict), a whole-tensor optimizer or one whose step may count in its param
+        groups (``steps_bucket_by_bucket``), no trainable offloaded bucket."""
         optimizers = list(self._optimizers())
         if self.ahead is not None and [self.ahead.optimizer] == optimizers:
             return self.ahead
@@ -81,7 +83,7 @@ class HostStepOverlap:
         config = self._config
         if not (config.offload_optimizer is True and config.overlap_host_step and len(optimizers) == 1):
             return None
-        if self._steps_whole_tensors(optimizers[0]):
+        if self._steps_whole_tensors(optimizers[0]) or not steps_bucket_by_bucket(optimizers[0]):
             return None
         buckets = [(b.index, b.host) for b in self._buckets() if b.host is not None and b.host.grads is not None]
         if not buckets:

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.device_roles import is_host
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -100,16 +99,16 @@ def clip_grads_by_global_norm_(
     grads = [p.grad.detach() for p in parameters if p.grad is not None]
     host_coef: Optional[Tensor] = None
     for same_kind in group_by_dtype_and_device(grads):  # one multiply kernel per dtype and device
-        if is_host(same_kind[0]) and clip_coef.device != same_kind[0].device:
-            # offloaded gradients: the coefficient comes to the host anyway (a blocking copy), and
-            # multiplying by exactly 1.0 changes no bit, so it is skipped: gradients left as they
-            # are keep the step taken during backward (see [Note: the host step during backward])
-            host_coef = clip_coef.to(same_kind[0].device) if host_coef is None else host_coef
+        device = same_kind[0].device
+        if device.type == "cpu":
+            # gradients in host memory (offloaded, or training on the CPU): the coefficient comes to
+            # the host anyway (a blocking copy from a device), and multiplying by exactly 1.0 changes
+            # no bit, so it is skipped: gradients left as they are keep the step taken during
+            # backward (see [Note: the host step during backward] in ``offload/step_ahead.py``)
+            host_coef = clip_coef.to(device) if host_coef is None else host_coef
             if host_coef.item() == 1.0:
                 continue
-        elif same_kind[0].device == clip_coef.device == torch.device("cpu") and clip_coef.item() == 1.0:
-            continue  # training on the CPU: the same (a read of a CPU tensor waits for nothing)
-        torch._foreach_mul_(same_kind, clip_coef.to(same_kind[0].device, same_kind[0].dtype))
+        torch._foreach_mul_(same_kind, clip_coef.to(device, same_kind[0].dtype))
     return total_norm
 
 

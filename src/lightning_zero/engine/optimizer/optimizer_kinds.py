@@ -116,6 +116,18 @@ def step_granularity(optimizer: Optimizer, declared_elementwise: Sequence[str] =
     return StepGranularity.WHOLE_TENSORS
 
 
+def steps_bucket_by_bucket(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s own ``step``, run once per bucket on the bucket's parameters, gives what
+    one step over all of them gives: torch's element-wise optimizers, whose steps keep everything
+    they count per parameter. Others may count steps in their param groups (schedule-free's ``k``),
+    which a step per bucket would advance once per bucket; their host step stays after backward
+    (see [Note: the host step during backward] in ``offload/step_ahead.py``)."""
+    step = type(optimizer).step
+    step = getattr(step, "__wrapped__", step)  # torch's hook wrapper
+    name = type(optimizer).__name__
+    return name in TORCH_ELEMENTWISE and getattr(step, "__module__", "").startswith("torch.optim")
+
+
 _HINTED: set[str] = set()
 
 
