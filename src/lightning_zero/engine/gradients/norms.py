@@ -17,36 +17,18 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.shards.precomputed_norms import group_by_dtype_and_device, norms_of, remembered_grad_norm
 from lightning_zero.engine.shards.sharded_param import ShardedParam
-
-
-def group_by_dtype_and_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
-    """``tensors`` in lists of one dtype and device each (what one foreach kernel takes)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
-
-
-def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
-    """Each tensor's fp32 ``norm_type``-norm, in ``tensors``' order: one foreach kernel per dtype and
-    device where torch has it (torch 2.4's ``_foreach_norm`` may lack ``dtype``). An empty tensor's
-    norm is 0, also for the max-norm."""
-    norms: dict[int, Tensor] = {}
-    for same_kind in group_by_dtype_and_device([t for t in tensors if t.numel()]):
-        try:
-            computed = torch._foreach_norm(same_kind, norm_type, dtype=torch.float32)
-        except (TypeError, RuntimeError):
-            computed = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float32) for t in same_kind]
-        norms.update((id(t), n) for t, n in zip(same_kind, computed))
-    zero = torch.zeros((), dtype=torch.float32, device=tensors[0].device) if tensors else None
-    return [norms.get(id(t), zero) for t in tensors]
 
 
 def stacked_norms(tensors: Sequence[Tensor], norm_type: float, device: torch.device) -> Tensor:
     """(len(tensors),) fp32 on ``device``: each of ``tensors``' (at least one) norms, in order,
     computed where the tensor is and moved with one copy per device they are on."""
-    norms = norms_of(tensors, norm_type)
+    return _stacked(norms_of(tensors, norm_type), device)
+
+
+def _stacked(norms: Sequence[Tensor], device: torch.device) -> Tensor:
+    """``norms`` (0-dim fp32, on any devices) as one (len(norms),) tensor on ``device``, one copy per device."""
     positions: dict[torch.device, list[int]] = {}
     for i, norm in enumerate(norms):
         positions.setdefault(norm.device, []).append(i)
@@ -64,9 +46,13 @@ def global_grad_norm(
     """The ``norm_type``-norm of all gradients across ranks, on ``device``, when each rank holds a
     disjoint shard of them (every element on exactly one rank); equal to ``clip_grad_norm_``'s norm
     over full gradients."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    local = stacked_norms(grads, norm_type, device) if grads else torch.zeros(1, device=device)
+    with_grad = [p for p in parameters if p.grad is not None]
+    # norms the host step during backward computed already, for these very gradients (precomputed_norms.py)
+    known = [remembered_grad_norm(p, norm_type) for p in with_grad]
+    computed = iter(norms_of([p.grad.detach() for p, norm in zip(with_grad, known) if norm is None], norm_type))
+    norms = [norm if norm is not None else next(computed) for norm in known]
+    local = _stacked(norms, device) if norms else torch.zeros(1, device=device)
     if norm_type == float("inf"):
         return collectives.all_reduce(local.max().reshape(1), group, op="max").reshape(())
     if norm_type == 2.0:

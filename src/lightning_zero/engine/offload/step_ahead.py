@@ -17,7 +17,9 @@ row has landed, while the device computes the earlier layers' gradients:
   never narrowed: the main thread may read it meanwhile.
 - **the verdict**: whether that is the step stepping after backward would take is known only at
   ``optimizer.step()``. Clipping by norm needs every bucket's gradients, and user code between
-  backward and the step (``on_before_optimizer_step``) may edit gradients or the learning rate. So
+  backward and the step (``on_before_optimizer_step``) may edit gradients or the learning rate.
+  (Where something may clip, the worker also computes each gradient's norm, which clipping then
+  takes instead of reading every host gradient again after backward: ``shards/precomputed_norms.py``.) So
   each bucket records what its step read: each gradient tensor with its version counter (every
   in-place edit bumps it; our clipping skips multiplying by exactly 1.0, which changes no bit),
   the hyperparameters of its param groups, and the version of its master row after the step.
@@ -64,6 +66,7 @@ from lightning_zero.engine.offload.bucket_step import BucketStep, hyperparameter
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
 from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.offload.state_on_disk import _unhooked_step
+from lightning_zero.engine.shards.precomputed_norms import remember_grad_norms
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -177,6 +180,8 @@ class StepAhead:
             if job.found_inf:
                 job.end = time.perf_counter()
                 return  # the scaler skips this step on every rank: nothing to step, nothing to undo
+        if self.keep_rollback:  # something may clip by norm: its norms are taken here, off the critical path
+            remember_grad_norms(shards)
         job.grads = [(shard, shard.grad, shard.grad._version if shard.grad is not None else 0) for shard in shards]
         if self.keep_rollback:
             rollback = self._rollbacks.get(id(host))
