@@ -76,12 +76,14 @@ class HostStepOverlap:
         no CPU offload (NVMe: its stream steps after backward), several optimizers (each would
         need its own verdict), a whole-tensor optimizer or one whose step may count in its param
         groups (``steps_bucket_by_bucket``), no trainable offloaded bucket."""
+        config = self._config
+        if not (config.offload_optimizer is True and config.overlap_host_step):
+            return None  # every step of a run without CPU offload: no further work
         optimizers = list(self._optimizers())
         if self.ahead is not None and [self.ahead.optimizer] == optimizers:
             return self.ahead
         self.close()
-        config = self._config
-        if not (config.offload_optimizer is True and config.overlap_host_step and len(optimizers) == 1):
+        if len(optimizers) != 1:
             return None
         if self._steps_whole_tensors(optimizers[0]) or not steps_bucket_by_bucket(optimizers[0]):
             return None

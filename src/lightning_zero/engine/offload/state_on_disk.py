@@ -35,9 +35,8 @@ its class, param groups, hyperparameters and schedulers; what changes:
 
 from __future__ import annotations
 
-import types
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -49,14 +48,9 @@ from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import PendingIO, ScratchDirectory
 from lightning_zero.engine.offload.staging import StagingBuffers, return_freed_memory
 from lightning_zero.engine.offload.state_layout import BucketState, StateEntry
+from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
 from lightning_zero.engine.optimizer.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.shards.sharded_param import ShardedParam
-
-
-def _unhooked_step(optimizer: Optimizer) -> Callable[..., Any]:
-    """The optimizer class's ``step`` without torch's hook wrapper (hooks run once per full step)."""
-    step = type(optimizer).step
-    return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 
 class OptimizerStateOnDisk:
@@ -84,12 +78,13 @@ class OptimizerStateOnDisk:
             if positions
         ]
         self._placeholders: dict[torch.dtype, Tensor] = {}
-        self._unhooked = _unhooked_step(optimizer)
+        self._unhooked = unhooked_step(optimizer)
         self._writes: deque[tuple[BucketState, Tensor, PendingIO]] = deque()
         self._prefetched: deque[tuple[BucketState, Tensor, Optional[PendingIO]]] = deque()
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
-        optimizer.step = self._step_function()  # type: ignore[method-assign]
+        # torch's hooks around the streamed step, seen by LR schedulers made before or after
+        optimizer.step = instance_step(optimizer, lambda _, kwargs: self._stream(self._due(), kwargs))  # type: ignore[method-assign]
         self._handles: list[RemovableHandle] = [
             optimizer.register_state_dict_post_hook(self._read_into_state_dict),
             optimizer.register_load_state_dict_post_hook(lambda _: self.spill()),
@@ -97,28 +92,6 @@ class OptimizerStateOnDisk:
         self.spill()  # state loaded before (a resumed run's) goes to the files
 
     # ---- the step ----------------------------------------------------------------------------
-    def _step_function(self) -> Callable[..., Any]:
-        """``optimizer.step``: torch's hooks around the streamed step, marked the way LR schedulers
-        mark the step they track (so a scheduler made before or after sees its optimizer step)."""
-
-        def streamed_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            self._stream(self._due(), kwargs)
-            return loss
-
-        hooked = types.MethodType(Optimizer.profile_hook_step(streamed_step), self.optimizer)
-        optimizer = self.optimizer
-
-        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            optimizer._opt_called = True  # type: ignore[attr-defined]
-            return hooked(closure, **kwargs)
-
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        return step
-
     def _due(self) -> list[BucketState]:
         """The buckets the next step updates: those with a gradient."""
         return [b for b in self.buckets if any(self.shards[i].grad is not None for i in b.positions)]

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -65,7 +64,7 @@ from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.bucket_step import BucketStep, hyperparameters_of
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
 from lightning_zero.engine.offload.rollback import RollbackCopy
-from lightning_zero.engine.offload.state_on_disk import _unhooked_step
+from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
 from lightning_zero.engine.shards.precomputed_norms import remember_grad_norms
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -92,7 +91,7 @@ class StepAhead:
         self.optimizer = optimizer
         self.keep_rollback = keep_rollback
         self._before_step = before_step
-        self._unhooked = _unhooked_step(optimizer)
+        self._unhooked = unhooked_step(optimizer)
         shards = {id(p.shard) for p in params}
         self._buckets = [(index, host) for index, host in buckets if any(id(p.shard) in shards for p in host.params)]
         self._index_of = {id(host): index for index, host in self._buckets}
@@ -116,7 +115,7 @@ class StepAhead:
         self._inv_scale: Optional[Tensor] = None
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
-        optimizer.step = self._step_function()  # type: ignore[method-assign]
+        optimizer.step = instance_step(optimizer, self._step_or_commit)  # type: ignore[method-assign]
         _STEPS_AHEAD[optimizer] = self
 
     # ---- during backward -------------------------------------------------------------------
@@ -225,36 +224,19 @@ class StepAhead:
         return sum(job.found_inf for job in self._queued)
 
     # ---- the verdict ------------------------------------------------------------------------
-    def _step_function(self) -> Callable[..., Any]:
-        """``optimizer.step``: torch's hooks around the closure and the verdict (or the optimizer's own
-        update where nothing was stepped ahead), marked the way LR schedulers mark the step they track."""
-
-        def step_or_commit(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            mode = self._verdict()
-            after_s = 0.0
-            if mode != "ahead":
-                start = time.perf_counter()
-                self._unhooked(optimizer, **kwargs)
-                after_s = time.perf_counter() - start
-            self._counts[mode] += 1
-            self._last = self._timing(mode, after_s)
-            self._back_off(mode)
-            self._clear()
-            return loss
-
-        hooked = types.MethodType(Optimizer.profile_hook_step(step_or_commit), self.optimizer)
-        optimizer = self.optimizer
-
-        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            optimizer._opt_called = True  # type: ignore[attr-defined]
-            return hooked(closure, **kwargs)
-
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        return step
+    def _step_or_commit(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> None:
+        """``optimizer.step``'s update (after the closure, inside torch's hooks): the verdict, and the
+        optimizer's own update where nothing was stepped ahead or the steps ahead were undone."""
+        mode = self._verdict()
+        after_s = 0.0
+        if mode != "ahead":
+            start = time.perf_counter()
+            self._unhooked(optimizer, **kwargs)
+            after_s = time.perf_counter() - start
+        self._counts[mode] += 1
+        self._last = self._timing(mode, after_s)
+        self._back_off(mode)
+        self._clear()
 
     def stop_backing_off(self) -> None:
         """Step ahead from the next step on, whatever was redone lately."""
