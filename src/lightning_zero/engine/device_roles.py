@@ -148,6 +148,13 @@ def tracking_host_tensors(compute_device: torch.device | str = "cpu") -> Iterato
         _TRACKER = None
 
 
+def join_tracking() -> None:
+    """The calling thread (one the engine started, such as the host step's worker) tags host tensors
+    too while ``tracking_host_tensors()`` is open elsewhere; its mode goes when the thread ends."""
+    if _TRACKER is not None:
+        _TRACKER.__enter__()
+
+
 def tracking() -> bool:
     """Whether ``tracking_host_tensors()`` is open."""
     return _TRACKER is not None

@@ -28,10 +28,12 @@ previous user's event only keeps the stream's own order. On the CPU there is one
 
 from __future__ import annotations
 
+from typing import Hashable, Optional
+
 import torch
 from torch import Tensor
 
-from lightning_zero.engine.comm.copy_stream import Event
+from lightning_zero.engine.comm.streams import DeviceStreams, Event, streams_of
 
 
 class BufferPool:
@@ -58,11 +60,12 @@ class BufferPool:
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
-        free = self._free.setdefault(_stream_key(torch.device(device)), [])
+        streams = streams_of(device)
+        free = self._free.setdefault(_stream_key(torch.device(device), streams), [])
         if free:
             base, copy = free.pop()
             if copy is not None:
-                torch.cuda.current_stream(base.device).wait_event(copy)
+                streams.wait_event(streams.current_stream(), copy)
         else:
             self.allocations += 1
             base = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
@@ -78,10 +81,11 @@ class BufferPool:
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
-        free = self._free.setdefault(_stream_key(base.device), [])  # see [Note: a free list per stream]
+        streams = streams_of(base.device)
+        free = self._free.setdefault(_stream_key(base.device, streams), [])  # see [Note: a free list per stream]
         if len(free) < self.slots:
-            if after is None and base.device.type == "cuda":
-                after = torch.cuda.current_stream(base.device).record_event()
+            if after is None and streams is not None:
+                after = streams.record_event(streams.current_stream())
             free.append((base, after))
 
     @property
@@ -95,10 +99,9 @@ class BufferPool:
 
 
 
-def _stream_key(device: torch.device) -> tuple[torch.device, int]:
-    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on
-    CUDA (see [Note: a free list per stream]), the device's elsewhere."""
-    if device.type != "cuda":
+def _stream_key(device: torch.device, streams: Optional[DeviceStreams]) -> Hashable:
+    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on a
+    device with streams (see [Note: a free list per stream]), the device's elsewhere."""
+    if streams is None:
         return device, 0
-    stream = torch.cuda.current_stream(device)
-    return stream.device, stream.stream_id  # "cuda" and "cuda:0" alike: the stream names its device
+    return streams.stream_key(streams.current_stream())

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero.engine.comm import streams
 from lightning_zero.engine.config import ShardGroupSize, resolve_shard_group_size
 from lightning_zero.engine.device_roles import check_compute_tensors
 
@@ -126,6 +127,16 @@ class PendingCollective:
         return self._work is None or self._work.is_completed()
 
 
+def _issue(kind: str, group: ProcessGroup, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...], issue: Any) -> Any:
+    """Issue a collective through the stream layer (see [Note: the stream layer] in ``streams.py``):
+    on CUDA and the CPU that is ``issue()`` itself; a simulated device records it."""
+    return streams.issue_collective(kind, group, reads, writes, issue)
+
+
+def _pending(work: Any) -> PendingCollective:
+    return work if isinstance(work, PendingCollective) else PendingCollective(work)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -171,6 +182,8 @@ def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
     ``reduce_stream.py``."""
     if skips_collectives(group):
         return False
+    if streams.waits_order_streams():  # a simulated device keeping NCCL's contract (see [Note: the stream layer])
+        return False
     backend = str(dist.get_backend(group))
     nccl = backend == "nccl" or (torch.device(device).type == "cuda" and "cuda:nccl" in backend)
     if not nccl:
@@ -185,7 +198,8 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
     if skips_collectives(group):
         output.copy_(shard)
         return PendingCollective()
-    return PendingCollective(_all_gather_flat(output, shard, group=group, async_op=True))
+    issue = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
+    return _pending(_issue("all_gather", group, (shard,), (output,), issue))
 
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
@@ -198,8 +212,10 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
         output.copy_(inputs)
         return PendingCollective()
     if _described(group).gloo:
-        return _reduce_scatter_gloo(output, inputs.view(n, -1), group)
-    return PendingCollective(_reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        issue = lambda: _reduce_scatter_gloo(output, inputs.view(n, -1), group)  # noqa: E731
+    else:
+        issue = lambda: _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
+    return _pending(_issue("reduce_scatter", group, (inputs,), (output,), issue))
 
 
 def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup) -> Tensor:
@@ -215,7 +231,8 @@ def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_s
     if skips_collectives(group):
         output.copy_(inputs)
         return output
-    dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group)
+    issue = lambda: dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group, async_op=True)  # noqa: E731
+    _pending(_issue("all_to_all", group, (inputs,), (output,), issue)).wait()
     return output
 
 
@@ -261,7 +278,8 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     check_compute_tensors("all-reduce", (tensor,))
     if not skips_collectives(group):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(tensor, op=reduce_op, group=group)
+        issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)  # noqa: E731
+        _pending(_issue("all_reduce", group, (tensor,), (tensor,), issue)).wait()
     return tensor
 
 
@@ -271,7 +289,8 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     check_compute_tensors("all-reduce", (tensor,))
     if skips_collectives(group):
         return PendingCollective()
-    return PendingCollective(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
+    issue = lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
+    return _pending(_issue("all_reduce", group, (tensor,), (tensor,), issue))
 
 
 def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
@@ -279,8 +298,12 @@ def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
     if world_size(group) == 1:
         return [obj]
     gathered: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+
+    def issue() -> list[Any]:
+        dist.all_gather_object(gathered, obj, group=group)
+        return gathered
+
+    return _issue("all_gather_object", group, (), (), issue)
 
 
 def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error: type[Exception] = ValueError) -> None:
@@ -341,7 +364,8 @@ def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     COLLECTIVE_STATS.record("broadcast", tensor, group)
     check_compute_tensors("broadcast", (tensor,))
     if not skips_collectives(group):
-        dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group)
+        issue = lambda: dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group, async_op=True)  # noqa: E731
+        _pending(_issue("broadcast", group, (tensor,), (tensor,), issue)).wait()
     return tensor
 
 

@@ -77,11 +77,12 @@ class DeviceTemporaries:
     at once. A row's memory is free for reuse only once the compute stream passed its use (it is
     recorded there), so each counts until an event recorded on the compute stream after its
     consumers were issued (at the next copy, or the next ``bytes_now``) has completed. The host
-    never waits: events are queried. ``record`` makes such an event (None: rows are free as soon as
-    the next copy starts, where nothing runs asynchronously)."""
+    never waits: events are queried (``is_done``). ``record`` makes such an event (None: rows are free
+    as soon as the next copy starts, where nothing runs asynchronously)."""
 
-    def __init__(self, record: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, record: Optional[Callable[[], Any]] = None, is_done: Optional[Callable[[Any], bool]] = None) -> None:
         self._record = record
+        self._is_done = is_done
         self._rows: list[_Row] = []  # rows the compute stream may still read
         self.most_bytes = 0
         """The most bytes of rows in flight at once so far: what torch's caching allocator keeps
@@ -105,7 +106,7 @@ class DeviceTemporaries:
             event = self._record()  # the consumers of every earlier row are issued by now
             for row in unread:
                 row.read = event
-        self._rows = [row for row in self._rows if row.read is not None and not row.read.query()]
+        self._rows = [row for row in self._rows if row.read is not None and not (self._is_done is None or self._is_done(row.read))]
 
     def _sum(self) -> int:
         return sum(row.nbytes for row in self._rows)

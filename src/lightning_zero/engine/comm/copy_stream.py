@@ -1,6 +1,6 @@
 """Copies between host memory and the device, off the compute stream.
 
-On CUDA every copy runs on one side stream, ``non_blocking`` between pinned host memory and the
+On a device with streams (CUDA; see [Note: the stream layer] in ``streams.py``) every copy runs on one side stream, ``non_blocking`` between pinned host memory and the
 device, so it overlaps backward and forward:
 
 - device → host: the copy stream first waits for the compute stream (the data is produced there);
@@ -22,16 +22,12 @@ they land in, is counted for the memory report in ``copy_memory.py``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm.copy_memory import DeviceTemporaries, PinnedBlocks
+from lightning_zero.engine.comm.streams import Event, streams_of
 from lightning_zero.engine.device_roles import mark_host
-
-Event = Optional["torch.cuda.Event"]
-"""Marks a finished copy on CUDA; None where copies are synchronous."""
 
 
 class CopyStream:
@@ -39,15 +35,18 @@ class CopyStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.pinned = self._stream is not None
+        self._streams = streams_of(self.device)
+        self._stream = self._streams.new_stream("copies") if self._streams is not None else None
+        self.pinned = self._streams is not None and self._streams.pins_host_memory
         """Whether host buffers for these copies are pinned (page-locked): what makes CUDA copies
         asynchronous and as fast as the bus."""
         self._unwaited = False  # copies issued since the host last waited for them
         self.pinned_blocks = PinnedBlocks()
         """The pinned host blocks of the buffers these copies read and fill (see [Note: pinned
         blocks] in ``copy_memory.py``)."""
-        self.temporaries = DeviceTemporaries(self._compute_event if self._stream is not None else None)
+        self.temporaries = DeviceTemporaries(
+            self._compute_event if self._stream is not None else None, self._streams.is_done if self._streams is not None else None
+        )
         """The device rows :meth:`to_device` lands copies in, until the compute stream has read them."""
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -64,35 +63,44 @@ class CopyStream:
         if self._stream is None:
             host.copy_(device_data)
             return None
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        streams = self._streams
+        streams.wait_stream(self._stream, streams.current_stream())
         self._unwaited = True
-        with torch.cuda.stream(self._stream):
+        with streams.use(self._stream):
             host.copy_(device_data, non_blocking=True)
-            device_data.record_stream(self._stream)  # for a buffer freed (not pooled) before the copy ran
-            return self._record()
+            streams.keep_alive(device_data, self._stream)  # for a buffer freed (not pooled) before the copy ran
+            # blocking: the host-step worker sleeps on it through backward instead of spinning a core
+            return streams.record_event(self._stream, blocking=True)
 
     def to_device(self, host: Tensor) -> Tensor:
         """A device copy of ``host`` (pinned), for kernels issued on the compute stream after this
         call to read; the host does not wait. Where host and device are one memory: ``host``."""
         if self._stream is None:
             return host.to(self.device)  # ``host`` itself where it is on the device already
-        compute = torch.cuda.current_stream(self.device)
+        streams = self._streams
+        compute = streams.current_stream()
         self._unwaited = True
-        with torch.cuda.stream(self._stream):
+        with streams.use(self._stream):
             device_data = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             device_data.copy_(host, non_blocking=True)
-            event = self._record()
+            event = streams.record_event(self._stream)
         self.temporaries.add(device_data)
-        compute.wait_event(event)
-        device_data.record_stream(compute)  # its memory is not reused before the compute stream is done with it
+        streams.wait_event(compute, event)
+        streams.keep_alive(device_data, compute)  # its memory is not reused before the compute stream is done with it
         return device_data
+
+    def wait_on_host(self, copy: Event) -> None:
+        """The calling host thread blocks until ``copy`` (from ``to_host``) landed: for a thread
+        other than the one running backward, which must never wait."""
+        if copy is not None:
+            self._streams.host_waits(copy)
 
     def synchronize(self) -> None:
         """The host waits for every copy issued so far: before it reads what came to the host, and
         before it writes host memory a copy to the device may still read (the optimizer step). No
         wait (no host sync) when nothing was issued since the last one."""
         if self._stream is not None and self._unwaited:
-            self._stream.synchronize()
+            self._streams.host_waits(self._stream)
             self._unwaited = False
 
     def join_compute_stream(self) -> None:
@@ -101,18 +109,11 @@ class CopyStream:
         device, so that the read's one host sync waits for the copies too. The caller must make
         that read before it touches host memory the copies fill or read."""
         if self._stream is not None and self._unwaited:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._streams.wait_stream(self._streams.current_stream(), self._stream)
             self._unwaited = False
 
-    def _record(self) -> "torch.cuda.Event":
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
-
-    def _compute_event(self) -> "torch.cuda.Event":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def _compute_event(self) -> Event:
+        return self._streams.record_event(self._streams.current_stream())
 
 
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> Tensor:

@@ -33,18 +33,22 @@ from typing import Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_zero.engine.comm.streams import Stream, streams_of
+
 
 class ReduceStream:
-    """The gradient reductions' side stream on a CUDA ``device``; on any other device a stand-in
-    whose methods do nothing (the reductions then run where they are called)."""
+    """The gradient reductions' side stream on a ``device`` with streams (CUDA, or a simulated
+    device: see [Note: the stream layer] in ``streams.py``); on any other device a stand-in whose
+    methods do nothing (the reductions then run where they are called)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._streams = streams_of(self.device)
+        self._stream: Optional[Stream] = self._streams.new_stream("reduce") if self._streams is not None else None
         self._launched = False  # a reduction ran on the stream since the compute stream last joined it
 
     @property
-    def stream(self) -> Optional["torch.cuda.Stream"]:
+    def stream(self) -> Optional[Stream]:
         return self._stream
 
     @contextlib.contextmanager
@@ -54,9 +58,9 @@ class ReduceStream:
         if self._stream is None:
             yield
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._streams.wait_stream(self._stream, self._streams.current_stream())
         self._launched = True
-        with torch.cuda.stream(self._stream):
+        with self._streams.use(self._stream):
             yield
 
     @contextlib.contextmanager
@@ -66,7 +70,7 @@ class ReduceStream:
         if self._stream is None:
             yield
             return
-        with torch.cuda.stream(self._stream):
+        with self._streams.use(self._stream):
             yield
 
     def keep_alive(self, tensors: Sequence[Tensor]) -> None:
@@ -75,11 +79,11 @@ class ReduceStream:
         however soon the host drops them."""
         if self._stream is not None:
             for tensor in tensors:
-                tensor.record_stream(self._stream)
+                self._streams.keep_alive(tensor, self._stream)
 
     def join(self) -> None:
         """The compute stream waits for every reduction issued so far (on the device; the host
         goes on): from here kernels on it may read the reduced gradients."""
         if self._stream is not None and self._launched:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            self._streams.wait_stream(self._streams.current_stream(), self._stream)
             self._launched = False

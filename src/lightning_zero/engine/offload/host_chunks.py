@@ -36,6 +36,7 @@ from torch import Tensor
 
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream, Event
+from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -170,7 +171,7 @@ class HostChunks:
         backward, that step's thread has done so: wait for it."""
         if self._accepted_ahead is not None:
             accepted, self._accepted_ahead = self._accepted_ahead, None
-            accepted.wait()
+            handoffs.wait_for(accepted, "gradients handed out on the host step's thread")
             return
         self.accept_now(row, used_anywhere)
 

@@ -52,7 +52,6 @@ import threading
 import time
 import weakref
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -60,6 +59,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.copy_stream import Event
+from lightning_zero.engine.offload import handoffs
+from lightning_zero.engine.offload.handoffs import WorkerThread
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.bucket_step import BucketStep, hyperparameters_of
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
@@ -99,7 +100,7 @@ class StepAhead:
         self._all_shards = [p.shard for p in params]
         self._rollbacks: dict[int, RollbackCopy] = {}
         self._queued: list[BucketStep] = []
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._executor: Optional[WorkerThread] = None
         self._armed = False
         self._why_not = ""  # why the last backward was not armed
         self._backoff = 0  # steps to take after backward after the next redo (0: none redone lately)
@@ -157,21 +158,20 @@ class StepAhead:
         for _, host in self._buckets:
             host.arrivals = None
 
-    def _worker(self) -> ThreadPoolExecutor:
+    def _worker(self) -> WorkerThread:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-zero-host-step")
+            self._executor = WorkerThread("lightning-zero-host-step")
         return self._executor
 
     def _run(self, job: BucketStep, row: Tensor, copy: Event) -> None:
         """On the worker thread: wait for the row, hand its gradients out, step the bucket."""
         host = job.host
         try:
-            if copy is not None:
-                copy.synchronize()  # this thread waits for the copy; backward goes on
+            host.copies.wait_on_host(copy)  # this thread waits for the copy; backward goes on
             k = len(host.params)
             host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
         finally:
-            job.accepted.set()
+            handoffs.signal(job.accepted, "gradients handed out")
         shards = self._shards_of[id(host)]
         job.start = time.perf_counter()
         if self._inv_scale is not None:
@@ -262,6 +262,7 @@ class StepAhead:
                 self._reasons[self._why_not or "no backward armed before the step"] += 1
             return "after_backward"
         self._before_step()
+        handoffs.point("verdict")
         changed = self._what_changed()
         if not changed:
             return "ahead"
@@ -300,6 +301,7 @@ class StepAhead:
                 " (or report what changed them: the strategy keeps rollback copies where clipping or a"
                 " hook between backward and the step is configured)."
             )
+        handoffs.point("rollback")
         for job in reversed(self._queued):
             if job.saved:
                 self._rollbacks[id(job.host)].restore(self.optimizer.state)
@@ -322,7 +324,7 @@ class StepAhead:
 
     def _drain(self) -> None:
         """Wait for the worker's jobs; where one failed, undo what was stepped ahead and re-raise."""
-        errors = [job.future.exception() for job in self._queued if job.future is not None]
+        errors = [handoffs.join(job.future, "the verdict waits for the host step") for job in self._queued if job.future is not None]
         error = next((e for e in errors if e is not None), None)
         if error is None:
             return
@@ -365,7 +367,7 @@ class StepAhead:
         finally:
             self.disarm()
             if self._executor is not None:
-                self._executor.shutdown(wait=True)
+                self._executor.shutdown()
                 self._executor = None
             if self._had_step:
                 self.optimizer.step = self._previous_step  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ from lightning_zero.engine.buckets.bucket import Bucket
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.comm.streams import streams_of
 from lightning_zero.engine.comm.evaluation_join import EvaluationJoin
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.config import ZeroConfig
@@ -60,9 +61,9 @@ class ShardedParameters(ParameterResidency):
             gather_group=gather_group,
             pool=self.pool,
             verdicts=verdicts,
-            # reading tags in host memory waits for nothing (see ZeroConfig.check_units_every_gather)
+            # reading tags where work is synchronous waits for nothing (see ZeroConfig.check_units_every_gather)
             check_every_gather=(
-                device.type == "cpu" if config.check_units_every_gather is None else config.check_units_every_gather
+                streams_of(device) is None if config.check_units_every_gather is None else config.check_units_every_gather
             ),
             copies=self.copies,
             replicate_group=replicate_group,
