@@ -1,0 +1,126 @@
+"""Engine runs the explorer records, on each rank of a spawned group (see [Note: the schedule explorer]).
+
+A scenario is a plain engine loop (the engine's module docstring) over a stack of residual blocks,
+each a stage-3 unit, with what varies: the stage and offload options, the optimizer, and which
+blocks a rank's backward does not reach (its residual stream detached after block ``k``). ``record``
+runs it twice on the rank: the reference run (the CPU as usual, collectives kept) and the recorded
+run (the simulated device, the host step's threads switched by ``seed``), and returns the recording
+and whether both runs ended with the same weights, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+BLOCKS = 6
+WIDTH = 8
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class BlockStack(nn.Module):
+    """An input layer, ``blocks`` residual blocks, an output layer; ``forward(x, detach_after=k)``
+    detaches the residual stream after block ``k``, so backward does not reach blocks ``0..k``."""
+
+    def __init__(self, blocks: int = BLOCKS, width: int = WIDTH) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, detach_after: Optional[int] = None) -> torch.Tensor:
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == detach_after:
+                x = x.detach()
+        return self.out(x).pow(2).mean()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    config: dict[str, Any]
+    """``ZeroConfig`` options."""
+    steps: int = 2
+    optimizer: str = "adamw"
+    detach_after: dict[int, int] = field(default_factory=dict)
+    """Rank -> the block after which that rank detaches its residual stream (every step)."""
+    blocks: int = BLOCKS
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def train(scenario: Scenario, rank: int) -> dict[str, torch.Tensor]:
+    """The scenario's loop on this rank; this rank's chunk of every weight after it, by name."""
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(0)
+    model = BlockStack(scenario.blocks)
+    if scenario.optimizer == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(**scenario.config))
+    generator = torch.Generator().manual_seed(100 + rank)
+    try:
+        for _ in range(scenario.steps):
+            x = torch.randn(4, WIDTH, generator=generator)
+            engine.begin_step()
+            model(x, scenario.detach_after.get(rank)).backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+        chunks = engine.weight_chunks()
+        return {p.name: chunks[id(p)].clone() for p in engine.params}
+    finally:
+        engine.close()
+
+
+def record(scenario: Scenario, rank: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+    """For each host-thread seed: the recorded run's trace, whether its weights are the reference
+    run's bit for bit, and how often the host threads switched."""
+    import torch.distributed as dist
+
+    from lightning_zero.engine import device_roles
+    from lightning_zero.engine.comm import streams
+    from lightning_zero.engine.offload import handoffs
+
+    from schedules.collective_log import CollectiveLog, ReferenceRun
+    from schedules.host_threads import SeededThreads
+    from schedules.simulated_device import SimulatedDevice
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    log = CollectiveLog()
+    with streams.simulating(ReferenceRun(log)):
+        reference = train(scenario, rank)
+    recordings = []
+    for seed in seeds:
+        log.rewind()
+        device = SimulatedDevice(rank, log)
+        threads = SeededThreads(seed, device)
+        with device_roles.tracking_host_tensors("cpu"), device.installed(), handoffs.scheduled(threads):
+            try:
+                recorded = train(scenario, rank)
+            finally:
+                threads.release()
+        untaken = log.untaken()
+        assert not untaken, f"the recorded run issued fewer collectives than the reference run: {untaken}"
+        same = reference.keys() == recorded.keys() and all(torch.equal(reference[k], recorded[k]) for k in reference)
+        recordings.append({"trace": device.trace, "same_weights": same, "switches": threads.switches, "seed": seed})
+    return recordings
