@@ -18,6 +18,12 @@ Checked as the replay goes:
   writes, and that one has not run yet;
 - **kept-alive memory**: bytes the host dropped while a stream still had to run work queued before
   (``KeepAlive`` / ``Release``), the most at once per rank and stream role.
+
+A replay with ``races=True`` also checks every order at once: each entry gets a vector clock (what
+it is ordered after, queue by queue, through the waits and collectives), and two entries touching
+the same bytes, one writing, issued in one order but not ordered by the waits, are reported whether
+or not this replay ran them the wrong way round ("may ..."). So a missing wait fails whatever the
+policy, and the policies show the orders.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from schedules.trace import (
-    Await, Collective, CollectiveWait, Entry, HostOp, HostWait, Kernel, KeepAlive, Range, RecordEvent, Release,
-    Signal, Trace, WaitEvent, WaitStream,
+    Await, Collective, CollectiveWait, Entry, HostOp, HostWait, Kernel, KeepAlive, Mark, Range, RecordEvent,
+    Release, Signal, Trace, WaitEvent, WaitStream,
 )  # fmt: skip
 
 QueueKey = tuple[int, str, int]
@@ -40,6 +46,8 @@ QueueKey = tuple[int, str, int]
 class Node:
     rank: int
     queue: QueueKey
+    position: int
+    """Its place in its queue, from 1."""
     order: int
     """Its entry's place in the rank's recording (issue order); -1: a launch marker."""
     entry: Optional[Entry]
@@ -90,6 +98,9 @@ class Outcome:
     hazards: list[Hazard] = field(default_factory=list)
     kept_alive_peak: dict[tuple[int, str], int] = field(default_factory=dict)
     """The most bytes the host had dropped while a stream still held them, by (rank, stream role)."""
+    kept_alive_by_phase: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    """The same by (rank, stream role, phase): the number of ``Mark`` s the rank had passed when
+    the bytes were dropped."""
     mismatches: list[str] = field(default_factory=list)
     """Collectives the ranks issued differently at the same place of a group (kind or ranks)."""
 
@@ -104,7 +115,8 @@ class Outcome:
         if self.deadlock:
             lines += ["deadlock, each waiting for the next:", *self.deadlock]
         for hazard in self.hazards[:10]:
-            lines.append(f"{hazard.kind} on rank {hazard.rank}, {hazard.buffer}: {hazard.later} ran before {hazard.earlier}")
+            order = "is not ordered after" if hazard.kind.startswith("may") else "ran before"
+            lines.append(f"{hazard.kind} on rank {hazard.rank}, {hazard.buffer}: {hazard.later} {order} {hazard.earlier}")
         if len(self.hazards) > 10:
             lines.append(f"... {len(self.hazards) - 10} more hazards")
         return "\n".join(lines)
@@ -128,6 +140,9 @@ class Replay:
         self._accesses: dict[tuple[int, int], list[_Access]] = defaultdict(list)  # (rank, buffer) -> not yet run
         self._node_accesses: dict[int, list[tuple[tuple[int, int], _Access]]] = defaultdict(list)
         self._kept: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, keep) -> (stream, bytes)
+        self._queue_index: dict[QueueKey, int] = {}
+        self._all_accesses: dict[tuple[int, int], list[_Access]] = defaultdict(list)  # (rank, buffer) -> every access
+        self._clocks: dict[int, list[int]] = {}  # id(node) -> its vector clock, once run
         self.mismatches: list[str] = []
         for trace in self.traces:
             self._build(trace)
@@ -138,7 +153,11 @@ class Replay:
         if key not in self.queues:
             self.queues[key] = []
             self.heads[key] = 0
+            self._queue_index[key] = len(self._queue_index)
         return self.queues[key]
+
+    def _node(self, rank: int, key: QueueKey, order: int, entry: Optional[Entry], deps: Optional[list] = None) -> Node:
+        return Node(rank, key, len(self._queue(key)) + 1, order, entry, deps or [])
 
     def _build(self, trace: Trace) -> None:
         rank = trace.rank
@@ -149,7 +168,7 @@ class Replay:
             thread_key = (rank, "thread", entry.thread)
             stream = trace.stream_of(entry)
             if stream is None:
-                node = Node(rank, thread_key, order, entry)
+                node = self._node(rank, thread_key, order, entry)
                 if isinstance(entry, HostWait):
                     waited = events.get(entry.event) if entry.event is not None else tails.get(entry.stream)
                     node.deps += [waited] if waited is not None else []
@@ -166,10 +185,10 @@ class Replay:
                 self._queue(thread_key).append(node)
                 self._note_accesses(node)
                 continue
-            launch = Node(rank, thread_key, -1, None)
+            launch = self._node(rank, thread_key, -1, None)
             self._queue(thread_key).append(launch)
             stream_key = (rank, "stream", stream)
-            node = Node(rank, stream_key, order, entry, deps=[launch])
+            node = self._node(rank, stream_key, order, entry, deps=[launch])
             if isinstance(entry, WaitStream) and entry.waited in tails:
                 node.deps.append(tails[entry.waited])
             elif isinstance(entry, RecordEvent):
@@ -194,6 +213,7 @@ class Replay:
                 access = _Access(node, node.order, start, end, writes)
                 key = (node.rank, buffer)
                 self._accesses[key].append(access)
+                self._all_accesses[key].append(access)
                 self._node_accesses[id(node)].append((key, access))
 
     def _check_collectives(self) -> None:
@@ -240,18 +260,27 @@ class Replay:
         first = next(iter(members.values())).entry
         return set(members) != set(first.ranks)
 
-    def run(self, policy: "Policy") -> Outcome:
+    def run(self, policy: "Policy", races: bool = False) -> Outcome:
+        """Run every queue to its end (or a deadlock) in the order ``policy`` picks; with ``races``,
+        also report the accesses the waits leave unordered, in any order (see the module's docstring)."""
         outcome = Outcome(policy.name, 0, mismatches=list(self.mismatches))
         live: dict[tuple[int, str], int] = defaultdict(int)
         freeing: list[tuple[Node, int, tuple[int, str]]] = []
+        phase: dict[int, int] = defaultdict(int)
         while True:
             actions = self.runnable()
             if not actions:
                 break
             kind, what = policy.choose(actions, self)
             nodes = list(self._collectives[what].values()) if kind == "collective" else [self.head(what)]
+            if races:
+                self._clock(nodes)
             for node in nodes:
+                if races:
+                    self._unordered(node, outcome)
                 self._run(node, outcome)
+                if isinstance(node.entry, Mark):
+                    phase[node.rank] += 1
                 if node.released is not None:
                     frees_at, nbytes = node.released
                     if not frees_at.done:
@@ -259,6 +288,8 @@ class Replay:
                         role = (node.rank, trace.streams[trace.stream_of(frees_at.entry)])
                         live[role] += nbytes
                         outcome.kept_alive_peak[role] = max(outcome.kept_alive_peak.get(role, 0), live[role])
+                        by_phase = (*role, phase[node.rank])
+                        outcome.kept_alive_by_phase[by_phase] = max(outcome.kept_alive_by_phase.get(by_phase, 0), live[role])
                         freeing.append((frees_at, nbytes, role))
             if freeing:
                 still = []
@@ -303,6 +334,51 @@ class Replay:
                        self._where(other.node), self._where(access.node))
             )  # fmt: skip
             return
+
+    def _clock(self, nodes: list[Node]) -> None:
+        """The vector clock of ``nodes`` (one, or a collective's members, which complete together):
+        the latest of what each is ordered after, and its own place."""
+        clock = [0] * len(self._queue_index)
+        for node in nodes:
+            before = [dep for dep in node.deps]
+            if node.position > 1:
+                before.append(self.queues[node.queue][node.position - 2])
+            for dep in before:
+                for i, value in enumerate(self._clocks[id(dep)]):
+                    if value > clock[i]:
+                        clock[i] = value
+        for node in nodes:
+            own = list(clock)
+            own[self._queue_index[node.queue]] = node.position
+            self._clocks[id(node)] = own
+        if len(nodes) > 1:  # each member completes only once all arrived: ordered after every member
+            merged = [max(values) for values in zip(*(self._clocks[id(n)] for n in nodes))]
+            for node in nodes:
+                self._clocks[id(node)] = merged
+
+    def _ordered_before(self, earlier: Node, later: Node) -> bool:
+        clock = self._clocks[id(later)]
+        return clock[self._queue_index[earlier.queue]] >= earlier.position
+
+    def _unordered(self, node: Node, outcome: Outcome) -> None:
+        """Accesses issued before ``node``'s that the waits do not order before it."""
+        for key, access in self._node_accesses.get(id(node), ()):
+            for other in self._all_accesses[key]:
+                if other.order >= access.order or other.node is node:
+                    continue
+                if not (access.writes or other.writes) or other.end <= access.start or access.end <= other.start:
+                    continue
+                if other.node.done and self._ordered_before(other.node, node):
+                    continue
+                kind = "may read before its producer" if not access.writes else (
+                    "may write before an earlier write" if other.writes else "may reuse before the last reader"
+                )
+                rank, buffer = key
+                outcome.hazards.append(
+                    Hazard(kind, rank, f"buffer {buffer} ({self.traces[rank].buffers.get(buffer, '?')})",
+                           self._where(other.node), self._where(node))
+                )  # fmt: skip
+                return
 
     def _where(self, node: Node) -> str:
         rank, kind, number = node.queue
@@ -423,7 +499,7 @@ def adversaries(seeds: Sequence[int]) -> list[Policy]:
     policies = []
     for seed in seeds:
         policies += [random_order(seed), host_ahead(seed), device_eager(seed), newest_first(seed)]
-        policies += [starving("reduce", seed), starving("copies", seed)]
+        policies += [starving("reduce", seed), starving("to host", seed), starving("to device", seed)]
     return policies
 
 

@@ -58,13 +58,26 @@ class Scenario:
     detach_after: dict[int, int] = field(default_factory=dict)
     """Rank -> the block after which that rank detaches its residual stream (every step)."""
     blocks: int = BLOCKS
+    edit: Optional[str] = None
+    """User code between backward and ``optimizer.step()`` (a name in ``EDITS``)."""
 
     def __hash__(self) -> int:
         return hash(self.name)
 
 
-def train(scenario: Scenario, rank: int) -> dict[str, torch.Tensor]:
-    """The scenario's loop on this rank; this rank's chunk of every weight after it, by name."""
+def _halve_gradients_through_data(model: nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.data.mul_(0.5)
+
+
+EDITS = {"halve gradients through .data": _halve_gradients_through_data}
+
+
+def train(scenario: Scenario, rank: int, device: Any = None, **overrides: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """The scenario's loop on this rank (``ZeroConfig`` options ``overrides`` on top of its own);
+    this rank's chunk of every weight after it, by name, and the full-gradient bytes of its largest
+    bucket. ``device``: the simulated device recording the run, told where each step begins."""
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     torch.manual_seed(0)
@@ -73,27 +86,34 @@ def train(scenario: Scenario, rank: int) -> dict[str, torch.Tensor]:
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(**scenario.config))
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(**{**scenario.config, **overrides}))
+    edit = EDITS[scenario.edit] if scenario.edit is not None else None
     generator = torch.Generator().manual_seed(100 + rank)
     try:
-        for _ in range(scenario.steps):
+        for step in range(scenario.steps):
+            if device is not None:
+                device.mark(f"step {step}")
             x = torch.randn(4, WIDTH, generator=generator)
             engine.begin_step()
             model(x, scenario.detach_after.get(rank)).backward()
             engine.finish_backward()
             engine.end_step()
+            if edit is not None:
+                edit(model)
             optimizer.step()
             engine.after_optimizer_step(optimizer)
             optimizer.zero_grad()
         chunks = engine.weight_chunks()
-        return {p.name: chunks[id(p)].clone() for p in engine.params}
+        return {p.name: chunks[id(p)].clone() for p in engine.params}, max(b.param_bytes for b in engine.buckets)
     finally:
         engine.close()
 
 
 def record(scenario: Scenario, rank: int, seeds: tuple[int, ...]) -> list[dict[str, Any]]:
     """For each host-thread seed: the recorded run's trace, whether its weights are the reference
-    run's bit for bit, and how often the host threads switched."""
+    run's bit for bit, and how often the host threads switched. The reference run takes every
+    optimizer step after backward (``overlap_host_step=False``): what stepping during backward must
+    give, whatever the order of the two threads."""
     import torch.distributed as dist
 
     from lightning_zero.engine import device_roles
@@ -108,7 +128,8 @@ def record(scenario: Scenario, rank: int, seeds: tuple[int, ...]) -> list[dict[s
         dist.init_process_group("gloo")
     log = CollectiveLog()
     with streams.simulating(ReferenceRun(log)):
-        reference = train(scenario, rank)
+        overrides = {"overlap_host_step": False} if scenario.config.get("offload_optimizer") else {}
+        reference, _ = train(scenario, rank, **overrides)
     recordings = []
     for seed in seeds:
         log.rewind()
@@ -116,11 +137,14 @@ def record(scenario: Scenario, rank: int, seeds: tuple[int, ...]) -> list[dict[s
         threads = SeededThreads(seed, device)
         with device_roles.tracking_host_tensors("cpu"), device.installed(), handoffs.scheduled(threads):
             try:
-                recorded = train(scenario, rank)
+                recorded, largest_bucket = train(scenario, rank, device)
             finally:
                 threads.release()
         untaken = log.untaken()
         assert not untaken, f"the recorded run issued fewer collectives than the reference run: {untaken}"
         same = reference.keys() == recorded.keys() and all(torch.equal(reference[k], recorded[k]) for k in reference)
-        recordings.append({"trace": device.trace, "same_weights": same, "switches": threads.switches, "seed": seed})
+        recordings.append({
+            "trace": device.trace, "same_weights": same, "switches": threads.switches, "seed": seed,
+            "largest_bucket": largest_bucket,
+        })  # fmt: skip
     return recordings

@@ -44,8 +44,8 @@ from lightning_zero.engine.comm.streams import DeviceStreams
 
 from schedules.collective_log import CollectiveLog, fill
 from schedules.trace import (
-    Await, Collective, CollectiveWait, Entry, HostOp, HostWait, Kernel, KeepAlive, Range, RecordEvent, Release,
-    Signal, Trace, WaitEvent, WaitStream,
+    Await, Collective, CollectiveWait, Entry, HostOp, HostWait, Kernel, KeepAlive, Mark, Range, RecordEvent,
+    Release, Signal, Trace, WaitEvent, WaitStream,
 )  # fmt: skip
 
 
@@ -83,7 +83,7 @@ class SimulatedDevice(DeviceStreams):
         self._events = itertools.count()
         self._keeps = itertools.count()
         self._thread_ids = itertools.count()
-        self._buffers: dict[int, int] = {}  # a storage's address -> its buffer
+        self._buffers: dict[int, tuple[int, int, int]] = {}  # a storage's address -> its buffer, storage, bytes
         self._device_writer: dict[int, int] = {}  # buffer -> the stream of the kernel that wrote it last
         self._buffer_ids = itertools.count()
         self._groups: dict[int, tuple[int, SimStream, Any]] = {}  # id(group) -> (number, its stream, the group)
@@ -227,6 +227,10 @@ class SimulatedDevice(DeviceStreams):
     def collective_waited(self, number: int, seq: int) -> None:
         self._record(CollectiveWait(self._thread, self.current_stream().id, number, seq))
 
+    def mark(self, name: str) -> None:
+        """A phase of the scenario begins (replays measure per phase)."""
+        self._record(Mark(self._thread, name))
+
     # ---- host-thread handoffs -----------------------------------------------------------------------
     def handoff(self, signal: bool, token: Hashable, name: str) -> None:
         """A host thread set (``signal``) or went on after ``token`` (``host_threads.py``)."""
@@ -281,8 +285,12 @@ class SimulatedDevice(DeviceStreams):
         """``tensor`` became host memory (``device_roles.mark_host``, or computed from host tensors):
         where a device kernel wrote it last, that was a copy to the host (``.to(host)``), which
         blocks the host until it landed."""
-        number = self._buffers.get(_address(tensor))
-        stream = self._device_writer.pop(number, None) if number is not None else None
+        address = _address(tensor)
+        if not address:
+            return
+        number = self._buffer(address, tensor)
+        self.trace.buffers[number] = self.trace.buffers[number].replace("device ", "host ", 1)
+        stream = self._device_writer.pop(number, None)
         if stream is not None and self._thread == 0:
             self._record(HostWait(self._thread, "copy to the host", stream=stream))
 
@@ -298,10 +306,20 @@ class SimulatedDevice(DeviceStreams):
 
     def _new_buffer(self, address: int, t: Tensor) -> int:
         number = next(self._buffer_ids)
-        self._buffers[address] = number
+        storage = t.untyped_storage()
+        self._buffers[address] = (number, storage._cdata, storage.nbytes())
         where = "host" if device_roles.is_host(t) else "device"
         self.trace.buffers[number] = f"{where} {t.dtype} {tuple(t.shape)}"
         return number
+
+    def _buffer(self, address: int, t: Tensor) -> int:
+        """The buffer ``t`` (at ``address``) is in: a storage allocated where dispatch does not see it
+        (a storage grown again) at the address of a freed one is another buffer."""
+        known = self._buffers.get(address)
+        storage = t.untyped_storage()
+        if known is None or known[1:] != (storage._cdata, storage.nbytes()):
+            return self._new_buffer(address, t)
+        return known[0]
 
     def _ranges(self, tensors: Any) -> tuple[Range, ...]:
         ranges = []
@@ -309,9 +327,7 @@ class SimulatedDevice(DeviceStreams):
             address = _address(t)
             if not address or t.numel() == 0:
                 continue
-            number = self._buffers.get(address)
-            if number is None:
-                number = self._new_buffer(address, t)
+            number = self._buffer(address, t)
             size = t.element_size()
             start = t.storage_offset() * size
             span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1

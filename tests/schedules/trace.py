@@ -2,7 +2,7 @@
 
 Every entry names the host thread that issued it. Device entries (``Kernel``, ``WaitStream``,
 ``RecordEvent``, ``WaitEvent``, ``Collective``, ``CollectiveWait``) run on a stream; host entries
-(``HostOp``, ``HostWait``, ``Signal``, ``Await``, ``Release``) on their thread. Memory is named by
+(``HostOp``, ``HostWait``, ``Signal``, ``Await``, ``Release``, ``Mark``) on their thread. Memory is named by
 ``Range``: a buffer (one allocation, numbered as it is first seen) and a byte range of it.
 """
 
@@ -131,7 +131,15 @@ class Release:
     keep: int
 
 
-Entry = Union[Kernel, HostOp, WaitStream, RecordEvent, WaitEvent, HostWait, Collective, CollectiveWait, Signal, Await, KeepAlive, Release]
+@dataclass(frozen=True)
+class Mark:
+    """The scenario's own marker (a step begins): replays count what they measure per phase."""
+
+    thread: int
+    name: str
+
+
+Entry = Union[Kernel, HostOp, WaitStream, RecordEvent, WaitEvent, HostWait, Collective, CollectiveWait, Signal, Await, KeepAlive, Release, Mark]
 DEVICE_ENTRIES = (Kernel, WaitStream, RecordEvent, WaitEvent, Collective, CollectiveWait)
 
 

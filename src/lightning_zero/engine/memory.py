@@ -62,6 +62,13 @@ class MemoryReport:
     ``grad_sync.py``): a peak, not what is held now, so not in ``total``; over the floor's gradients
     at that moment. A bucket or two at most while reduce-scatters finish as backward goes on; every
     bucket's full gradients when their completion cannot be seen (issue 44: 4 B per parameter)."""
+    unpacked_gradients: int = 0
+    """The most bytes of full-size gradients of buckets already launched whose copy-in the reduce
+    stream had not run yet, seen at a launch in the last backward (on CUDA; the device's lag behind
+    the host, invisible to ``waiting_gradients``). A peak, not in ``total``. Bounded by
+    ``max_in_flight + 1`` buckets where every rank launches every bucket during its backward (see
+    "its lag" in [Note: reduce stream] in ``engine/comm/reduce_stream.py``); in the first backward,
+    and with reentrant activation checkpointing, up to every bucket."""
     disk: int = 0
     """Bytes of optimizer state (and, with ``offload_params="nvme"``, parameter chunks) in NVMe
     scratch files: not memory, and not in ``total``; the staging buffers count as host optimizer
@@ -130,6 +137,7 @@ def measure(
     pinned_host: int = 0,
     copy_buffers: int = 0,
     waiting_gradients: int = 0,
+    unpacked_gradients: int = 0,
     host_step_rollback: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
@@ -179,6 +187,7 @@ def measure(
         pinned_host=pinned_host,
         copy_buffers=copy_buffers,
         waiting_gradients=waiting_gradients,
+        unpacked_gradients=unpacked_gradients,
         host_step_rollback=host_step_rollback,
     )
 
@@ -196,4 +205,5 @@ def working_memory(residency: ParameterResidency, disk: Optional[DiskTier], grad
         pinned_host=copies.pinned_blocks.held_bytes if copies is not None else 0,
         copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
         waiting_gradients=grad_sync.waiting_peak_bytes,
+        unpacked_gradients=grad_sync.unpacked_peak_bytes,
     )

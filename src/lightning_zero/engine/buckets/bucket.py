@@ -156,14 +156,15 @@ class Bucket:
         return len(self._ready) == len(self.params)
 
     def start_gradient_reduction(
-        self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH, stream: Optional[ReduceStream] = None
+        self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH, stream: Optional[ReduceStream] = None, bounded: bool = False
     ) -> "PendingGradientReduction":
         """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
         free them, and start the reduce-scatter (with hybrid sharding, then the all-reduce of the
         chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
         ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``). With a CUDA
         ``stream``, the copy-in and the collectives run there, ordered after the compute stream's
-        work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits."""
+        work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits. ``bounded``:
+        its gradients count against the reduce stream's lag (``ReduceStream.launching``)."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
         alone = collectives.takes_one_rank_shortcuts(self.group)  # one rank, its shortcuts taken
@@ -176,7 +177,7 @@ class Bucket:
             # its chunks become the gradient shards as they are, read on the compute stream after
             # ``finish_backward`` joined the reduce stream: allocated there, so never lent
             received = torch.empty(s + f, dtype=self.dtype, device=self.device)
-        with stream.launching():
+        with stream.launching(bounded):
             return self._launch_reduction(ballot, stream, received, alone)
 
     def _launch_reduction(

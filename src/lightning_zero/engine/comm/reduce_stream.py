@@ -16,7 +16,22 @@ ready buckets' full gradients wait (issue 52). The order comes from the device i
 - **hybrid sharding**: the all-reduce across the replicas is issued right after the
   reduce-scatter, on the same stream, so stream order chains them;
 - **the results**: the compute stream waits for the reduce stream once, in ``finish_backward``,
-  before anything reads a gradient shard.
+  before anything reads a gradient shard;
+- **its lag** (review N4): a launched bucket's full gradients stay allocated until its copy-in ran on
+  the reduce stream. Where communication is slower than compute (several nodes without a fast
+  network, PCIe-only GPUs, a slow peer) the reduce stream falls behind through backward; with the
+  gradients only kept alive for it (``record_stream``), the allocator reuses none of them before the
+  reduce stream got there, so up to every full gradient is alive at the end of backward (stage 1's
+  memory, invisible to the host). So a launch may be ``bounded``: its gradients are not kept alive
+  for the reduce stream but held by the host, and at the launch ``max_in_flight`` launches later the
+  compute stream waits for its copy-in (an event) and the host drops them: they are freed in the
+  compute stream's order, after that wait, and the allocator reuses them at once (FSDP2 bounds its
+  reduce-scatter the same way). At most ``max_in_flight + 1`` buckets' full gradients then wait for
+  the reduce stream, however far it lags. A launch is bounded only where every rank launches every
+  bucket during its backward (see [Note: unreached parameters] in ``unreached.py``): the copy-in sits
+  behind the reduce stream's waits for earlier reduce-scatters, and where a peer may launch a bucket
+  only after its backward, the compute stream must not wait for it (the peer may need this rank's
+  all-gathers to get there: a cycle across the ranks).
 
 On the CPU there are no streams: the same code runs with none, and gloo's waits block the host.
 Where a wait blocks the host (gloo, or NCCL with ``TORCH_NCCL_BLOCKING_WAIT``), a rank must not
@@ -28,12 +43,13 @@ once its collective has completed (which the host sees without lag, since it is 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_zero.engine.comm.streams import Stream, streams_of
+from lightning_zero.engine.comm.streams import Event, Stream, streams_of
 
 
 class ReduceStream:
@@ -41,27 +57,43 @@ class ReduceStream:
     device: see [Note: the stream layer] in ``streams.py``); on any other device a stand-in whose
     methods do nothing (the reductions then run where they are called)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_lag: int = 2) -> None:
         self.device = torch.device(device)
+        self.max_lag = max_lag
+        """Bounded launches the reduce stream may have left to copy in when the compute stream goes on."""
         self._streams = streams_of(self.device)
         self._stream: Optional[Stream] = self._streams.new_stream("reduce") if self._streams is not None else None
         self._launched = False  # a reduction ran on the stream since the compute stream last joined it
+        self._current: Optional[_Launch] = None  # the launch being issued
+        self._launches: list[_Launch] = []  # since the compute stream last joined, the ones not yet let go
+        self._peak = 0
+        self.last_peak = 0
+        """The most bytes of full gradients launched and not yet seen copied in (events queried at each
+        launch) since the compute stream last joined: the reduce stream's lag, as it was."""
 
     @property
     def stream(self) -> Optional[Stream]:
         return self._stream
 
     @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
+    def launching(self, bounded: bool = False) -> Iterator[None]:
         """Run the body (a reduction's copy-in and collective) on the reduce stream, after every
-        kernel the compute stream has queued so far (the gradients it reads were produced there)."""
+        kernel the compute stream has queued so far (the gradients it reads were produced there).
+        ``bounded``: the gradients read count against the lag's bound (see "its lag" above)."""
         if self._stream is None:
             yield
             return
-        self._streams.wait_stream(self._stream, self._streams.current_stream())
+        streams = self._streams
+        streams.wait_stream(self._stream, streams.current_stream())
         self._launched = True
-        with self._streams.use(self._stream):
-            yield
+        launch = self._current = _Launch(bounded)
+        try:
+            with streams.use(self._stream):
+                yield
+        finally:
+            self._current = None
+        launch.packed = streams.record_event(self._stream)
+        self._launched_one(launch)
 
     @contextlib.contextmanager
     def finishing(self) -> Iterator[None]:
@@ -73,13 +105,34 @@ class ReduceStream:
         with self._streams.use(self._stream):
             yield
 
+    def _launched_one(self, launch: "_Launch") -> None:
+        """After a launch: bound the lag (the compute stream waits for the copy-in of the bounded
+        launch ``max_lag`` bounded launches back, whose gradients then go), and measure it."""
+        self._launches.append(launch)
+        bounded = [earlier for earlier in self._launches if earlier.bounded]
+        if launch.bounded and len(bounded) > self.max_lag:
+            oldest = bounded[-self.max_lag - 1]
+            self._streams.wait_event(self._streams.current_stream(), oldest.packed)
+            for earlier in self._launches[: self._launches.index(oldest) + 1]:
+                earlier.held.clear()  # freed in the compute stream's order, after the wait
+        streams = self._streams
+        self._launches = [earlier for earlier in self._launches if earlier.held or not streams.is_done(earlier.packed)]
+        self._peak = max(self._peak, sum(earlier.nbytes for earlier in self._launches if not streams.is_done(earlier.packed)))
+
     def keep_alive(self, tensors: Sequence[Tensor]) -> None:
-        """Tell the allocator that the reduce stream reads ``tensors`` (produced on the compute
-        stream), so that their memory is not handed out again before what is queued there ran,
-        however soon the host drops them."""
-        if self._stream is not None:
-            for tensor in tensors:
-                self._streams.keep_alive(tensor, self._stream)
+        """The reduce stream reads ``tensors`` (produced on the compute stream): their memory is not
+        handed out again before it did, however soon the host drops them (inside a bounded launch:
+        the host holds them until the compute stream waited for their copy-in)."""
+        if self._stream is None:
+            return
+        launch = self._current
+        if launch is not None:
+            launch.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+            if launch.bounded:
+                launch.held.extend(tensors)
+                return
+        for tensor in tensors:
+            self._streams.keep_alive(tensor, self._stream)
 
     def join(self) -> None:
         """The compute stream waits for every reduction issued so far (on the device; the host
@@ -87,3 +140,16 @@ class ReduceStream:
         if self._stream is not None and self._launched:
             self._streams.wait_stream(self._streams.current_stream(), self._stream)
             self._launched = False
+            self._launches.clear()  # what they held is freed in the compute stream's order, after the join
+            self.last_peak, self._peak = self._peak, 0
+
+
+@dataclass
+class _Launch:
+    bounded: bool
+    packed: Event = None
+    """Recorded on the reduce stream after the launch: its copy-in ran."""
+    held: list[Tensor] = field(default_factory=list)
+    """The full gradients of a bounded launch, held until the compute stream waited for ``packed``."""
+    nbytes: int = 0
+    """The full gradients' bytes it reads."""

@@ -56,6 +56,11 @@ from lightning_zero.engine.gradients.unreached import UnreachedParameters
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
+MAX_IN_FLIGHT = 2
+"""Reductions unfinished at once (and, where bounded, buckets the reduce stream may lag behind):
+enough to overlap one with the next one's copy-in."""
+
+
 class GradientListener(Protocol):
     """What hears of each parameter's accumulated gradient in backward (stage 3's gather schedule,
     for units whose inputs need no gradient: their last parameter gradient ends their backward)."""
@@ -83,10 +88,12 @@ class GradientSync(abc.ABC):
     buckets step during backward, which starts as a bucket's row is copied to the host, in ``finish``
     (see [Note: the host step during backward] in ``step_ahead.py``)."""
 
-    def _start(self, bucket: Bucket) -> PendingGradientReduction:
-        """Start ``bucket``'s reduce-scatter, carrying this rank's stop votes as they are now."""
+    def _start(self, bucket: Bucket, bounded: bool = False) -> PendingGradientReduction:
+        """Start ``bucket``'s reduce-scatter, carrying this rank's stop votes as they are now;
+        ``bounded``: its gradients count against the reduce stream's lag (see "its lag" in [Note:
+        reduce stream])."""
         ballot = self.votes.ballot() if self.votes is not None else (False,) * StopVote.WIDTH
-        return bucket.start_gradient_reduction(ballot, self.stream)
+        return bucket.start_gradient_reduction(ballot, self.stream, bounded)
 
     def _hand_out(self, started: Sequence[PendingGradientReduction], reads: HostReads) -> None:
         """After every reduction in ``started`` was finished: the compute stream waits for the
@@ -108,6 +115,13 @@ class GradientSync(abc.ABC):
         gradients are reduced after backward (stage 1)."""
         return 0
 
+    @property
+    def unpacked_peak_bytes(self) -> int:
+        """The most bytes of full-size gradients of launched buckets whose copy-in the reduce stream
+        had not run yet, seen at a launch in the last backward (the reduce stream's lag, see [Note:
+        reduce stream]); 0 where work is synchronous or gradients are reduced after backward."""
+        return 0
+
     def open(self) -> None:
         """Register what ``close`` removed (nothing to register by default)."""
 
@@ -121,7 +135,7 @@ class ReduceAfterBackward(GradientSync):
     ``max_in_flight`` at once, bounding the temporary buffers) and the full gradients released.
     Micro-batches that only accumulate communicate nothing."""
 
-    def __init__(self, buckets: Sequence[Bucket], max_in_flight: int = 2, votes: Optional[StopVote] = None) -> None:
+    def __init__(self, buckets: Sequence[Bucket], max_in_flight: int = MAX_IN_FLIGHT, votes: Optional[StopVote] = None) -> None:
         super().__init__(buckets, votes)
         self.max_in_flight = max_in_flight
 
@@ -159,7 +173,7 @@ class ReduceDuringBackward(GradientSync):
     def __init__(
         self,
         buckets: Sequence[Bucket],
-        max_in_flight: int = 2,
+        max_in_flight: int = MAX_IN_FLIGHT,
         listener: Optional[GradientListener] = None,
         votes: Optional[StopVote] = None,
     ) -> None:
@@ -176,6 +190,7 @@ class ReduceDuringBackward(GradientSync):
         self._last_waiting_peak = 0
         self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
         self._unreached = UnreachedParameters([p for bucket in self.buckets for p in bucket.params])
+        self.stream.max_lag = max_in_flight
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -183,6 +198,10 @@ class ReduceDuringBackward(GradientSync):
     @property
     def waiting_peak_bytes(self) -> int:
         return self._last_waiting_peak
+
+    @property
+    def unpacked_peak_bytes(self) -> int:
+        return self.stream.last_peak
 
     def open(self) -> None:
         """Register the hooks (at construction, and again when a module kept sharded after ``fit``
@@ -233,7 +252,8 @@ class ReduceDuringBackward(GradientSync):
             if not self._make_room(wait=flush or not self._waits_block_host):
                 self._found_no_room = True  # polled again at the next gradient hook
                 return
-            self._in_flight.append(self._start(bucket))
+            # during a backward whose every rank launches every bucket, the reduce stream's lag is bounded
+            self._in_flight.append(self._start(bucket, bounded=not flush and self._unreached.trusted))
             self._unfinished.append(self._in_flight[-1])
             self._next_to_launch += 1
             if self.finish_early:

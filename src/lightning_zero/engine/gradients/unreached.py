@@ -59,6 +59,12 @@ class UnreachedParameters:
         will_run = torch._C._will_engine_execute_node
         return [p for p, node in self._nodes if not will_run(node)]
 
+    @property
+    def trusted(self) -> bool:
+        """Whether the running backward marks what it will not reach: every rank then launches every
+        bucket during its backward (what the reduce stream's bound needs, see [Note: reduce stream])."""
+        return self._trusted
+
     def backward_ended(self) -> None:
         if self.task != -1:
             self._trusted = not self._nested
