@@ -10,6 +10,7 @@ and whether both runs ended with the same weights, bit for bit.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -60,6 +61,8 @@ class Scenario:
     blocks: int = BLOCKS
     edit: Optional[str] = None
     """User code between backward and ``optimizer.step()`` (a name in ``EDITS``)."""
+    dtype: torch.dtype = torch.float32
+    """The weights' dtype (bf16: fp32 master chunks, and at stage 3 device copies of the chunks)."""
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -81,19 +84,22 @@ def train(scenario: Scenario, rank: int, device: Any = None, **overrides: Any) -
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     torch.manual_seed(0)
-    model = BlockStack(scenario.blocks)
+    model = BlockStack(scenario.blocks).to(scenario.dtype)
     if scenario.optimizer == "sgd":
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(**{**scenario.config, **overrides}))
+    options = {**scenario.config, **overrides}
+    if "nvme" in (options.get("offload_optimizer"), options.get("offload_params")):
+        options["nvme_path"] = tempfile.mkdtemp(prefix=f"schedules-rank{rank}-")
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(**options))
     edit = EDITS[scenario.edit] if scenario.edit is not None else None
     generator = torch.Generator().manual_seed(100 + rank)
     try:
         for step in range(scenario.steps):
             if device is not None:
                 device.mark(f"step {step}")
-            x = torch.randn(4, WIDTH, generator=generator)
+            x = torch.randn(4, WIDTH, generator=generator).to(scenario.dtype)
             engine.begin_step()
             model(x, scenario.detach_after.get(rank)).backward()
             engine.finish_backward()
