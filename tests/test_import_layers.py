@@ -1,6 +1,8 @@
 """The package's import graph, read from the source with ``ast``: no circles anywhere in
 ``src/lightning_zero``, no Lightning under ``engine/`` or ``checkpoint/``, and the engine's
-sub-packages importing one way only (``lightning_zero/engine/__init__.py`` draws the map).
+sub-packages importing one way only (``lightning_zero/engine/__init__.py`` draws the map). And one
+rule about calls: only ``engine/comm/streams.py`` touches a device's streams and events (see [Note:
+the stream layer]), since what bypasses it is invisible to the schedule explorer.
 
 Every import counts: module level, inside functions, and under ``TYPE_CHECKING``, since a circle a
 type checker follows is still two modules that cannot be read apart.
@@ -178,6 +180,32 @@ def test_engine_sub_packages_import_one_way():
     assert not found, "imports against the engine's direction (see lightning_zero/engine/__init__.py):\n" + "\n".join(found)
 
 
+STREAM_LAYER = f"{PACKAGE}.engine.comm.streams"
+STREAM_APIS = {"Stream", "Event", "stream", "current_stream", "default_stream", "set_stream", "synchronize", "ExternalStream"}
+"""``torch.cuda``'s stream and event API, which only the stream layer may use."""
+
+
+def stream_calls_outside_the_layer(root: Path) -> list[str]:
+    """Places in the engine, but for the stream layer, that use ``torch.cuda``'s stream or event API
+    or ``record_stream``."""
+    found = []
+    for name, path in module_names(root, ENGINE).items():
+        if name == STREAM_LAYER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Attribute):
+                continue
+            cuda_api = node.attr in STREAM_APIS and ast.unparse(node.value) == "torch.cuda"
+            if cuda_api or node.attr == "record_stream":
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_stream_layer_touches_streams_and_events():
+    found = stream_calls_outside_the_layer(SRC)
+    assert not found, "stream or event calls outside engine/comm/streams.py (see [Note: the stream layer]):\n" + "\n".join(found)
+
+
 @pytest.fixture
 def broken_tree(tmp_path: Path) -> Path:
     """A package with each fault the checks look for, to show they find them."""
@@ -189,6 +217,8 @@ def broken_tree(tmp_path: Path) -> Path:
         "engine/module_link.py": "",
         "engine/comm/__init__.py": "",
         "engine/comm/collectives.py": "from lightning_zero.engine.shards import partition\n",
+        "engine/comm/streams.py": "import torch\ns = torch.cuda.Stream()\n",
+        "engine/comm/copies.py": "import torch\ne = torch.cuda.Event()\nt.record_stream(s)\n",
         "engine/shards/__init__.py": "",
         "engine/shards/partition.py": "def f():\n    from lightning_zero.engine.buckets.bucket import Bucket\n",
         "engine/buckets/__init__.py": "",
@@ -221,6 +251,10 @@ def test_the_checks_find_each_fault(broken_tree: Path):
     assert framework_imports(graph, FRAMEWORK_FREE) == [
         "lightning_zero.checkpoint.io -> lightning.fabric.plugins",
         "lightning_zero.engine.buckets.bucket -> lightning.pytorch",
+    ]
+    assert stream_calls_outside_the_layer(broken_tree) == [
+        "lightning_zero.engine.comm.copies:2: torch.cuda.Event",
+        "lightning_zero.engine.comm.copies:3: t.record_stream",
     ]
     assert layer_violations(graph) == [
         "lightning_zero.engine.buckets.bucket -> lightning_zero.engine",
