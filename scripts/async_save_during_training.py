@@ -21,8 +21,8 @@ while the GPT of ``--n-embd``/``--layers`` is saved: the GIL case.
     PYTHONPATH=src python scripts/async_save_during_training.py --train launch-bound --rounds 3 --window 6
     PYTHONPATH=src python scripts/async_save_during_training.py --train example --rounds 3 --window 10
 
-768/4 layers is the GPT of the async-save benchmark (docs/benchmarks.md; 28.6M parameters without
-the output head's count); each save writes ~344 MB (fp32 weights and AdamW's two moments).
+768/4 layers is the GPT of the async-save benchmark (docs/benchmarks.md); each save writes ~344 MB
+(fp32 weights and AdamW's two moments).
 
 Where the writer holds the GIL: record a run with py-spy (``pip install py-spy``; ``--gil`` keeps
 only samples of threads holding the GIL), then summarize it with the number of saves the run printed:
