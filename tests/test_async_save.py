@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from case_groups import CaseGroup, GroupResults, RankContext
 from lightning.pytorch.callbacks import Callback
 
@@ -306,6 +307,190 @@ def fabric_round_trip(ctx: RankContext) -> dict[str, Any]:
     }
 
 
+# ---- one host copy per saved tensor ---------------------------------------------------------------------------
+class _HostTransfers(TorchFunctionMode):
+    """Counts, by the source's place (storage, offset, numel, dtype), each request to bring a tensor
+    to the host: ``.to(<cpu>)`` / ``.cpu()`` and a ``copy_`` into a host tensor. On a GPU each is a
+    device-to-host copy (a blocking ``.to`` also a host sync); on a CPU run ``.to("cpu")`` returns the
+    tensor itself, so counting requests is how a CPU sees the copies the same code makes on a GPU.
+    Counts this thread only (torch's mode stack is per thread): the save's foreground; and not inside
+    ``not_counting`` (DCP's writing, handed host tensors only: its loader's ``.cpu()`` of each is a
+    no-op on any machine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[tuple, int] = {}
+        self.counting = True
+
+    def not_counting(self, original: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.counting = False
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.counting = True
+
+        return call
+
+    @staticmethod
+    def place(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        source = None
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and any(_names_host(a) for a in (*args[1:], *kwargs.values()))):
+            source = args[0]
+        elif func is torch.Tensor.copy_ and args[0].device.type == "cpu":
+            source = args[1]
+        if self.counting and isinstance(source, torch.Tensor) and source.numel() > 0:
+            key = self.place(source)
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+    def of(self, t: torch.Tensor) -> int:
+        return self.counts.get(self.place(t), 0)
+
+
+def _names_host(arg: Any) -> bool:
+    return (isinstance(arg, str) and arg.startswith("cpu")) or (isinstance(arg, torch.device) and arg.type == "cpu")
+
+
+class _Ranks:
+    """What ``ZeroCheckpointing.save`` needs of the strategy, over the default group."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.is_global_zero, self.world_size = ctx.rank == 0, ctx.world_size
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        torch.distributed.barrier()
+
+
+COPY_CONFIGS = {
+    "zero1": {"stage": 1},
+    "zero1_offload": {"stage": 1, "offload_optimizer": True},
+    "zero2": {"stage": 2},
+    "zero2_offload": {"stage": 2, "offload_optimizer": True},
+    "zero3": {"stage": 3},
+    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+
+
+def _engine(config: dict[str, Any], seed: int) -> tuple[Any, Any, Any, Callable[[int], None]]:
+    """``OddShapes`` (a 1-element parameter: an empty chunk on rank 1) with a buffer, AdamW, under
+    the engine at ``config``; and a step on the ``i``-th batch of this rank."""
+    from models import OddShapes, batches
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(seed)
+    model = OddShapes()
+    model.register_buffer("counts", torch.arange(5.0) + seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(**config))
+    data = batches(torch.distributed.get_rank() + 10 * seed, 4)
+
+    def step(i: int) -> None:
+        x, y = data[i]
+        engine.begin_step()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        engine.finish_backward()
+        engine.end_step()
+        optimizer.step()
+        engine.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+
+    return model, optimizer, engine, step
+
+
+def _engine_state(model: Any, engine: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """This rank's chunks, its optimizer state and the buffer, cloned."""
+    chunks = engine.weight_chunks()
+    state = {f"chunk/{sp.name}": chunks[id(sp)].clone() for sp in engine.params}
+    for position, values in engine.optimizer_chunked_state(optimizer)[0]["state"].items():
+        state.update({f"optim/{position}/{key}": torch.as_tensor(v).clone() for key, v in values.items()})
+    state["buffer/counts"] = model.counts.clone()
+    return state
+
+
+@GROUP.case
+def one_host_copy_per_tensor(ctx: RankContext) -> dict[str, Any]:
+    """At every ``COPY_CONFIGS`` entry, engine-level: after a step, an asynchronous save (its entries
+    and its staging counted by ``_HostTransfers``), a step while its write is in flight, then a
+    synchronous save (counted alike); each loaded into a fresh engine. Per config: the host
+    transfers of every saved tensor, per save, and the keys whose loaded values differ from the
+    state each save was made of."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_zero.checkpoint import directory
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
+
+    async_saves = ZeroCheckpointing("sharded", async_save=True)  # one arena, arranged again for each config
+    sync_saves = ZeroCheckpointing("sharded")
+    out: dict[str, Any] = {}
+    for label, config in COPY_CONFIGS.items():
+        model, optimizer, engine, step = _engine(config, seed=0)
+        step(0)
+        saved: dict[str, dict[str, torch.Tensor]] = {}
+        transfers: dict[str, list[int]] = {}
+        for kind, checkpointing in (("async", async_saves), ("sync", sync_saves)):
+            saved[kind] = _engine_state(model, engine, optimizer)
+            with _HostTransfers() as counting, _patched(directory, "write_directory", counting.not_counting):
+                checkpoint = {
+                    "state_dict": checkpointing.module_shards(model, engine),
+                    "optimizer_states": [checkpointing.optimizer_shards(engine, [optimizer], optimizer)],
+                }
+                entries = {**checkpoint["state_dict"], **checkpoint["optimizer_states"][0].tensors}
+                entries = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in entries.items()}
+                path = os.path.join(ctx.tmpdir, f"copies_{label}_{kind}")
+                checkpointing.save(_Ranks(ctx), checkpoint, path, model, engine, write_file=lambda c, p: None)
+            transfers[kind] = sorted(counting.of(t) for t in entries.values() if t.numel() > 0)
+            step(1)  # the async save's write may still be in flight
+        async_saves.wait()
+        differing = {}
+        for kind in ("async", "sync"):
+            fresh_model, fresh_optimizer, fresh_engine, fresh_step = _engine(config, seed=1)
+            fresh_step(0)  # state of its own, which the load replaces
+            sync_saves.load(os.path.join(ctx.tmpdir, f"copies_{label}_{kind}"), fresh_model, fresh_engine, [fresh_optimizer], True,
+                            read_file=lambda p: {}, weights_only=True)  # fmt: skip
+            loaded = _engine_state(fresh_model, fresh_engine, fresh_optimizer)
+            keys = saved[kind].keys() | loaded.keys()
+            differing[kind] = sorted(k for k in keys if k not in saved[kind] or k not in loaded or not torch.equal(saved[kind][k], loaded[k]))
+            fresh_engine.close()
+        engine.close()
+        out[label] = {"transfers": transfers, "differing": differing, "saved_keys": len(saved["async"])}
+    async_saves.release()
+    return out
+
+
+@GROUP.case
+def device_entries_on_the_host(ctx: RankContext) -> dict[str, Any]:
+    """Chunks on a device, with the "meta" device standing in for CUDA (a CPU has no other): their
+    entries' meshes (1-D, and hybrid with shard groups of 1), and those entries rebuilt over host
+    copies (what both saves hand DCP)."""
+    from lightning_zero.checkpoint.group import CheckpointGroup
+    from lightning_zero.checkpoint.sharded import _flat_dtensor, entries_over
+
+    group, out = CheckpointGroup(), {}
+    for label, shard_group_size in (("flat", None), ("hybrid", 1)):
+        mesh = group.mesh_for(shard_group_size, "meta")
+        entry = _flat_dtensor(torch.empty(3, device="meta"), 3 * ctx.world_size if shard_group_size is None else 3, mesh)
+        host = entries_over({"chunk": entry, "plain": torch.ones(2), "value": 7}, {"chunk": torch.arange(3.0), "plain": torch.zeros(2)}, group)
+        out[label] = {
+            "entry_mesh": (entry.device_mesh.device_type, entry.device.type),
+            "same_mesh_again": group.mesh_for(shard_group_size, "meta") is mesh,
+            "host_mesh_is_the_cpus": group.host_mesh(mesh) is group.mesh_for(shard_group_size),
+            "host": (host["chunk"].device_mesh.device_type, host["chunk"].to_local().tolist(), tuple(host["chunk"].shape),
+                     host["chunk"].placements == entry.placements, host["plain"].tolist(), host["value"]),
+        }  # fmt: skip
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("async_save"))
@@ -383,15 +568,36 @@ def test_fabric_async_save_then_load_round_trip(results: GroupResults) -> None:
         assert out["staging"] > 0
 
 
+@pytest.mark.parametrize("label", list(COPY_CONFIGS))
+def test_a_save_brings_each_tensor_to_the_host_once_and_loads_back_bitwise(results: GroupResults, label: str) -> None:
+    """Asynchronous: each tensor straight into the staging arena (once; no copy made by the
+    checkpoint hooks first); synchronous: once as before. Both loaded back bitwise, the async one
+    after a step taken while its write was in flight."""
+    for rank, out in enumerate(results["one_host_copy_per_tensor"]):
+        case = out[label]
+        for kind in ("async", "sync"):
+            assert case["transfers"][kind] and set(case["transfers"][kind]) == {1}, f"rank {rank} {kind}: {case['transfers'][kind]}"
+            assert case["differing"][kind] == [], f"rank {rank} {kind}: {case['differing'][kind]}"
+        assert case["saved_keys"] > 10
+
+
+def test_device_chunks_are_entries_on_a_mesh_of_their_device_and_written_from_the_cpus(results: GroupResults) -> None:
+    for out in results["device_entries_on_the_host"]:
+        for label, shape in (("flat", (6,)), ("hybrid", (3,))):
+            case = out[label]
+            assert case["entry_mesh"] == ("meta", "meta") and case["same_mesh_again"] and case["host_mesh_is_the_cpus"], case
+            assert case["host"] == ("cpu", [0.0, 1.0, 2.0], shape, True, [0.0, 0.0], 7), case
+
+
 # ---- one process ---------------------------------------------------------------------------------------------
 def test_staging_buffers_are_reused_and_copies():
     from lightning_zero.checkpoint.async_save import StagingBuffers
 
     staging = StagingBuffers()
-    live = {"a": torch.arange(6.0), "b": torch.tensor(3), "c": "not a tensor"}
+    live = {"a": torch.arange(6.0), "b": torch.tensor(3)}
     first = staging.stage(live)
     live["a"].add_(1)  # training goes on: the staged copy keeps the saved values
-    assert torch.equal(first["a"], torch.arange(6.0)) and torch.equal(first["b"], torch.tensor(3)) and first["c"] == "not a tensor"
+    assert torch.equal(first["a"], torch.arange(6.0)) and torch.equal(first["b"], torch.tensor(3))
     # one arena: every tensor a view of the same storage, each place aligned
     assert first["a"].untyped_storage().data_ptr() == first["b"].untyped_storage().data_ptr()
     assert staging.held_bytes == 2 * StagingBuffers.ALIGNMENT

@@ -103,6 +103,137 @@ for _label in CHECKPOINTS:
     CHECKPOINT.case(across_devices, name=_label, label=_label)
 
 
+ASYNC_COPIES = {
+    # label: ZeroConfig arguments
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},  # host chunks beside device buffers
+}
+
+
+def async_save_copies(ctx: RankContext, device: Any = None) -> dict:
+    """Engine-level asynchronous saves (two, the second into the arena the first arranged) at every
+    ``ASYNC_COPIES`` entry: per save, the device-to-host copies of the save's foreground whose source
+    is a saved tensor, blocking and non-blocking (torch's dispatcher sees every ``copy_`` and
+    ``_to_copy``), the staging's stream synchronizations (``wait_for_copies`` calls), how many saved
+    tensors are on the device; and the keys a fresh engine loading the last save holds differently.
+    ``device``: cuda:0 (a CPU run of the same code only finds no device copies)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_zero.checkpoint import async_save
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+
+    device = setup_rank(deterministic=True) if device is None else device
+
+    class DeviceToHost(TorchDispatchMode):
+        def __init__(self, sources: set) -> None:
+            super().__init__()
+            self.sources, self.blocking, self.non_blocking = sources, 0, 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            src, to_host, non_blocking = None, False, False
+            if func is torch.ops.aten.copy_.default:
+                src, to_host = args[1], args[0].device.type == "cpu"
+                non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            elif func is torch.ops.aten._to_copy.default:
+                src, to_host = args[0], torch.device(kwargs.get("device") or args[0].device).type == "cpu"
+                non_blocking = bool(kwargs.get("non_blocking", False))
+            if src is not None and to_host and src.device.type != "cpu" and src.numel() > 0 and src.data_ptr() in self.sources:
+                if non_blocking:
+                    self.non_blocking += 1
+                else:
+                    self.blocking += 1
+            return func(*args, **kwargs)
+
+    class Ranks:
+        is_global_zero, world_size = True, 1
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            return obj
+
+        def barrier(self, name: Any = None) -> None:
+            pass
+
+    def made(config: dict, seed: int) -> tuple:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8)).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = ZeroEngine(model, [optimizer], ZeroConfig(**config), device=device)
+        x, y = torch.randn(16, 32, device=device), torch.randn(16, 8, device=device)
+
+        def step() -> None:
+            engine.begin_step()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+
+        return model, optimizer, engine, step
+
+    def state_of(model: Any, engine: Any, optimizer: Any) -> dict:
+        chunks = engine.weight_chunks()
+        state = {f"chunk/{sp.name}": chunks[id(sp)].detach().to("cpu", copy=True) for sp in engine.params}
+        for position, values in engine.optimizer_chunked_state(optimizer)[0]["state"].items():
+            state.update({f"optim/{position}/{k}": torch.as_tensor(v).to("cpu", copy=True) for k, v in values.items()})
+        state.update({f"buffer/{k}": v.to("cpu", copy=True) for k, v in model.named_buffers()})
+        return state
+
+    syncs: list = []
+
+    def counted(original: Any) -> Any:
+        def wait(devices: Any) -> None:
+            syncs.append(len(devices))
+            original(devices)
+
+        return wait
+
+    out: dict = {}
+    original_wait = async_save.wait_for_copies
+    async_save.wait_for_copies = counted(original_wait)
+    try:
+        for label, config in ASYNC_COPIES.items():
+            checkpointing = ZeroCheckpointing("sharded", async_save=True)
+            model, optimizer, engine, step = made(config, seed=0)
+            saves = []
+            for index in range(2):
+                step()
+                saved = state_of(model, engine, optimizer)
+                checkpoint = {
+                    "state_dict": checkpointing.module_shards(model, engine),
+                    "optimizer_states": [checkpointing.optimizer_shards(engine, [optimizer], optimizer)],
+                }
+                entries = {**checkpoint["state_dict"], **checkpoint["optimizer_states"][0].tensors}
+                locals_ = [v.to_local() if isinstance(v, DTensor) else v for v in entries.values()]
+                on_device = {t.data_ptr() for t in locals_ if t.device.type != "cpu" and t.numel() > 0}
+                del syncs[:]
+                path = os.path.join(ctx.tmpdir, f"async_copies_{label}")
+                with DeviceToHost(on_device) as copies:
+                    checkpointing.save(Ranks(), checkpoint, path, model, engine, write_file=lambda c, p: None)
+                saves.append({"blocking": copies.blocking, "non_blocking": copies.non_blocking, "syncs": list(syncs), "on_device": len(on_device)})
+            step()  # while the last write may be in flight
+            checkpointing.release()
+            fresh_model, fresh_optimizer, fresh_engine, fresh_step = made(config, seed=1)
+            fresh_step()
+            ZeroCheckpointing("sharded").load(path, fresh_model, fresh_engine, [fresh_optimizer], True, read_file=lambda p: {}, weights_only=True)
+            loaded = state_of(fresh_model, fresh_engine, fresh_optimizer)
+            differing = sorted(k for k in saved.keys() | loaded.keys() if k not in saved or k not in loaded or not torch.equal(saved[k], loaded[k]))
+            engine.close()
+            fresh_engine.close()
+            out[label] = {"saves": saves, "differing": differing}
+    finally:
+        async_save.wait_for_copies = original_wait
+    return out
+
+
+CHECKPOINT.case(async_save_copies)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> GroupResults:
     return CHECKPOINT.run(tmp_path_factory.mktemp("cuda_checkpoints"))
@@ -115,3 +246,17 @@ def test_a_checkpoint_saved_on_cuda_resumes_on_cpu_and_back(checkpoints, label):
     assert r["saved_on_cpu_restored_on_cuda"] == [], "restored values differ from the saved ones"
     diffs = r["cpu_steps_vs_cuda_steps"]
     assert len(diffs) == 2 and max(diffs) <= DEVICE_CHANGE_TOLERANCE, r
+
+
+@pytest.mark.parametrize("label", list(ASYNC_COPIES))
+def test_an_async_save_copies_each_device_tensor_once_with_one_stream_sync(checkpoints, label):
+    """Each device tensor straight into the pinned arena with one non-blocking copy, no blocking
+    device-to-host copy (the checkpoint hooks' `.to("cpu")` made one per tensor before, then the
+    arena a second copy), one stream synchronization per save; the last save loads back bitwise."""
+    (r,) = checkpoints["async_save_copies"]
+    case = r[label]
+    for save in case["saves"]:
+        assert save["on_device"] > 0 and save["blocking"] == 0, case
+        assert save["non_blocking"] == save["on_device"], case
+        assert save["syncs"] == [1], case  # one call, one device
+    assert case["differing"] == [], case

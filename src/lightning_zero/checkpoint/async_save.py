@@ -7,7 +7,9 @@ A save is split in two, as ``start_save`` / ``finish_save``:
 - In the foreground, on every rank (``ZeroCheckpointing.save``): the save in flight, if any, is
   finished first (at most one at a time: its staging buffers are about to be overwritten, and a
   failure it had is raised here); then this rank's DCP tensors are copied into ``StagingBuffers``
-  (kept for the next save; pinned host memory on CUDA) and rank 0 serializes meta.pt. From then
+  (kept for the next save; pinned host memory on CUDA), each once, straight from where training
+  keeps it, with one stream synchronization for the save (see [Note: host copies of a save] in
+  ``sharded.py``), and rank 0 serializes meta.pt. From then
   on nothing the save writes aliases what training changes. The ranks agree on the outcome of that
   copy like any foreground step, so a failure there is raised on every rank at once.
 - In the background, one thread per rank, on the rank's CUDA device (a new thread's is GPU 0), with
@@ -42,7 +44,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.storage import CheckpointGroup
 from lightning_zero.engine.comm.copy_memory import pinned_block_bytes
@@ -73,26 +74,20 @@ class StagingBuffers:
         nbytes = self._arena.numel()
         return pinned_block_bytes(nbytes) if self._arena.is_pinned() else nbytes
 
-    def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """``tensors`` (plain tensors and DTensor shards, by DCP key) as copies in the arena, each
-        DTensor rebuilt over its copy with the same mesh, placements and global shape. Returns once
-        the copies landed: after that nothing staged aliases what training changes."""
-        sources = {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in tensors.items() if isinstance(v, Tensor)}
-        self._arrange([(key, t.shape, t.dtype) for key, t in sources.items()])
-        for key, source in sources.items():
-            self._places[key].copy_(source.detach(), non_blocking=source.device.type == "cuda")
-        staged: dict[str, Any] = {}
-        for key, value in tensors.items():
-            if isinstance(value, DTensor):
-                staged[key] = DTensor.from_local(
-                    self._places[key], value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-                )
-            else:
-                staged[key] = self._places[key] if isinstance(value, Tensor) else value
-        for device in {t.device for t in sources.values() if t.device.type == "cuda"}:
-            # the non-blocking copies land before the writer reads them: their stream's work, not the device's
-            torch.cuda.current_stream(device).synchronize()
-        return staged
+    def stage(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Copies of ``tensors`` (by DCP key, where training keeps them) in the arena, each copied
+        once: a device tensor with a non-blocking copy (into pinned memory), then one stream
+        synchronization for them all; a host tensor with a host copy. Returns once the copies landed:
+        after that nothing staged aliases what training changes."""
+        self._arrange([(key, t.shape, t.dtype) for key, t in tensors.items()])
+        devices = set()
+        for key, source in tensors.items():
+            on_device = source.device.type == "cuda"
+            self._places[key].copy_(source.detach(), non_blocking=on_device)
+            if on_device:
+                devices.add(source.device)
+        wait_for_copies(devices)
+        return {key: self._places[key] for key in tensors}
 
     def _arrange(self, layout: list[tuple[str, torch.Size, torch.dtype]]) -> None:
         """Give every (key, shape, dtype) of ``layout`` its place in the arena, allocating a new
@@ -251,6 +246,13 @@ class AsyncSaves:
                 task()
             except Exception as err:  # noqa: BLE001 - housekeeping after a committed save: never fails it
                 log.warning(f"After saving {str(save.path)!r}: {type(err).__name__}: {err}")
+
+
+def wait_for_copies(devices: set[torch.device]) -> None:
+    """The host waits once per device (one per rank) for the non-blocking copies queued on its
+    current stream: the copies' stream, not the whole device, so other streams' work goes on."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _current_cuda_device() -> Optional[int]:

@@ -32,7 +32,7 @@ from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.locations import Location, RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, untrusted, weights_only_refusal
-from lightning_zero.checkpoint.sharded import mesh_of, model_tensors, optimizer_shards
+from lightning_zero.checkpoint.sharded import entries_over, entry_tensors, model_tensors, optimizer_shards
 from lightning_zero.checkpoint.storage import serialize_meta, write_directory
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.optimizer.averaged_shards import AveragedShards
@@ -83,13 +83,15 @@ class ZeroCheckpointing:
 
     def module_shards(self, module: nn.Module, engine: ZeroEngine, average: Optional[AveragedShards] = None) -> dict[str, Any]:
         """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication
-        (``average``: of a weight-averaging callback's average instead)."""
-        return model_tensors(module, engine, mesh_of(self.group, engine), average)
+        (``average``: of a weight-averaging callback's average instead); not copied, the save copies
+        them to the host (see [Note: host copies of a save] in ``sharded.py``)."""
+        return model_tensors(module, engine, self.group, average)
 
     def optimizer_shards(self, engine: ZeroEngine, optimizers: Sequence[Optimizer], optimizer: Optimizer) -> Any:
-        """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state."""
+        """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state (not
+        copied, as ``module_shards``)."""
         index = [id(o) for o in optimizers].index(id(optimizer))
-        return optimizer_shards(engine, optimizer, index, mesh_of(self.group, engine))
+        return optimizer_shards(engine, optimizer, index, self.group)
 
     def save(
         self,
@@ -151,7 +153,8 @@ class ZeroCheckpointing:
             if self.group.rank == 0:
                 staged["meta"] = serialize_meta(temporary, contents.meta)
             try:
-                staged["tensors"] = self.saves.staging.stage(contents.tensors)
+                copies = self.saves.staging.stage(entry_tensors(contents.tensors))
+                staged["tensors"] = entries_over(contents.tensors, copies, self.group)
             except Exception as err:  # noqa: BLE001 - e.g. out of host memory; raised on every rank
                 detail = f"{describe(err)} while copying the shards into staging buffers (rank {self.group.rank})"
                 raise CheckpointWriteError(detail, detail) from err

@@ -29,6 +29,7 @@ from lightning_zero.checkpoint.sharded import (
     CURRENT_PREFIX,
     SHARD_KEY_PREFIXES,
     build_manifest,
+    host_entries,
     load_model,
     load_optimizer,
     mesh_of,
@@ -50,7 +51,8 @@ SHARDED_ENTRY = "lightning_zero_sharded_entry"
 
 class DirectoryContents(NamedTuple):
     """What a sharded directory holds, before it is written: the DCP entries (this rank's chunks,
-    DTensors, and plain tensors), meta.pt's dict and the manifest."""
+    DTensors, and plain tensors, where training keeps them: the save copies them to the host),
+    meta.pt's dict and the manifest."""
 
     tensors: dict[str, Any]
     meta: dict[str, Any]
@@ -60,8 +62,10 @@ class DirectoryContents(NamedTuple):
 def save_directory(
     directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
 ) -> None:
-    """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it)."""
-    write_directory(directory, *directory_contents(checkpoint, module, engine, stage, world_size), group)
+    """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it), its device
+    tensors copied to the host first (see [Note: host copies of a save] in ``sharded.py``)."""
+    contents = directory_contents(checkpoint, module, engine, stage, world_size)
+    write_directory(directory, host_entries(contents.tensors, group), contents.meta, contents.manifest, group)
 
 
 def directory_contents(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int) -> DirectoryContents:

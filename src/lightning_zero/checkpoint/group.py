@@ -32,6 +32,7 @@ class CheckpointGroup:
         self._group: Optional[dist.ProcessGroup] = None
         self._mesh: Optional[DeviceMesh] = None
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
+        self._device_meshes: dict[tuple[Optional[int], str], DeviceMesh] = {}
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -47,9 +48,16 @@ class CheckpointGroup:
             self._mesh = DeviceMesh.from_group(self.group, "cpu")
         return self._mesh
 
-    def mesh_for(self, shard_group_size: Optional[int]) -> DeviceMesh:
+    def mesh_for(self, shard_group_size: Optional[int], device_type: str = "cpu") -> DeviceMesh:
         """The mesh the chunks are DTensors on: 1-D over all ranks, or with hybrid sharding 2-D
-        (replicas × shard group), each chunk ``Replicate`` across shard groups (DCP stores it once)."""
+        (replicas × shard group), each chunk ``Replicate`` across shard groups (DCP stores it once).
+
+        ``device_type``: where the chunks are. What DCP writes and reads is on the CPU's mesh; a save's
+        entries stay on the device until the save copies them (see [Note: host copies of a save] in
+        ``sharded.py``), as DTensors on a mesh of the device's type over the same gloo groups (torch's
+        ``DTensor.from_local`` would move them to its mesh's device). Nothing communicates on it."""
+        if device_type != "cpu":
+            return self._device_mesh(shard_group_size, device_type)
         if shard_group_size is None:
             return self.mesh
         if shard_group_size not in self._hybrid_meshes:
@@ -59,6 +67,28 @@ class CheckpointGroup:
                 groups, "cpu", mesh=layout, mesh_dim_names=("replicate", "shard")
             )
         return self._hybrid_meshes[shard_group_size]
+
+    def _device_mesh(self, shard_group_size: Optional[int], device_type: str) -> DeviceMesh:
+        key = (shard_group_size, device_type)
+        if key not in self._device_meshes:
+            host = self.mesh_for(shard_group_size)
+            if host.ndim == 1:
+                made = DeviceMesh.from_group(host.get_group(), device_type)
+            else:
+                groups = [host.get_group(0), host.get_group(1)]
+                made = DeviceMesh.from_group(groups, device_type, mesh=host.mesh, mesh_dim_names=host.mesh_dim_names)
+            self._device_meshes[key] = made
+        return self._device_meshes[key]
+
+    def host_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The CPU's mesh of the same layout as ``mesh`` (one made by ``mesh_for``): where a chunk's
+        host copy is a DTensor."""
+        if mesh.device_type == "cpu":
+            return mesh
+        for (shard_group_size, _), made in self._device_meshes.items():
+            if made is mesh:
+                return self.mesh_for(shard_group_size)
+        raise ValueError(f"{mesh} was not made by this checkpoint group")
 
     def _new_gloo_group_per(self, rows: torch.Tensor) -> dist.ProcessGroup:
         """One gloo group per row of global ranks (each rank creates all, in order); this rank's."""
@@ -72,7 +102,7 @@ class CheckpointGroup:
 
     def __getstate__(self) -> dict[str, Any]:
         # a process group belongs to its process: made anew on use
-        return {"timeout": self.timeout, "dedicated": self.dedicated, "_group": None, "_mesh": None, "_hybrid_meshes": {}}
+        return {"timeout": self.timeout, "dedicated": self.dedicated, "_group": None, "_mesh": None, "_hybrid_meshes": {}, "_device_meshes": {}}
 
     @property
     def alone(self) -> bool:

@@ -29,6 +29,21 @@ replicated, silently keeping rank 0's chunk only. A DTensor tells DCP which slic
 holds, so a checkpoint loads at any world size and any stage: loading asks for the slices the
 new layout needs.
 
+[Note: host copies of a save]
+The entries ``model_tensors`` and ``optimizer_shards`` return are the tensors training keeps, where
+it keeps them, never copied: on the device (DTensors on a mesh of the device's type, see
+``CheckpointGroup.mesh_for``) or on the host (offloaded chunks and optimizer state, everything on a
+CPU run). The save copies each to the host once, right before DCP writes it:
+
+- synchronous (``host_entries``): a blocking copy of each device tensor into new memory; host
+  tensors are written as they are, training waiting for the write;
+- asynchronous (``StagingBuffers.stage`` in ``async_save.py``): every tensor straight into the
+  staging arena, device tensors with one non-blocking copy each into pinned memory and one stream
+  synchronization for the whole save, host tensors with one host copy.
+
+Either way DCP sees host tensors only (DTensors on the CPU's mesh): its planner and files are the
+same as ever, and its writer threads never touch CUDA (see ``_writer`` in ``storage.py``).
+
 Reading and writing the files (with checksums and errors that name the file) is ``storage.py``.
 """
 
@@ -61,15 +76,22 @@ CURRENT_PREFIX = "current/"
 
 def _flat_dtensor(local: Tensor, numel: int, mesh: DeviceMesh) -> DTensor:
     """This rank's chunk as a slice of the flat parameter (``torch.chunk`` layout, as ours); on a
-    hybrid mesh the same slice is held by each shard group (``Replicate`` across them)."""
-    local = local.detach().reshape(-1).to("cpu")
+    hybrid mesh the same slice is held by each shard group (``Replicate`` across them). ``local``
+    must be on ``mesh``'s device type (``DTensor.from_local`` would copy it there)."""
+    local = local.detach().reshape(-1)
     placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
-def mesh_of(group: CheckpointGroup, engine: Optional[ZeroEngine]) -> DeviceMesh:
-    """The mesh ``engine``'s chunks live on (see ``CheckpointGroup.mesh_for``)."""
-    return group.mesh_for(engine.shard_group_size if engine is not None else None)
+def _chunk_entry(local: Tensor, numel: int, group: CheckpointGroup, engine: Optional[ZeroEngine]) -> DTensor:
+    """A save's entry for this rank's chunk, where training keeps it (see [Note: host copies of a save])."""
+    return _flat_dtensor(local, numel, mesh_of(group, engine, local.device.type))
+
+
+def mesh_of(group: CheckpointGroup, engine: Optional[ZeroEngine], device_type: str = "cpu") -> DeviceMesh:
+    """The mesh ``engine``'s chunks are DTensors on, for chunks on ``device_type`` (see
+    ``CheckpointGroup.mesh_for``)."""
+    return group.mesh_for(engine.shard_group_size if engine is not None else None, device_type)
 
 
 # ---- what is saved ------------------------------------------------------------------------------
@@ -87,11 +109,12 @@ def _param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str], lis
 
 
 def model_tensors(
-    module: nn.Module, engine: Optional[ZeroEngine], mesh: DeviceMesh, average: Optional[AveragedShards] = None
+    module: nn.Module, engine: Optional[ZeroEngine], group: CheckpointGroup, average: Optional[AveragedShards] = None
 ) -> dict[str, Tensor]:
-    """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers.
-    ``average``: a weight-averaging callback's average instead (its chunks, laid out on ``mesh`` as
-    the engine's; its buffers where it keeps them, else the module's)."""
+    """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers, where
+    training keeps them (see [Note: host copies of a save]); DTensors on ``group``'s meshes.
+    ``average``: a weight-averaging callback's average instead (its chunks, laid out as the
+    engine's; its buffers where it keeps them, else the module's)."""
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
     chunks = engine.weight_chunks() if engine is not None and average is None else {}
     _, _, buffers = _param_names(module)
@@ -100,16 +123,16 @@ def model_tensors(
     for name, p in module.named_parameters():
         sp = sharded.get(id(p))
         if average is not None:
-            tensors[f"model/{name}"] = _flat_dtensor(average.chunk(name), average.chunks[name].layout.numel, mesh)
+            tensors[f"model/{name}"] = _chunk_entry(average.chunk(name), average.chunks[name].layout.numel, group, engine)
         elif sp is None:
-            tensors[f"model/{name}"] = p.detach().reshape(-1).to("cpu")
+            tensors[f"model/{name}"] = p.detach().reshape(-1)
         else:  # at stage 3 the parameter itself is an empty placeholder at rest
             # the optimizer's chunk is the most precise copy of the weight (fp32 master where the
             # parameter is half precision), so converted checkpoints get full-precision weights
-            tensors[f"model/{name}"] = _flat_dtensor(chunks[id(sp)], sp.layout.numel, mesh)
+            tensors[f"model/{name}"] = _chunk_entry(chunks[id(sp)], sp.layout.numel, group, engine)
     for key in buffers:
         kept = average.buffer(key) if average is not None else None
-        tensors[f"buffer/{key}"] = (kept if kept is not None else state[key]).detach().to("cpu")
+        tensors[f"buffer/{key}"] = (kept if kept is not None else state[key]).detach()
     return tensors
 
 
@@ -124,7 +147,9 @@ class OptimizerShards:
     """Hyperparameters of each group, with the names of its parameters under "params"."""
 
 
-def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> OptimizerShards:
+def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, group: CheckpointGroup) -> OptimizerShards:
+    """``optimizer``'s state in this rank's chunks, its tensors where training keeps them (see
+    [Note: host copies of a save]); DTensors on ``group``'s meshes."""
     params = engine.params_of(optimizer)
     state_dict, chunked = engine.optimizer_chunked_state(optimizer)  # whole-tensor optimizers' state too
     tensors: dict[str, Tensor] = {}
@@ -134,10 +159,10 @@ def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh:
         for key, value in state_dict["state"].get(position, {}).items():
             entry = f"optim/{index}/{sp.name}/{key}"
             if (position, key) in chunked:
-                tensors[entry] = _flat_dtensor(value, sp.layout.numel, mesh)
+                tensors[entry] = _chunk_entry(value, sp.layout.numel, group, engine)
                 layout.setdefault(sp.name, {})[key] = SHARDED
             elif isinstance(value, Tensor):
-                tensors[entry] = value.detach().to("cpu")
+                tensors[entry] = value.detach()
                 layout.setdefault(sp.name, {})[key] = TENSOR
             else:
                 values.setdefault(sp.name, {})[key] = value
@@ -147,6 +172,30 @@ def optimizer_shards(engine: ZeroEngine, optimizer: Optimizer, index: int, mesh:
         for group in state_dict["param_groups"]
     ]
     return OptimizerShards(tensors, layout, values, groups)
+
+
+def entry_tensors(entries: dict[str, Any]) -> dict[str, Tensor]:
+    """The tensor holding each entry's values, where training keeps it (a DTensor's chunk), by key."""
+    return {key: (v.to_local() if isinstance(v, DTensor) else v) for key, v in entries.items() if isinstance(v, Tensor)}
+
+
+def entries_over(entries: dict[str, Any], copies: dict[str, Tensor], group: CheckpointGroup) -> dict[str, Any]:
+    """``entries`` with each tensor replaced by its host copy in ``copies`` (a DTensor rebuilt over
+    its copy, with the same placements and global shape, on the CPU's mesh); other values as they are."""
+    rebuilt: dict[str, Any] = {}
+    for key, value in entries.items():
+        if isinstance(value, DTensor):
+            mesh = group.host_mesh(value.device_mesh)
+            rebuilt[key] = DTensor.from_local(copies[key], mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        else:
+            rebuilt[key] = copies[key] if isinstance(value, Tensor) else value
+    return rebuilt
+
+
+def host_entries(entries: dict[str, Any], group: CheckpointGroup) -> dict[str, Any]:
+    """A synchronous save's entries on the host: a blocking copy of each device tensor, host
+    tensors as they are (see [Note: host copies of a save])."""
+    return entries_over(entries, {key: t.to("cpu") for key, t in entry_tensors(entries).items()}, group)
 
 
 def build_manifest(
