@@ -196,15 +196,18 @@ class ReduceDuringBackward(GradientSync):
         # runs once per parameter per backward: what it does for a parameter that does not complete
         # its bucket is one call (``mark_ready``)
         bucket, listener, unreached = self._bucket_of[id(param.param)], self._listener, self._unreached
+        marked = unreached.marked  # empty unless this backward marked some: one truth test per hook
         graph_task = torch._C._current_graph_task_id
 
         def on_grad_accumulated(_: object) -> None:
             if listener is not None and listener.awaiting:
                 listener.grad_accumulated(param)
+            if marked and param in marked:
+                self._reached_after_all(param, bucket)
             became_ready = bucket.mark_ready(param)
             task = graph_task()
             if task != unreached.task:  # this backward's first gradient hook (or a nested backward's)
-                became_ready = self._mark_ready(unreached.seen_task(task)) or became_ready
+                became_ready = self._mark_ready(unreached.seen_task(task, param)) or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
             elif self.finish_early and self._unfinished:  # gloo: one launched earlier may be done by now
@@ -221,6 +224,27 @@ class ReduceDuringBackward(GradientSync):
         for p in unreached:
             became_ready = self._bucket_of[id(p.param)].mark_ready(p) or became_ready
         return became_ready
+
+    def _reached_after_all(self, param: ShardedParam, bucket: Bucket) -> None:
+        """``param`` was marked unreached in this backward and received its gradient anyway (see
+        [Note: accumulation nodes replaced] in ``unreached.py``). Before its bucket's launch the
+        gradient is in ``param.grad``, which the launch reads: exact, and marking stops. After it,
+        the bucket went without it: raise."""
+        launched = self.buckets.index(bucket) < self._next_to_launch
+        self._unreached.reached_after_all(raising=launched)
+        if launched:
+            raise RuntimeError(
+                f"Parameter {param.name!r} received a gradient after lightning-zero had reduced its bucket without"
+                " it: at this backward's first gradient the engine found that the backward would not reach it"
+                " (see [Note: unreached parameters] in engine/gradients/unreached.py). Two things mislead that"
+                " finding: the parameter's gradient accumulator was replaced (its `.data` was assigned a tensor of"
+                " another dtype or device, e.g. `model.to(torch.float64)` and back, between steps), or a nested"
+                " backward (reentrant activation checkpointing, `checkpoint(..., use_reentrant=True)`, turned on"
+                " after the first steps). The engine stops relying on it for the next backward, but this step's"
+                " gradients are incomplete. HINT: assign `.data` only tensors of the parameter's own dtype and"
+                " device (or change them before the engine is built), and use `use_reentrant=False` or"
+                " checkpointing from the first step."
+            )
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
