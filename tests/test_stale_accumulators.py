@@ -36,14 +36,23 @@ def _blocks() -> torch.nn.Module:
 
 
 def _train(
-    rank: int, stage: int, lend: Optional[torch.dtype], options: dict, swap: Optional[str] = None, lent_prefix: str = ""
+    rank: int,
+    stage: int,
+    lend: Optional[torch.dtype],
+    options: dict,
+    swap: Optional[str] = None,
+    lent_prefix: str = "",
+    reentrant: bool = False,
 ) -> list[torch.Tensor]:
     """``STEPS`` steps of four GPT blocks under the engine (SGD with momentum, each rank its own data);
     the full weights after them. ``lend``: before step ``LENT_AT``, every parameter is lent a full copy
     of that dtype and taken back (the engine's ``summon_full_params(offload_to_cpu=True)`` path), or
     those whose names start with ``lent_prefix``.
     ``swap``: before that step, the parameters whose names contain it have their ``.data`` sent to
-    float64 and back behind the engine's back (stages 1-2)."""
+    float64 and back behind the engine's back (stages 1-2). ``reentrant``: from that step on, the
+    second block runs under reentrant activation checkpointing (a nested backward)."""
+    import torch.utils.checkpoint
+
     from lightning_zero.engine import ZeroConfig, ZeroEngine
 
     torch.manual_seed(0)
@@ -63,7 +72,11 @@ def _train(
                     p.data = p.data.double()
                     p.data = p.data.float()
         engine.begin_step()
-        model(torch.randn(2, 8, 16, generator=data)).pow(2).mean().backward()
+        x = torch.randn(2, 8, 16, generator=data)
+        for i, block in enumerate(model):
+            checkpointed = reentrant and step >= LENT_AT and i == 1
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True) if checkpointed else block(x)
+        x.pow(2).mean().backward()
         engine.finish_backward()
         engine.end_step()
         optimizer.step()
@@ -93,7 +106,8 @@ def _swapped_behind_the_engine(rank: int) -> dict[str, Any]:
     """Stage 2, ``.data`` sent to float64 and back on some parameters (not the first whose gradient
     comes): in one bucket with later gradients (not reduced when its own comes: exact, bitwise the
     run without), and in buckets of one block each (the first block's reduced before its gradient
-    comes: the error); and on every parameter (exact)."""
+    comes: the error); and on every parameter (exact). And a block put under reentrant checkpointing
+    after the marking was trusted (its gradients come from a nested backward: the error)."""
     one_bucket = {"bucket_size_mb": 1.0}
     per_block = {"bucket_size_mb": 3500 * 4 / 2**20}  # one block's parameters (3,360) per bucket
     out: dict[str, Any] = {}
@@ -103,11 +117,12 @@ def _swapped_behind_the_engine(rank: int) -> dict[str, Any]:
     # every parameter (as `model.double().float()`): the first gradient hook's node is stale, so
     # the engine takes every node again
     out["all_exact"] = all(torch.equal(a, b) for a, b in zip(_train(rank, 2, None, per_block), _train(rank, 2, None, per_block, swap="")))
-    try:
-        _train(rank, 2, None, per_block, swap="0.")
-        out["error"] = None
-    except RuntimeError as error:
-        out["error"] = str(error)
+    for key, misled in {"error": {"swap": "0."}, "reentrant_error": {"reentrant": True}}.items():
+        try:
+            _train(rank, 2, None, per_block, **misled)
+            out[key] = None
+        except RuntimeError as error:
+            out[key] = str(error)
     return out
 
 
@@ -138,6 +153,8 @@ def _assert_swaps_handled(out: dict[str, Any], where: str) -> None:
     assert error is not None, f"{where}: a gradient reduced without it went unnoticed"
     assert "'0." in error and "reduced its bucket without" in error and "dtype or device" in error, f"{where}: {error}"
     assert "use_reentrant" in error and "HINT" in error, f"{where}: {error}"
+    error = out["reentrant_error"]
+    assert error is not None and "'1." in error and "use_reentrant" in error, f"{where}: {error}"
 
 
 def test_an_accumulator_replaced_behind_the_engine_is_exact_or_raises() -> None:

@@ -176,6 +176,8 @@ class ReduceDuringBackward(GradientSync):
         self._last_waiting_peak = 0
         self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
         self._unreached = UnreachedParameters([p for bucket in self.buckets for p in bucket.params])
+        self._reached_checks: list[RemovableHandle] = []  # on the parameters marked unreached (`_mark_ready`)
+        self._marking = 0  # backwards ended: a check left by an earlier one does nothing
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -196,14 +198,11 @@ class ReduceDuringBackward(GradientSync):
         # runs once per parameter per backward: what it does for a parameter that does not complete
         # its bucket is one call (``mark_ready``)
         bucket, listener, unreached = self._bucket_of[id(param.param)], self._listener, self._unreached
-        marked = unreached.marked  # empty unless this backward marked some: one truth test per hook
         graph_task = torch._C._current_graph_task_id
 
         def on_grad_accumulated(_: object) -> None:
             if listener is not None and listener.awaiting:
                 listener.grad_accumulated(param)
-            if marked and param in marked:
-                self._reached_after_all(param, bucket)
             became_ready = bucket.mark_ready(param)
             task = graph_task()
             if task != unreached.task:  # this backward's first gradient hook (or a nested backward's)
@@ -219,20 +218,35 @@ class ReduceDuringBackward(GradientSync):
 
     def _mark_ready(self, unreached: Sequence[ShardedParam]) -> bool:
         """Parameters this backward will not reach are ready now (see [Note: unreached parameters]
-        in ``unreached.py``); True if that made a bucket ready."""
+        in ``unreached.py``); True if that made a bucket ready. Each gets a gradient pre-hook for
+        this backward, which runs only if autograd reaches it after all (``_reached_after_all``): a
+        cost per parameter marked, none where none is."""
+        if unreached:
+            self._stop_checking()  # those a backward that raised left
         became_ready = False
         for p in unreached:
-            became_ready = self._bucket_of[id(p.param)].mark_ready(p) or became_ready
+            bucket = self._bucket_of[id(p.param)]
+            became_ready = bucket.mark_ready(p) or became_ready
+            self._reached_checks.append(p.param.register_hook(self._reached_check(p, bucket)))
         return became_ready
 
+    def _reached_check(self, param: ShardedParam, bucket: Bucket):
+        marking = self._marking
+
+        def reached(_: object) -> None:
+            if marking == self._marking:  # this backward's (a backward that raised leaves them)
+                self._reached_after_all(param, bucket)
+
+        return reached
+
     def _reached_after_all(self, param: ShardedParam, bucket: Bucket) -> None:
-        """``param`` was marked unreached in this backward and received its gradient anyway (see
+        """``param`` was marked unreached in this backward and receives its gradient anyway (see
         [Note: accumulation nodes replaced] in ``unreached.py``). Before its bucket's launch the
-        gradient is in ``param.grad``, which the launch reads: exact, and marking stops. After it,
-        the bucket went without it: raise."""
-        launched = self.buckets.index(bucket) < self._next_to_launch
-        self._unreached.reached_after_all(raising=launched)
-        if launched:
+        gradient goes to ``param.grad``, which the launch reads: exact, and the next backward only
+        learns. After it, the bucket went without it: raise (before the gradient is accumulated)."""
+        self._unreached.reached_after_all()
+        if self.buckets.index(bucket) < self._next_to_launch:
+            self._marking += 1  # this backward ends here: its checks do nothing from now on
             raise RuntimeError(
                 f"Parameter {param.name!r} received a gradient after lightning-zero had reduced its bucket without"
                 " it: at this backward's first gradient the engine found that the backward would not reach it"
@@ -245,6 +259,11 @@ class ReduceDuringBackward(GradientSync):
                 " device (or change them before the engine is built), and use `use_reentrant=False` or"
                 " checkpointing from the first step."
             )
+
+    def _stop_checking(self) -> None:
+        for handle in self._reached_checks:
+            handle.remove()
+        self._reached_checks.clear()
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
@@ -287,6 +306,8 @@ class ReduceDuringBackward(GradientSync):
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
         self._unreached.backward_ended()
+        self._marking += 1
+        self._stop_checking()
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()
@@ -299,6 +320,7 @@ class ReduceDuringBackward(GradientSync):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._stop_checking()
 
 
 def _waits_block_host(bucket: Bucket) -> bool:

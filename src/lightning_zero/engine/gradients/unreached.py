@@ -41,7 +41,8 @@ lends host copies on a GPU). So the nodes are taken again at a backward's first 
 A parameter is then reached where either its old node or its new one is in the graph: a graph
 recorded before the assignment still runs the old one. What neither check sees — another
 parameter's ``.data`` swapped behind the engine's back, or a nested backward in a backward trusted
-so far — shows as a gradient hook of a parameter marked in the same backward: marking turns off,
+so far — shows as a gradient reaching a parameter marked in the same backward (a gradient pre-hook
+registered on each one marked, for that backward only: nothing where none is): marking turns off,
 and where that parameter's bucket was already reduced without it the backward raises, naming the
 causes; otherwise its gradient is in ``param.grad`` before the bucket's launch reads it, which is
 exact (``ReduceDuringBackward._reached_after_all``).
@@ -68,9 +69,6 @@ class UnreachedParameters:
         self.task = -1
         """The graph task of this backward's first gradient hook (-1 before it): a hook compares
         ``torch._C._current_graph_task_id()`` with it and calls ``seen_task`` when they differ."""
-        self.marked: set[ShardedParam] = set()
-        """The parameters this backward was found not to reach (empty while none is): a hook of one of
-        them calls ``reached_after_all`` (the same set object for the whole run, so hooks hold it)."""
         self._nested = False  # this backward's hooks ran in more than one graph task
         self._trusted = False  # the last backward's did not (and there was one)
 
@@ -89,7 +87,6 @@ class UnreachedParameters:
             unreached = self._take_nodes_again()
         else:
             unreached = [p for p, node in zip(self._params, self._nodes) if not will_run(node)]
-        self.marked.update(unreached)
         return unreached
 
     def _take_nodes_again(self) -> list[ShardedParam]:
@@ -102,20 +99,16 @@ class UnreachedParameters:
         self._swaps_seen = data_swaps()
         return unreached
 
-    def reached_after_all(self, raising: bool) -> None:
+    def reached_after_all(self) -> None:
         """A parameter marked in this backward received its gradient: the next backward only learns,
-        and the first trusted one after it takes the nodes again. The others marked stay so (their
-        hooks are checked too) unless this backward is ``raising`` (it ends without ``backward_ended``)."""
+        and the first trusted one after it takes the nodes again."""
         self._nested = True
         self._swaps_seen = -1
-        if raising:
-            self.marked.clear()
 
     def backward_ended(self) -> None:
         if self.task != -1:
             self._trusted = not self._nested
         self.task, self._nested = -1, False
-        self.marked.clear()
 
 
 def _accumulation_node(p: ShardedParam) -> Any:
