@@ -136,9 +136,14 @@ def results(tmp_path_factory: Any) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("stale_accumulators"))
 
 
+@pytest.fixture(scope="module")
+def one_rank() -> dict[str, Any]:
+    return _lent_copies(0)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_training_after_full_copies_of_another_dtype_is_bitwise_the_same_at_one_rank(variant: str) -> None:
-    assert _lent_copies(0)[variant] is True
+def test_training_after_full_copies_of_another_dtype_is_bitwise_the_same_at_one_rank(one_rank: dict[str, Any], variant: str) -> None:
+    assert one_rank[variant] is True
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

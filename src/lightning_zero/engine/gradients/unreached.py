@@ -42,8 +42,8 @@ A parameter is then reached where either its old node or its new one is in the g
 recorded before the assignment still runs the old one. What neither check sees — another
 parameter's ``.data`` swapped behind the engine's back, or a nested backward in a backward trusted
 so far — shows as a gradient reaching a parameter marked in the same backward (a gradient pre-hook
-registered on each one marked, for that backward only: nothing where none is): marking turns off,
-and where that parameter's bucket was already reduced without it the backward raises, naming the
+registered on each one marked, for that backward only: nothing where none is): the next backward
+only learns again, and where that parameter's bucket was already reduced without it the backward raises, naming the
 causes; otherwise its gradient is in ``param.grad`` before the bucket's launch reads it, which is
 exact (``ReduceDuringBackward._reached_after_all``).
 """
@@ -84,10 +84,8 @@ class UnreachedParameters:
             return []
         will_run = torch._C._will_engine_execute_node
         if self._swaps_seen != data_swaps() or not will_run(self._nodes[self._position[id(hooked)]]):
-            unreached = self._take_nodes_again()
-        else:
-            unreached = [p for p, node in zip(self._params, self._nodes) if not will_run(node)]
-        return unreached
+            return self._take_nodes_again()
+        return [p for p, node in zip(self._params, self._nodes) if not will_run(node)]
 
     def _take_nodes_again(self) -> list[ShardedParam]:
         """The live nodes replace the held ones; unreached: neither is in this backward (see [Note:
