@@ -151,6 +151,7 @@ class ZeroEngine:
         in ``offload/step_ahead.py``)."""
         if self.shards_parameters:
             module_link.link(module, self)  # the module's weights are this engine's chunks now
+            self.residency.wait_for_host_step = self._host_step.wait  # reads at rest of host masters
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """Shard ``optimizer`` too (stage 3 only: a module is sharded before the optimizers built

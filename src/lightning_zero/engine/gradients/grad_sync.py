@@ -191,6 +191,8 @@ class ReduceDuringBackward(GradientSync):
         self._found_no_room = False  # a ready bucket waits for a reduction in flight to be done
         self._unreached = UnreachedParameters([p for bucket in self.buckets for p in bucket.params])
         self.stream.max_lag = max_in_flight
+        self._reached_checks: list[RemovableHandle] = []  # on the parameters marked unreached (`_mark_ready`)
+        self._marking = 0  # backwards ended: a check left by an earlier one does nothing
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self.open()
@@ -223,7 +225,7 @@ class ReduceDuringBackward(GradientSync):
             became_ready = bucket.mark_ready(param)
             task = graph_task()
             if task != unreached.task:  # this backward's first gradient hook (or a nested backward's)
-                became_ready = self._mark_ready(unreached.seen_task(task)) or became_ready
+                became_ready = self._mark_ready(unreached.seen_task(task, param)) or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
             elif self.finish_early and self._unfinished:  # gloo: one launched earlier may be done by now
@@ -235,11 +237,52 @@ class ReduceDuringBackward(GradientSync):
 
     def _mark_ready(self, unreached: Sequence[ShardedParam]) -> bool:
         """Parameters this backward will not reach are ready now (see [Note: unreached parameters]
-        in ``unreached.py``); True if that made a bucket ready."""
+        in ``unreached.py``); True if that made a bucket ready. Each gets a gradient pre-hook for
+        this backward, which runs only if autograd reaches it after all (``_reached_after_all``): a
+        cost per parameter marked, none where none is."""
+        if unreached:
+            self._stop_checking()  # those a backward that raised left
         became_ready = False
         for p in unreached:
-            became_ready = self._bucket_of[id(p.param)].mark_ready(p) or became_ready
+            bucket = self._bucket_of[id(p.param)]
+            became_ready = bucket.mark_ready(p) or became_ready
+            self._reached_checks.append(p.param.register_hook(self._reached_check(p, bucket)))
         return became_ready
+
+    def _reached_check(self, param: ShardedParam, bucket: Bucket):
+        marking = self._marking
+
+        def reached(_: object) -> None:
+            if marking == self._marking:  # this backward's (a backward that raised leaves them)
+                self._reached_after_all(param, bucket)
+
+        return reached
+
+    def _reached_after_all(self, param: ShardedParam, bucket: Bucket) -> None:
+        """``param`` was marked unreached in this backward and receives its gradient anyway (see
+        [Note: accumulation nodes replaced] in ``unreached.py``). Before its bucket's launch the
+        gradient goes to ``param.grad``, which the launch reads: exact, and the next backward only
+        learns. After it, the bucket went without it: raise (before the gradient is accumulated)."""
+        self._unreached.reached_after_all()
+        if self.buckets.index(bucket) < self._next_to_launch:
+            self._marking += 1  # this backward ends here: its checks do nothing from now on
+            raise RuntimeError(
+                f"Parameter {param.name!r} received a gradient after lightning-zero had reduced its bucket without"
+                " it: at this backward's first gradient the engine found that the backward would not reach it"
+                " (see [Note: unreached parameters] in engine/gradients/unreached.py). Two things mislead that"
+                " finding: the parameter's gradient accumulator was replaced (its `.data` was assigned a tensor of"
+                " another dtype or device, e.g. `model.to(torch.float64)` and back, between steps), or a nested"
+                " backward (reentrant activation checkpointing, `checkpoint(..., use_reentrant=True)`, turned on"
+                " after the first steps). The engine stops relying on it for the next backward, but this step's"
+                " gradients are incomplete. HINT: assign `.data` only tensors of the parameter's own dtype and"
+                " device (or change them before the engine is built), and use `use_reentrant=False` or"
+                " checkpointing from the first step."
+            )
+
+    def _stop_checking(self) -> None:
+        for handle in self._reached_checks:
+            handle.remove()
+        self._reached_checks.clear()
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
@@ -283,6 +326,8 @@ class ReduceDuringBackward(GradientSync):
 
     def finish_backward(self, sync: bool, reads: HostReads) -> None:
         self._unreached.backward_ended()
+        self._marking += 1
+        self._stop_checking()
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()
@@ -295,6 +340,7 @@ class ReduceDuringBackward(GradientSync):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._stop_checking()
 
 
 def _waits_block_host(bucket: Bucket) -> bool:

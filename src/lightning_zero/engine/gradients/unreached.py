@@ -24,6 +24,28 @@ a backward of its own (the reason DDP's ``find_unused_parameters`` refuses reent
 So the engine watches which graph task each gradient hook runs in: a backward in which hooks ran in
 more than one task turns the marking off from then on; it is on from the second backward whose hooks
 all ran in one (the first backward only learns).
+
+[Note: accumulation nodes replaced]
+The node asked about must be the one this backward runs. torch replaces a parameter's
+``AccumulateGrad`` when its ``.data`` is assigned a tensor of another dtype or device
+(``VariableHooks::set_data``): the next forward makes a new one, and the one held here is in no
+graph again, so every later backward would find those parameters "unreached", reduce their buckets
+without their gradients, and then receive them (issue 59, N1: ``summon_full_params(offload_to_cpu=True)``
+lends host copies on a GPU). So the nodes are taken again at a backward's first hook where
+
+- the engine made such an assignment since they were taken (``data_swaps()``: lending full copies
+  and ending the loan, one counter compared per backward); or
+- the node held for the parameter whose hook is running is not in this backward (its hook runs, so
+  its node is: an assignment the engine did not make, such as ``model.to(dtype)`` round trips).
+
+A parameter is then reached where either its old node or its new one is in the graph: a graph
+recorded before the assignment still runs the old one. What neither check sees — another
+parameter's ``.data`` swapped behind the engine's back, or a nested backward in a backward trusted
+so far — shows as a gradient reaching a parameter marked in the same backward (a gradient pre-hook
+registered on each one marked, for that backward only: nothing where none is): the next backward
+only learns again, and where that parameter's bucket was already reduced without it the backward raises, naming the
+causes; otherwise its gradient is in ``param.grad`` before the bucket's launch reads it, which is
+exact (``ReduceDuringBackward._reached_after_all``).
 """
 
 from __future__ import annotations
@@ -32,7 +54,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_zero.engine.shards.sharded_param import ShardedParam
+from lightning_zero.engine.shards.sharded_param import ShardedParam, data_swaps
 
 
 class UnreachedParameters:
@@ -40,16 +62,20 @@ class UnreachedParameters:
     which of them the running backward will not reach, where that can be trusted."""
 
     def __init__(self, params: Sequence[ShardedParam]) -> None:
-        self._nodes = [(p, _accumulation_node(p)) for p in params]
+        self._params = list(params)
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._nodes = [_accumulation_node(p) for p in self._params]
+        self._swaps_seen = data_swaps()  # see [Note: accumulation nodes replaced]
         self.task = -1
         """The graph task of this backward's first gradient hook (-1 before it): a hook compares
         ``torch._C._current_graph_task_id()`` with it and calls ``seen_task`` when they differ."""
         self._nested = False  # this backward's hooks ran in more than one graph task
         self._trusted = False  # the last backward's did not (and there was one)
 
-    def seen_task(self, task: int) -> list[ShardedParam]:
-        """A gradient hook ran in graph ``task``, not ``self.task``: at a backward's first hook, the
-        parameters that backward will not reach (none where nesting was seen); later, a nested one."""
+    def seen_task(self, task: int, hooked: ShardedParam) -> list[ShardedParam]:
+        """A gradient hook (of ``hooked``) ran in graph ``task``, not ``self.task``: at a backward's
+        first hook, the parameters that backward will not reach (none where nesting was seen);
+        later, a nested one."""
         if self.task != -1:
             self._nested = True
             return []
@@ -57,7 +83,25 @@ class UnreachedParameters:
         if not self._trusted:
             return []
         will_run = torch._C._will_engine_execute_node
-        return [p for p, node in self._nodes if not will_run(node)]
+        if self._swaps_seen != data_swaps() or not will_run(self._nodes[self._position[id(hooked)]]):
+            return self._take_nodes_again()
+        return [p for p, node in zip(self._params, self._nodes) if not will_run(node)]
+
+    def _take_nodes_again(self) -> list[ShardedParam]:
+        """The live nodes replace the held ones; unreached: neither is in this backward (see [Note:
+        accumulation nodes replaced])."""
+        will_run = torch._C._will_engine_execute_node
+        live = [_accumulation_node(p) for p in self._params]
+        unreached = [p for p, old, new in zip(self._params, self._nodes, live) if not (will_run(old) or will_run(new))]
+        self._nodes = live
+        self._swaps_seen = data_swaps()
+        return unreached
+
+    def reached_after_all(self) -> None:
+        """A parameter marked in this backward received its gradient: the next backward only learns,
+        and the first trusted one after it takes the nodes again."""
+        self._nested = True
+        self._swaps_seen = -1
 
     @property
     def trusted(self) -> bool:
@@ -73,6 +117,6 @@ class UnreachedParameters:
 
 def _accumulation_node(p: ShardedParam) -> Any:
     """``p.param``'s ``AccumulateGrad`` node (a stage-3 parameter at rest included: a view is only
-    metadata)."""
+    metadata); made if the parameter has none now."""
     with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
         return p.param.view_as(p.param).grad_fn.next_functions[0][0]

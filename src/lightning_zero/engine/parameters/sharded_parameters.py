@@ -95,6 +95,14 @@ class ShardedParameters(ParameterResidency):
         ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
         self.reads = ReadsAtRest(comm.gather_group, device, timeout, self._chunk_in_memory, self._before_host_read)
         """Full values of single parameters for reads at rest (see [Note: reads at rest] in ``at_rest.py``)."""
+        # where a read at rest takes an offloaded parameter's chunk from the host master, which the
+        # host step during backward may be stepping ahead of its verdict (see `_chunk_in_memory`)
+        self._read_from_host = {
+            id(p): b.host for b in self.buckets_with_host for p in b.params if p.device_chunk is None or b.host.on_disk is not None
+        }
+        self.wait_for_host_step: Callable[[], None] = lambda: None
+        """The engine's: wait until the host step during backward has stepped every bucket that
+        reached it (``ZeroEngine.wait_for_host_step``), so no read of a master races its step."""
         ParameterAtRest.readers.update({id(p.param): _reader_at_rest(self, p) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
@@ -107,6 +115,7 @@ class ShardedParameters(ParameterResidency):
         return self.schedule
 
     def begin_step(self) -> None:
+        self.reads.trained_here()
         self.schedule.begin_step()
 
     def announce_evaluation_step(self) -> None:
@@ -136,11 +145,17 @@ class ShardedParameters(ParameterResidency):
                 yield bucket.params
 
     def _chunk_in_memory(self, p: ShardedParam) -> AbstractContextManager:
-        """A context in which ``p.shard`` can be read: its bucket read in where it lives on disk."""
-        for bucket in self._buckets_on_disk:
-            if any(q is p for q in bucket.params):
-                return bucket.host.in_memory()
-        return nullcontext()
+        """A context in which ``p``'s chunk as the all-gather sends it (``chunk_to_send``) holds the
+        weights as of the last optimizer step: where that is the host master (offloaded fp32
+        weights), a step the host took during backward ahead of its verdict is finished and undone
+        first (``HostChunks.in_memory``; the optimizer step then takes it again), as DDP's weights
+        before ``optimizer.step()`` are the previous step's; its bucket is read in where it lives on
+        disk. Device chunks are refreshed only after the step: nothing to wait for."""
+        host = self._read_from_host.get(id(p))
+        if host is None:
+            return nullcontext()
+        self.wait_for_host_step()  # `in_memory` sees a step only once its worker has finished it
+        return host.in_memory()
 
     def _before_host_read(self) -> None:
         if self.copies is not None:

@@ -20,9 +20,11 @@ engine's reader for the parameter (``readers``; ``engine/parameters/reads_at_res
 one tensor across the shard group at that moment, on every rank that reads, and the operation runs
 on the gathered copy, which is dropped afterwards unless the result is it. A read is a collective:
 every rank of the shard group must read the same parameters in the same order, as every rank runs
-the same training script; a read on some ranks only fails within the group's timeout on each rank
-that reads, naming the parameter (see ``reads_at_rest.py``). Results that alias the copy (``detach``,
-``view``, ``.data``) are :class:`GatheredValue` s, which refuse writes (``gathered_value.py``).
+the same training script; a read on some ranks only fails within the agreement timeout on each
+rank that reads, naming the parameter, and reads are refused off the thread that trains the model
+(see [Note: agreeing on a read] in ``reads_at_rest.py``). Results that alias the copy (``detach``,
+``view``, ``.data``) are :class:`GatheredValue` s, which refuse writes (``gathered_value.py``); under
+grad mode a read carries its gradient back to the parameter (see [Note: differentiable reads at rest]).
 
 A write (``p.add_``, ``p.copy_``, ``p[0] = 1``, ``out=p``) is refused, naming the parameter and
 ``summon_full_params(writeback=True)``, except one adopted where it happens: ``param.data =
@@ -30,6 +32,20 @@ full_tensor`` (loading pretrained weights into a built model between steps) goes
 adopter for the parameter, which keeps this rank's chunk of the value, as stages 1-2 keep the
 tensor, and leaves the parameter at rest (a new shape or dtype fails there, naming both). Printing a
 parameter at rest describes it and never communicates.
+
+[Note: differentiable reads at rest]
+Under DDP, ``loss + lam * sum((p ** 2).sum() for p in model.parameters())`` in a training step (L2 and
+L1 penalties, EWC, orthogonality terms) differentiates through the parameters. At stage 3 every
+parameter outside the root unit is at rest in the training step after the forward, so a read there
+runs on a gathered copy; under grad mode, for a parameter that requires a gradient, the copy is
+handed to the operation through :class:`_ReadAtRest`, an identity from the parameter itself to the
+copy. Its backward returns the gradient to the parameter's own ``AccumulateGrad``, which autograd
+runs once per backward with every contribution summed — the unit's forward's and the read's — as
+DDP's does; its post-accumulate hook then reduces the sum with the bucket, as any gradient. The
+read costs what any read does, and autograd keeps what the operation saves (``p ** 2`` keeps the
+copy) until the backward: a penalty over every parameter holds the whole model until then, as DDP
+holds it anyway. (A second ``backward()`` reaching a parameter whose bucket the first one reduced
+is refused as for any gradient: "received a gradient after its bucket was already reduced".)
 """
 
 from __future__ import annotations
@@ -118,13 +134,30 @@ def _full_value(param: "ParameterAtRest", operation: str) -> Tensor:
 def _read(func: Any, args: tuple, kwargs: Any, at_rest: list["ParameterAtRest"]) -> Any:
     """``func`` run on the full values of the parameters at rest among its arguments, each gathered
     for this read, in argument order (the same on every rank); results aliasing a gathered copy
-    refuse writes (``gathered_value.py``)."""
-    full = {id(p): ParameterAtRest.readers[id(p)]() for p in dict.fromkeys(at_rest)}
-    names = ", ".join(ParameterAtRest.names.get(id(p), "?") for p in dict.fromkeys(at_rest))
-    swap = lambda a: full[id(a)] if isinstance(a, ParameterAtRest) else a  # noqa: E731
+    refuse writes (``gathered_value.py``). Under grad mode the values of parameters that require a
+    gradient are differentiable (see [Note: differentiable reads at rest])."""
+    params = list(dict.fromkeys(at_rest))
+    copies = [ParameterAtRest.readers[id(p)]() for p in params]
+    names = ", ".join(ParameterAtRest.names.get(id(p), "?") for p in params)
     with torch._C.DisableTorchFunctionSubclass():
+        differentiable = torch.is_grad_enabled()
+        full = {id(p): _ReadAtRest.apply(p, c) if differentiable and p.requires_grad else c for p, c in zip(params, copies)}
+        swap = lambda a: full[id(a)] if isinstance(a, ParameterAtRest) else a  # noqa: E731
         result = func(*tree_map(swap, args), **tree_map(swap, kwargs or {}))
-        return keep_read_only(result, list(full.values()), names)
+        return keep_read_only(result, copies, names)
+
+
+class _ReadAtRest(torch.autograd.Function):
+    """The gathered copy of a parameter at rest, as a function of the parameter: its backward hands
+    the gradient to the parameter's own accumulation node (see [Note: differentiable reads at rest])."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, copy: Tensor) -> Tensor:
+        return copy
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
 
 
 def _is_data_set(func: Any) -> bool:

@@ -295,15 +295,20 @@ class ShardedParam:
 
     def lend_full_copy(self, value: Tensor) -> None:
         """At rest: let the parameter show ``value``, a full copy made for the user (FSDP's
-        ``summon_full_params(offload_to_cpu=True)``), until ``end_full_copy``."""
+        ``summon_full_params(offload_to_cpu=True)``), until ``end_full_copy``. A copy on another
+        device (the host) or in another dtype makes torch drop the parameter's gradient
+        accumulator: counted (see ``data_swaps``)."""
         wake(self.param)
+        _note_swap(self.param, value)
         self.param.data = value
 
     def end_full_copy(self, writeback: bool) -> None:
         """Back to rest after ``lend_full_copy``; with ``writeback`` this rank first takes its chunk
         of the (possibly edited or reassigned) copy."""
+        lent = self.param.data
         if writeback:
-            self.load_full_value(self.param.data.to(self.device))
+            self.load_full_value(lent.to(self.device))
+        _note_swap(lent, self._placeholder)  # the storage's views have the placeholder's dtype and device
         if self.param.__class__ is nn.Parameter:  # a user's own subclass shows a placeholder at rest
             self.point_at_storage()
             put_to_rest(self.param)
@@ -336,6 +341,24 @@ def accumulate_grads(params: Sequence[ShardedParam], grads: Sequence[Optional[Te
             shard.grad = grad.to(shard.device, shard.dtype)
         else:
             shard.grad.add_(grad.to(shard.device))
+
+
+_swaps = 0
+
+
+def data_swaps() -> int:
+    """How many times the engine has assigned a parameter's ``.data`` a tensor of another dtype or
+    device (in any engine of this process). torch's ``set_data`` then drops the parameter's
+    gradient accumulator (``AccumulateGrad``), and the next forward makes a new one: whoever holds
+    the old node (``gradients/unreached.py``) must take the new one when this count moves."""
+    return _swaps
+
+
+def _note_swap(old: Tensor, new: Tensor) -> None:
+    """``old``'s ``.data`` is about to become (or just became) ``new``: count a change of dtype or device."""
+    global _swaps
+    if old.dtype != new.dtype or old.device != new.device:
+        _swaps += 1
 
 
 def _always_in_memory(writing: bool = False) -> AbstractContextManager:
