@@ -324,9 +324,10 @@ MIN_SLEEP_MS, SLEEP_OVER_BACKWARD = 20.0, 10.0
 """A late launch sleeps 10 on-time first backwards (the device's time), at least 20 ms."""
 LATE_MEMORY_ASSERTED = ("zero2_offload", "zero3_offload_optimizer")
 """Where the peak of active memory from step 2 on is asserted. Not with ``offload_params``: there
-backward's gathers copy chunks to the device into rows held until the compute stream has read them
-(``CopyStream.to_device``), and the compute stream, made to wait by the bound, falls behind the
-host, so those rows add up to a unit each in the late run, by design (recorded, not asserted)."""
+backward's gathers copy chunks to the device into rows that stay active until the compute stream has
+read them (``CopyStream.to_device`` keeps them alive for it), and the compute stream, made to wait by
+the bound, falls behind the host, so in the late run those rows add up, a unit each, by design
+(recorded, not asserted)."""
 STRETCH_LIMIT = 2.0
 """Step 1's backward, late / on time: ~1 with the fix, ≥ ~10 before it (see the Note)."""
 
