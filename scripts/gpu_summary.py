@@ -5,9 +5,11 @@
 
 The summary reads what the check's steps left in ``OUT_DIR/detail`` (see ``gpu_check.sh``): each
 step's exit status and time (``steps.tsv``), the CUDA tier's JUnit XML files, ``bench.json`` of
-``overhead_gpu.sh`` per precision, of the NVMe run and of the capacity run, and ``offload_gpu.json``; and gives each
-target its measured value and a verdict: PASS, FAIL, or NOT MEASURED with the reason (the step
-failed, ran out of time, or left no figure). It imports nothing beyond the standard library (the
+``overhead_gpu.sh`` per precision, of the NVMe run and of the capacity run, ``offload_gpu.json``, and
+the concurrency checks' figures (``concurrency/figures.json``, from ``tests/test_cuda_concurrency.py``);
+and gives each target its measured value and a verdict: PASS, FAIL, or NOT MEASURED with the reason
+(the step failed, ran out of time, or left no figure). The concurrency figures have no target of
+their own (the tier's tests assert on them): they are reported as they were measured. It imports nothing beyond the standard library (the
 versions step imports torch to report it and its GPU), so it runs whatever broke before it.
 """
 
@@ -32,6 +34,8 @@ NVME_STEP_TIME_TARGET = 1.5
 NVME_VARIANTS = ("zero3_offload_nvme", "zero3_offload_nvme_params")
 OVERHEAD_PRECISIONS = ("fp32", "bf16-mixed")
 """The runs of ``overhead_gpu.sh``, each in ``detail/overhead/<precision>/bench.json``."""
+CONCURRENCY_STEP = "cuda-tier-concurrency"
+"""The tier's step of ``tests/test_cuda_concurrency.py`` (in the dry run, part of the one "cuda-tier")."""
 TIMED_OUT = (124, 137)
 """Exit statuses of a command ``timeout`` stopped (TERM, then KILL)."""
 PASS, FAIL, NOT_MEASURED = "PASS", "FAIL", "NOT MEASURED"
@@ -266,6 +270,120 @@ def capacity_lines(report: Optional[dict], steps: dict[str, Step]) -> list[str]:
     return lines
 
 
+def _cell(value: Any, decimals: int = 1) -> str:
+    """A figure for a table: ``decimals`` places from 1 up, 3 significant digits below (0 as 0)."""
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return "0" if value == 0 else f"{value:.{decimals}f}" if abs(value) >= 1 else f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(v, decimals) for v in value)
+    return str(value)
+
+
+def _failed(entry: Any) -> Optional[str]:
+    """Why a case left no figures (its failure's last line, cut at 200 characters), if it did not."""
+    why = "no figures" if not isinstance(entry, dict) else entry.get("failed") or entry.get("error")
+    return why if why is None or len(why) <= 200 else why[:197] + "..."
+
+
+def concurrency_lines(figures: Optional[dict], steps: dict[str, Step]) -> list[str]:
+    """The concurrency checks' figures (``tests/test_cuda_concurrency.py``, docs/gpu-check.md says what
+    each shows): N1's twin runs, the late peer's timings and memory (N2, N4), the copies' streams, the
+    host step's modes, the stage-3 storage under the allocator, and the two-GPU check or why it was skipped."""
+    step = CONCURRENCY_STEP if CONCURRENCY_STEP in steps else "cuda-tier"
+    if not figures:
+        return [not_measured(steps, step, "no concurrency/figures.json (the tier's concurrency cases did not run)")]
+    one = figures.get("one_gpu") or {}
+    lines: list[str] = []
+
+    def runs(prefix: str) -> dict[str, Any]:
+        return {name[len(prefix):]: entry for name, entry in one.items() if name.startswith(prefix)}
+
+    lines += ["N1, `gathered(offload_to_cpu=True)` between steps: 4 steps against 2 + the context + 2 (max |Δ| of the weights; 0 expected)", ""]
+    lines += ["| variant | max \\|Δ\\| |", "|:--|:--|"]
+    for name, entry in runs("n1_").items():
+        lines.append(f"| `{name}` | {_failed(entry) or _cell(entry.get('max_diff'))} |")
+
+    lines += ["", "A late peer: each launch of a reduction sleeps on the reduce stream (N2: step 1's backward, the device's"]
+    lines += ["time, unstretched: late / on time ≤ 2; N4: from step 2 the peak of active memory within 3 buckets of full"]
+    lines += ["gradients above the on-time run's, asserted without `offload_params`; steps 2-3 run without the lead)", ""]
+    lines += [
+        "| variant | sleep per launch (ms) | step 1 backward on time → late (ms) | ratio | steps 2-3 backward late (ms) |"
+        " active peak above on time / bound (MiB) | unpacked / waiting late (MiB) |",
+        "|:--|--:|:--|--:|:--|:--|:--|",
+    ]
+    for name, entry in runs("late_peer_").items():
+        if name == "copies":
+            continue
+        if _failed(entry) or "step1_ratio" not in entry:
+            lines.append(f"| `{name}` | {_failed(entry) or 'no figures'} | | | | | |")
+            continue
+        on, late = entry.get("backward_ms_on_time", []), entry.get("backward_ms_late", [])
+        above = (entry.get("active_rise_mb_late") or 0) - (entry.get("active_rise_mb_on_time") or 0)
+        asserted = "" if entry.get("memory_asserted", True) else " (recorded)"
+        unpacked, waiting = entry.get("unpacked_mb_late", [])[1:], entry.get("waiting_mb_late", [])[1:]
+        lines.append(
+            f"| `{name}` | {_cell(entry.get('sleep_ms'))} | {_cell(on[:1])} → {_cell(late[:1])} | {_cell(entry['step1_ratio'], 2)} |"
+            f" {_cell(late[1:])} | {_cell(round(above, 2))} / {_cell(entry.get('bound_mb'))}{asserted} |"
+            f" {_cell(max(unpacked, default=None))} / {_cell(max(waiting, default=None))} |"
+        )
+    copies = one.get("late_peer_copies")
+    if copies is not None:
+        if _failed(copies):
+            lines += ["", f"Copies' streams: {_failed(copies)}"]
+        else:
+            trace = f"; Kineto trace: `detail/concurrency/{copies['trace']}`" if copies.get("trace") else ""
+            lines += ["", f"Copies' streams in a late step at `zero3_offload` (disjoint expected): to the device {copies.get('h2d_streams')},"
+                      f" to the host {copies.get('d2h_streams')}{trace}"]
+
+    lines += ["", "The host step during backward, overlap on against off (max |Δ| after each step; 0 expected):", ""]
+    lines += ["| case | max \\|Δ\\| per step | ahead / redone / after backward | reasons |", "|:--|:--|:--|:--|"]
+    for name, entry in runs("host_").items():
+        if _failed(entry):
+            lines.append(f"| `{name}` | {_failed(entry)} | | |")
+            continue
+        report = entry.get("report") or {}
+        counts = " / ".join(str(report.get(k, "—")) for k in ("ahead", "redone", "after_backward"))
+        reasons = "; ".join(f"{why}: {n}" for why, n in (report.get("reasons") or {}).items()) or "—"
+        scales = f" (scales {_cell(entry['scales'])})" if entry.get("scales") else ""
+        lines.append(f"| `{name}` | {_cell(entry.get('diffs'))} | {counts}{scales} | {reasons} |")
+
+    storage = {"caching allocator": one.get("storage"), "expandable segments": (figures.get("expandable_segments") or {}).get("storage")}
+    lines += ["", "Stage-3 storage under the allocator (zero3, bf16-mixed, compiled blocks, checkpointing, prefetch 2):", ""]
+    lines += [
+        "| allocator | max \\|Δ\\| | unit storages allocated / freed | off compute, freed late, reused across streams, while a free waited |"
+        " memory report (device + buffers) / allocated at rest / max allocated (MiB) | recompiles |",
+        "|:--|:--|:--|:--|:--|:--|",
+    ]
+    for name, entry in storage.items():
+        if entry is None or _failed(entry):
+            lines.append(f"| {name} | {_failed(entry) if entry is not None else 'did not run'} | | | | |")
+            continue
+        allocator, memory = entry.get("allocator", {}), entry.get("memory_mb", {})
+        counts = allocator.get("counts", {})
+        found = ", ".join(str(counts.get(k, "—")) for k in ("unit_off_compute", "unit_deferred_frees", "reused_across_streams", "reused_while_pending"))
+        report = round((memory.get("report_device_total") or 0) + (memory.get("report_comm_buffers") or 0), 2)
+        lines.append(
+            f"| {name} | {_cell(entry.get('max_diff'))} | {allocator.get('unit_allocs', '—')} / {allocator.get('unit_frees', '—')} | {found} |"
+            f" {report} / {_cell(memory.get('allocated_at_rest'))} / {_cell(memory.get('max_allocated_steps_2_on'))} | {_cell(entry.get('recompiles'))} |"
+        )
+
+    two = figures.get("two_gpus") or {}
+    lines += [""]
+    if "skipped" in two:
+        lines.append(f"Two ranks on NCCL: NOT MEASURED: {two['skipped']}")
+    elif not two:
+        lines.append("Two ranks on NCCL: NOT MEASURED: did not run")
+    else:
+        for name, entry in two.items():
+            if _failed(entry):
+                lines.append(f"Two ranks on NCCL, `{name}`: {_failed(entry)}")
+            else:
+                lines.append(f"Two ranks on NCCL, `{name}`: max |Δ| from DDP {_cell(entry.get('max_diff'))}; rank 1 listed on GPU 0: {entry.get('listed_on_gpu_0')}")
+    return lines
+
+
 # ---- the summary -----------------------------------------------------------------------------------
 
 
@@ -290,6 +408,7 @@ def summarize(out: Path, dry_run: bool) -> dict[str, Any]:
         "steps": [{**asdict(s), "outcome": s.outcome} for s in steps.values()],
         "tier": tier,
         "capacity": capacity_lines(read_json(detail / "capacity" / "bench.json"), steps),
+        "concurrency": concurrency_lines(read_json(detail / "concurrency" / "figures.json"), steps),
     }
 
 
@@ -316,6 +435,8 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", "Failed tests (tracebacks in `detail/logs/cuda-tier*.log`):", ""]
         lines += [f"- {failure}" for failure in summary["tier"]["failed"]]
     lines += ["", "## Capacity on the GPU (no target: the figures for the README)", "", *summary["capacity"]]
+    lines += ["", "## Concurrency on the GPU (`tests/test_cuda_concurrency.py`: the tier's tests assert, these are their figures)", ""]
+    lines += summary.get("concurrency", [])
     lines += ["", "## Steps", "", "| step | outcome | seconds (limit) |", "|:--|:--|--:|"]
     lines += [f"| {s['name']} | {s['outcome']} | {s['seconds']} ({s['limit_s']}) |" for s in summary["steps"]]
     lines += ["", "Each step's output is in `detail/logs/<step>.log`, its figures under `detail/`."]

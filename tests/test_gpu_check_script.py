@@ -62,7 +62,10 @@ def test_dry_run_runs_every_step_and_packs_its_output(dry_run):
         assert targets.pop(f"{name} step time") == "NOT MEASURED: no step time in bench.json"
     assert len(targets) == 6 and all(verdict in ("PASS", "FAIL") for verdict in targets.values()), targets
     assert "| `zero3` |" in "\n".join(summary["capacity"])
+    # the concurrency checks were skipped with the tier: their section says so
+    assert summary["concurrency"] == ["NOT MEASURED: no concurrency/figures.json (the tier's concurrency cases did not run)"]
     assert "**Dry run**" in (tmp_path / "summary.md").read_text()
+    assert "## Concurrency on the GPU" in (tmp_path / "summary.md").read_text()
 
     with tarfile.open(tmp_path / "detail.tar.gz") as packed:
         names = set(packed.getnames())
@@ -180,6 +183,78 @@ def test_summary_of_a_check_that_left_nothing(tmp_path):
     summary = gpu_summary.summarize(tmp_path, dry_run=False)
     assert all(row["verdict"].startswith("NOT MEASURED") for row in summary["targets"])
     assert "## Targets: 0 passed, 0 failed, 13 not measured" in gpu_summary.markdown(summary)
+    assert summary["concurrency"] == ["NOT MEASURED: step cuda-tier did not run"]
+
+
+CONCURRENCY = {
+    "one_gpu": {
+        "n1_zero3_nccl": {"max_diff": 0.0, "error": None},
+        "n1_zero3_offload_nccl": {"max_diff": None, "error": "the summoned run, step 3: RuntimeError: received a gradient after"},
+        "late_peer_zero3_offload": {
+            "sleep_ms": 20.0, "lead_ms": 200.0, "buckets": 9, "largest_bucket_mb": 12.03, "bound_mb": 36.08, "step1_ratio": 1.04,
+            "backward_ms_on_time": [2.5, 2.0, 2.1], "backward_ms_late": [2.6, 101.0, 99.5],
+            "active_rise_mb_on_time": 80.0, "active_rise_mb_late": 81.5, "memory_asserted": False,
+            "unpacked_mb_late": [108.3, 108.3, 108.3], "waiting_mb_late": [0.0, 0.0, 0.0],
+        },
+        "late_peer_zero2_offload": {"failed": "AssertionError: boom"},
+        "late_peer_copies": {"h2d_streams": ["13"], "d2h_streams": ["7"], "copies": 40, "trace": "late_peer_zero3_offload.trace.json.gz"},
+        "host_grad_data_edits": {
+            "diffs": [0.0, 0.0, 0.0, 0.0], "report_without_overlap": None,
+            "report": {"ahead": 2, "redone": 2, "after_backward": 0, "reasons": {"gradients changed after backward": 2}},
+        },
+        "host_unused_unit": {"error": "RuntimeError: The optimizer step was taken during backward"},
+        "storage": {
+            "max_diff": 0.0, "recompiles": 0,
+            "allocator": {"unit_allocs": 40, "unit_frees": 40, "counts": dict.fromkeys(
+                ("unit_off_compute", "unit_deferred_frees", "reused_across_streams", "reused_while_pending"), 0)},
+            "memory_mb": {"report_device_total": 30.0, "report_comm_buffers": 4.5, "allocated_at_rest": 40.0, "max_allocated_steps_2_on": 90.0},
+        },
+    },
+    "two_gpus": {"skipped": "one GPU here"},
+}  # fmt: skip
+"""``concurrency/figures.json`` as ``test_cuda_concurrency.py`` writes it, a case failed, the
+expandable-segments process never ran, one GPU."""
+
+
+def test_the_concurrency_figures_are_reported_as_measured(tmp_path):
+    gpu_summary = load_summary_module()
+    (tmp_path / "detail" / "concurrency").mkdir(parents=True)
+    (tmp_path / "detail" / "concurrency" / "figures.json").write_text(json.dumps(CONCURRENCY))
+    (tmp_path / "detail" / "steps.tsv").write_text("cuda-tier-concurrency\t1\t52\t75\n")
+    lines = gpu_summary.summarize(tmp_path, dry_run=False)["concurrency"]
+    text = "\n".join(lines)
+    assert "| `zero3_nccl` | 0 |" in lines
+    assert "| `zero3_offload_nccl` | the summoned run, step 3: RuntimeError: received a gradient after |" in lines
+    assert "| `zero3_offload` | 20.0 | 2.5 → 2.6 | 1.04 | 101.0, 99.5 | 1.5 / 36.1 (recorded) | 108.3 / 0 |" in lines
+    assert "| `zero2_offload` | AssertionError: boom | | | | | |" in lines
+    assert "to the device ['13'], to the host ['7']; Kineto trace: `detail/concurrency/late_peer_zero3_offload.trace.json.gz`" in text
+    assert "| `grad_data_edits` | 0, 0, 0, 0 | 2 / 2 / 0 | gradients changed after backward: 2 |" in lines
+    assert "| `unused_unit` | RuntimeError: The optimizer step was taken during backward | | |" in lines
+    assert "| caching allocator | 0 | 40 / 40 | 0, 0, 0, 0 | 34.5 / 40.0 / 90.0 | 0 |" in lines
+    assert "| expandable segments | did not run | | | | |" in lines
+    assert lines[-1] == "Two ranks on NCCL: NOT MEASURED: one GPU here"
+    assert "## Concurrency on the GPU" in gpu_summary.markdown(gpu_summary.summarize(tmp_path, dry_run=False))
+
+
+def _limits(script: str) -> dict[str, int]:
+    """The time limit of each step ``gpu_check.sh`` runs on a GPU (not in its dry run), by step."""
+    import re
+
+    gpu = script[script.index("\nelse\n") :]
+    limits = {name: int(limit) for name, limit in re.findall(r'"(cuda-tier-[a-z-]+):[a-z_ ]+:(\d+)"', gpu)}
+    found = dict(re.findall(r"(overhead|offload|nvme|capacity)_limit=(\d+)", gpu))
+    precisions = re.search(r"overhead_precisions=\(([^)]*)\)", gpu).group(1).split()
+    limits.update({f"overhead-{p}": int(found["overhead"]) for p in precisions})
+    limits.update({name: int(found[name]) for name in ("offload", "nvme", "capacity")})
+    return limits
+
+
+def test_the_steps_on_a_gpu_keep_to_ten_minutes_and_include_the_concurrency_checks():
+    script = (REPO / "scripts" / "gpu_check.sh").read_text()
+    limits = _limits(script)
+    assert sum(limits.values()) <= 600, limits
+    assert limits["cuda-tier-concurrency"] >= 60, limits  # its module's ~60 s on an H200 (docs/gpu-check.md)
+    assert " concurrency:60" in script  # and the dry run collects it
 
 
 def test_nvme_rows_judge_each_tier_against_cpu_offload_in_the_same_run():
