@@ -63,12 +63,13 @@ class MemoryReport:
     at that moment. A bucket or two at most while reduce-scatters finish as backward goes on; every
     bucket's full gradients when their completion cannot be seen (issue 44: 4 B per parameter)."""
     unpacked_gradients: int = 0
-    """The most bytes of full-size gradients of buckets already launched whose copy-in the reduce
-    stream had not run yet, seen at a launch in the last backward (on CUDA; the device's lag behind
-    the host, invisible to ``waiting_gradients``). A peak, not in ``total``. Bounded by
-    ``max_in_flight + 1`` buckets where every rank launches every bucket during its backward (see
-    "its lag" in [Note: reduce stream] in ``engine/comm/reduce_stream.py``); in the first backward,
-    and with reentrant activation checkpointing, up to every bucket."""
+    """The most bytes of full-size gradients of buckets already launched that the reduce stream's lag
+    kept allocated, seen at a launch in the last backward (on CUDA; invisible to
+    ``waiting_gradients``): those held until the compute stream waited for their copy-in, and those
+    kept alive for a copy-in not yet seen done. A peak, not in ``total``. At most ``max_in_flight + 1``
+    buckets where every rank launches every bucket during its backward (see "its lag" in [Note:
+    reduce stream] in ``engine/comm/reduce_stream.py``); in the first backward, and with reentrant
+    activation checkpointing, up to every bucket while the device lags the host."""
     disk: int = 0
     """Bytes of optimizer state (and, with ``offload_params="nvme"``, parameter chunks) in NVMe
     scratch files: not memory, and not in ``total``; the staging buffers count as host optimizer

@@ -117,7 +117,10 @@ class ReduceStream:
                 earlier.held.clear()  # freed in the compute stream's order, after the wait
         streams = self._streams
         self._launches = [earlier for earlier in self._launches if earlier.held or not streams.is_done(earlier.packed)]
-        self._peak = max(self._peak, sum(earlier.nbytes for earlier in self._launches if not streams.is_done(earlier.packed)))
+        # what the reduce stream's lag holds now: a bounded launch's gradients until the host lets them
+        # go (then the compute stream's order frees them), an unbounded one's until its copy-in ran
+        alive = [e for e in self._launches if e.held or (not e.bounded and not streams.is_done(e.packed))]
+        self._peak = max(self._peak, sum(e.nbytes for e in alive))
 
     def keep_alive(self, tensors: Sequence[Tensor]) -> None:
         """The reduce stream reads ``tensors`` (produced on the compute stream): their memory is not
