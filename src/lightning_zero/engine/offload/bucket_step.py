@@ -40,9 +40,10 @@ class BucketStep:
     """Where the verdict compares contents (user code ran between backward and the step): the
     gradients' digests as the step read them."""
     hyperparameters: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    master_before: int = -1
-    """The master row's version before the step (a step that moved nothing leaves it there)."""
-    master_version: int = -1
+    weights_before: list[int] = field(default_factory=list)
+    """The version counters of the master row and of each shard (they count apart: the shards are
+    not autograd views of the row) before the step: a step that moved nothing leaves them there."""
+    weights_after: list[int] = field(default_factory=list)
     found_inf: float = 0.0
     """With loss scaling: what unscaling its gradients found (non-zero: inf/NaN, not stepped)."""
     saved: bool = False
@@ -77,11 +78,16 @@ class BucketStep:
         for i, hyperparameters in self.hyperparameters:
             if i >= len(groups) or not _same(hyperparameters_of(groups[i]), hyperparameters):
                 return HYPERPARAMETERS_CHANGED
-        if self.host.master._version != self.master_version:
+        if weight_versions(self.host, self.shards) != self.weights_after:
             return WEIGHTS_WRITTEN
         if contents and self.contents is not None and not self.contents.unchanged([grad for _, grad, _ in self.grads]):
             return CONTENTS_CHANGED
         return ""
+
+
+def weight_versions(host: HostChunks, shards: Sequence[Tensor]) -> list[int]:
+    """The version counters of ``host``'s master row and of ``shards`` (its optimizer's views of it)."""
+    return [host.master._version, *(shard._version for shard in shards)]
 
 
 def hyperparameters_of(group: dict[str, Any], copy: bool = False) -> dict[str, Any]:

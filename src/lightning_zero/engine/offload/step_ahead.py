@@ -71,7 +71,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.copy_stream import Event
-from lightning_zero.engine.offload.bucket_step import CHUNKS_READ, BucketStep, hyperparameters_of
+from lightning_zero.engine.offload.bucket_step import CHUNKS_READ, WEIGHTS_WRITTEN, BucketStep, hyperparameters_of, weight_versions
 from lightning_zero.engine.offload.grad_digest import GradContents
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
@@ -230,9 +230,9 @@ class StepAhead:
                 rollback = self._rollbacks[id(host)] = RollbackCopy(host.master, shards)
             rollback.save(self.optimizer.state)
             job.saved = True
-        job.master_before = host.master._version
+        job.weights_before = weight_versions(host, shards)
         job.hyperparameters = self._step_bucket(shards)
-        job.master_version = host.master._version
+        job.weights_after = weight_versions(host, shards)
         job.stepped = True
         job.end = time.perf_counter()
 
@@ -250,14 +250,15 @@ class StepAhead:
 
     def _step_bucket(self, shards: Sequence[Tensor]) -> list[tuple[int, dict[str, Any]]]:
         """The optimizer's own update of ``shards``, on a view of the optimizer whose param groups hold
-        only them; returns each group's hyperparameters as stepped, by group index."""
+        only them; returns each group's hyperparameters as stepped, by group index (a snapshot taken
+        before the view reads them: a change racing the step shows at the verdict)."""
         members = {id(s) for s in shards}
         groups, narrowed, read = self.optimizer.param_groups, [], []
         for i, group in enumerate(groups):
             params = [p for p in group["params"] if id(p) in members]
             if params:
-                narrowed.append({**group, "params": params})
                 read.append((i, hyperparameters_of(group, copy=True)))
+                narrowed.append({**group, "params": params})
         view = object.__new__(type(self.optimizer))
         view.__dict__.update(self.optimizer.__dict__)
         view.param_groups = narrowed
@@ -328,6 +329,9 @@ class StepAhead:
             self._counts["content_checks"] += 1
         settled = any(job.settled for job in self._queued)
         changed = self._what_changed() or (CHUNKS_READ if settled and whole else "")
+        if changed == WEIGHTS_WRITTEN:
+            self._clear()
+            raise _weights_written_error()
         if not changed and settled:
             self._reasons[CHUNKS_READ] += 1
             return "redone", time.perf_counter() - start
@@ -385,7 +389,7 @@ class StepAhead:
         job.host.unsettled = None
         if job.future is not None and job.future.exception() is not None:
             self._drain()  # raises, after undoing what was stepped
-        if not job.holds_step or job.host.master._version == job.master_before:
+        if not job.holds_step or weight_versions(job.host, job.shards) == job.weights_before:
             return
         if not self.keep_rollback:
             self._drain()
@@ -478,6 +482,16 @@ def _no_rollback_error(why: str) -> RuntimeError:
         " backward and `optimizer.step()`. HINT: pass `ZeroStrategy(..., overlap_host_step=False)`"
         " (or report what changed them: the strategy keeps rollback copies where clipping or a"
         " hook between backward and the step is configured)."
+    )
+
+
+def _weights_written_error() -> RuntimeError:
+    return RuntimeError(
+        "The optimizer's chunks (the weights it steps) were written between backward and"
+        " `optimizer.step()`, after the step was taken during backward: the write landed on the stepped"
+        " weights, and no rollback can tell what it would have done to the weights before the step."
+        " HINT: write weights before the backward or after `optimizer.step()`, or pass"
+        " `overlap_host_step=False` to take the step after backward."
     )
 
 
