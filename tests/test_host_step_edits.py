@@ -28,7 +28,7 @@ from lightning_zero.engine.offload.bucket_step import (
     GRADIENTS_CHANGED,
     HYPERPARAMETERS_CHANGED,
 )
-from lightning_zero.engine.offload.grad_digest import LANES, digest
+from lightning_zero.engine.offload.grad_digest import LANES, digest, same
 from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
 
 WIDTH = 16
@@ -150,6 +150,7 @@ GRADIENT_EDITS: dict[str, tuple[Edit, str]] = {
     "grad_detach": (lambda m, o, s: _each(m.parameters(), lambda p: p.grad.detach().mul_(0.5)), GRADIENTS_CHANGED),
     "grad_data_data_zero": (lambda m, o, s: _each(m.parameters(), lambda p: p.grad.data.data.zero_()), GRADIENTS_CHANGED),
     "grad_assigned": (lambda m, o, s: _each(m.parameters(), lambda p: setattr(p, "grad", p.grad * 0.5)), GRADIENTS_CHANGED),
+    "grad_dropped": (lambda m, o, s: setattr(next(iter(m.parameters())), "grad", None), GRADIENTS_CHANGED),
     "grad_copy": (lambda m, o, s: _each(m.parameters(), lambda p: p.grad.copy_(p.grad * 0.5)), GRADIENTS_CHANGED),
     "grad_masked_fill": (lambda m, o, s: _each(m.parameters(), lambda p: p.grad.masked_fill_(p.detach() > 0, 0.0)), GRADIENTS_CHANGED),
     # the optimizer's own shards (what Lightning's precision plugin sees): `.data` and NumPy move none
@@ -210,8 +211,13 @@ def test_weights_written_after_the_step_taken_ahead_raise():
             for p in _shards(o):
                 p.mul_(0.99)  # the optimizer's own chunks, stepped already by the worker
 
-    with pytest.raises(RuntimeError, match="written between backward and `optimizer.step\\(\\)`.*HINT"):
-        _run(True, edit=decay)
+    def decay_and_halve(m: torch.nn.Module, o: torch.optim.Optimizer, s: Any) -> None:
+        _each(m.parameters(), lambda p: p.grad.mul_(0.5))  # a redo alone would roll the write back
+        decay(m, o, s)
+
+    for edit in (decay, decay_and_halve):
+        with pytest.raises(RuntimeError, match="written between backward and `optimizer.step\\(\\)`.*HINT"):
+            _run(True, edit=edit)
     _run(False, edit=decay)  # taken after backward, the step reads the written weights
 
 
@@ -320,11 +326,22 @@ def test_the_digest_sees_any_one_element_changed_at_any_alignment():
     for offset in range(4):
         for n in (0, 1, 3, 2 * LANES - 1, 2 * LANES, 2 * LANES + 1, 4 * LANES + 5):
             taken = digest(base[offset : offset + n])
-            assert torch.equal(digest(base.clone()[offset : offset + n]), taken)
+            assert same(digest(base.clone()[offset : offset + n]), taken)
             for i in range(n):
                 edited = base.clone()
                 edited[offset + i] = torch.nextafter(edited[offset + i], torch.tensor(float("inf")))  # one ulp
-                assert not torch.equal(digest(edited[offset : offset + n]), taken), (offset, n, i)
+                assert not same(digest(edited[offset : offset + n]), taken), (offset, n, i)
+
+
+def test_the_digest_sees_an_edit_in_any_block():
+    from lightning_zero.engine.offload import grad_digest
+
+    grad = torch.randn(grad_digest._BLOCK // 4 * 2 + 5)  # two blocks of sums and a tail
+    taken = digest(grad)
+    for i in (0, grad_digest._BLOCK // 4 + 7, grad.numel() - 6, grad.numel() - 1):
+        edited = grad.clone()
+        edited[i] = torch.nextafter(edited[i], torch.tensor(float("inf")))
+        assert not same(digest(edited), taken), i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -348,10 +365,10 @@ def test_the_digest_sees_the_usual_edits(dtype):
     for name, edit in edits.items():
         edited = grad.clone()
         edit(edited)
-        assert not torch.equal(digest(edited), taken), name
+        assert not same(digest(edited), taken), name
     with_nan = grad.clone()
     with_nan[3] = float("nan")
-    assert torch.equal(digest(with_nan), digest(with_nan.clone()))  # NaN and -0.0 are bits like any other
+    assert same(digest(with_nan), digest(with_nan.clone()))  # NaN and -0.0 are bits like any other
 
 
 # ---- N5: reads before the verdict ----------------------------------------------------------------------

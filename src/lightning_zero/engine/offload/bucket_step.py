@@ -67,20 +67,26 @@ class BucketStep:
     def shards(self) -> list[Tensor]:
         return [shard for shard, _, _ in self.grads]
 
-    def what_changed(self, groups: Sequence[dict[str, Any]], contents: bool) -> str:
-        """Why this bucket's step is not the one stepping with ``groups`` now would take ("" if it
-        is): a gradient replaced or edited in place (its version counter), a hyperparameter changed,
-        the master chunks written since, and with ``contents`` the gradients' contents (an edit no
-        version counter saw). The cheap checks come first."""
+    def weights_written(self) -> bool:
+        """Whether the master chunks or the shards were written since the step (their version counters)."""
+        return weight_versions(self.host, self.shards) != self.weights_after
+
+    def what_changed(self, groups: Sequence[dict[str, Any]]) -> str:
+        """Why this bucket's step is not the one stepping with ``groups`` now would take, as far as
+        metadata tells ("" if it is): a gradient replaced or edited in place (its version counter),
+        a hyperparameter changed."""
         for shard, grad, version in self.grads:
             if shard.grad is not grad or (grad is not None and grad._version != version):
                 return GRADIENTS_CHANGED
         for i, hyperparameters in self.hyperparameters:
             if i >= len(groups) or not _same(hyperparameters_of(groups[i]), hyperparameters):
                 return HYPERPARAMETERS_CHANGED
-        if weight_versions(self.host, self.shards) != self.weights_after:
-            return WEIGHTS_WRITTEN
-        if contents and self.contents is not None and not self.contents.unchanged([grad for _, grad, _ in self.grads]):
+        return ""
+
+    def contents_changed(self) -> str:
+        """``CONTENTS_CHANGED`` where the gradients' contents differ from what the step read (an edit
+        no version counter saw); "" where they do not, or where no digest was taken."""
+        if self.contents is not None and not self.contents.unchanged([grad for _, grad, _ in self.grads]):
             return CONTENTS_CHANGED
         return ""
 

@@ -350,22 +350,23 @@ class StepAhead:
         return HostStepTiming(mode, buckets, self._backward_end, host_step_s, verdict_s)
 
     def _what_changed(self) -> str:
-        """Why the steps taken ahead are not the ones to take now ("" if they are)."""
+        """Why the steps taken ahead are not the ones to take now ("" if they are): weights written
+        since (first: no rollback may then hide the write), then what metadata tells of every bucket,
+        then, where asked, the gradients' contents (the one check that reads them)."""
         groups = self.optimizer.param_groups
-        covered: set[int] = set()
+        held = [job for job in self._queued if job.holds_step]
+        if any(job.weights_written() for job in held):
+            return WEIGHTS_WRITTEN
+        covered = {id(shard) for job in held for shard in job.shards}
         for job in self._queued:
             if job.settled:  # undone: it steps now, whatever it reads
                 covered.update(id(shard) for shard in self._shards_of[id(job.host)])
-                continue
-            if not job.holds_step:
-                continue
-            covered.update(id(shard) for shard in job.shards)
-            changed = job.what_changed(groups, self.check_contents)
-            if changed:
-                return changed
-        if any(shard.grad is not None and id(shard) not in covered for shard in self._all_shards):
-            return "gradients outside the buckets stepped ahead"
-        return ""
+        changed = next((why for why in (job.what_changed(groups) for job in held) if why), "")
+        if not changed and any(shard.grad is not None and id(shard) not in covered for shard in self._all_shards):
+            changed = "gradients outside the buckets stepped ahead"
+        if not changed and self.check_contents:
+            changed = next((why for why in (job.contents_changed() for job in held) if why), "")
+        return changed
 
     def _undo(self, why: str) -> None:
         """Restore every bucket stepped ahead (the worker is idle)."""
