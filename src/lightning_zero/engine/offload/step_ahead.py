@@ -24,7 +24,8 @@ row has landed, while the device computes the earlier layers' gradients:
   in-place edit through autograd's view of it bumps it, every edit through ``param.grad`` too, see
   ``sharded_grad.py``; our clipping skips multiplying by exactly 1.0, which changes no bit), the
   hyperparameters of its param groups (a snapshot: tensors cloned, containers copied), and the
-  version of its master row after the step. Where user code may have run between backward and the
+  version counters of its master row and shards after the step (weights written since raise: the
+  write landed on the stepped weights, which no rollback can undo). Where user code may have run between backward and the
   step (the adapter says: the Trainer knows its hooks; Fabric and the engine's own API always), it
   also records a digest of the gradients' contents, taken before the step reads them, and the
   verdict takes it again: that sees what no version counter does, edits through ``.data``,
