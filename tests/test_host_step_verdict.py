@@ -183,10 +183,9 @@ def matrix(ctx: RankContext, label: str, precision: str, optimizer: str) -> dict
 
     _no_backing_off()
     ddp = ctx.once(("ddp", precision, optimizer), lambda: _fit("ddp", precision, optimizer))
-    runs = {
-        overlap: _fit(lightning_zero.ZeroStrategy(**VARIANTS[label], **SMALL_BUCKETS, **EXACT, overlap_host_step=overlap), precision, optimizer)
-        for overlap in (True, False)
-    }
+    options = {**VARIANTS[label], **SMALL_BUCKETS, **EXACT}
+    strategies = {overlap: lightning_zero.ZeroStrategy(**options, overlap_host_step=overlap) for overlap in (True, False)}
+    runs = {overlap: _fit(strategy, precision, optimizer) for overlap, strategy in strategies.items()}
     ahead, after = runs[True], runs[False]
     return {
         "on_off": _diffs(after["history"], ahead["history"]),
@@ -242,7 +241,8 @@ def unused_unit(ctx: RankContext) -> dict:
 
     def fit(overlap: bool) -> dict:
         L.seed_everything(0, verbose=False)
-        strategy = lightning_zero.ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, unit_classes=["Block"], overlap_host_step=overlap)
+        options = dict(stage=3, offload_optimizer=True, offload_params=True, unit_classes=["Block"])
+        strategy = lightning_zero.ZeroStrategy(**options, overlap_host_step=overlap)
         recorder, seen = WeightRecorder(), Report()
         trainer = make_trainer(strategy, 3, callbacks=[recorder, seen])
         trainer.fit(WithAux(), token_data())
@@ -324,7 +324,8 @@ def test_every_edit_form_is_redone_and_bitwise(results, label, precision, optimi
         # every edited step redone, for the reason that names what saw the edit; the others ahead
         expected = ["ahead"] + ["redone"] * len(FORMS) + ["ahead"]
         added = _form_reasons(r["reasons"])
-        wrong = {name: (mode, reason) for (name, _, reason), mode, got in zip(FORMS, r["modes"][1:], added[1:]) if (mode, got) != ("redone", {reason: 1})}
+        seen = zip(FORMS, r["modes"][1:], added[1:])
+        wrong = {name: (mode, got) for (name, _, reason), mode, got in seen if (mode, got) != ("redone", {reason: 1})}
         assert not wrong, wrong
         assert r["modes"] == expected, r["modes"]
         assert BACKOFF_REASON not in r["reasons"][-1]

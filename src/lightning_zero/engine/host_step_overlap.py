@@ -111,7 +111,9 @@ class HostStepOverlap:
         if not buckets:
             return None
         plan = self.plan
-        self.ahead = StepAhead(optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents)
+        self.ahead = StepAhead(
+            optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents
+        )
         self.ahead.loss_scale = plan.loss_scale
         return self.ahead
 

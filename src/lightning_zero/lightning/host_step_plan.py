@@ -34,7 +34,9 @@ from lightning_zero.engine.host_step_overlap import ScaleOf
 MODULE_HOOKS = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step")
 """LightningModule hooks that run between backward and the optimizer step (or around it)."""
 CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-PLUGIN_METHODS = ("backward", "pre_backward", "post_backward", "optimizer_step", "clip_gradients", "clip_grad_by_norm", "clip_grad_by_value")
+PLUGIN_METHODS = (
+    "backward", "pre_backward", "post_backward", "optimizer_step", "clip_gradients", "clip_grad_by_norm", "clip_grad_by_value",
+)  # fmt: skip
 """Precision plugin methods that run between backward and the step (ours or a user's subclass)."""
 STRATEGY_METHODS = ("backward", "pre_backward", "post_backward", "optimizer_step")
 
