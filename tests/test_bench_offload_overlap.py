@@ -17,7 +17,7 @@ import torch
 
 from lightning_zero.bench import offload_overlap, variants, wrappers
 from lightning_zero.bench.host_bandwidth import adamw_step_bytes, measure_host_bandwidth
-from lightning_zero.bench.offload_overlap_results import CLIPPING, SLEEP_PLACES
+from lightning_zero.bench.offload_overlap_results import SETTINGS, SLEEP_PLACES
 from lightning_zero.bench.options import OFFLOAD_OVERLAP_DEFAULTS, BenchOptions, model_config, num_parameters, shaped
 from lightning_zero.bench.results import OK
 from lightning_zero.cli import main
@@ -141,15 +141,18 @@ def _assert_complete(written: dict, ranks: int) -> None:
             assert host[key] > 0, (row["name"], key)
         assert 0 < host["hideable"] < 1
         assert [(line["overlap_host_step"], line["clipping"]) for line in row["lines"]] == [
-            (overlap, clipping) for overlap in (False, True) for clipping in CLIPPING
+            (overlap, clipping) for overlap in (False, True) for clipping in SETTINGS
         ]
         for line in row["lines"]:
             for key in ("exposed_backward_ms", "exposed_forward_ms", "optimizer_step_backward_ms", "optimizer_step_forward_ms"):
                 assert line[key] > 0, (row["name"], key)
+            # the verdict's time is reported where a verdict runs (overlap on); the content check runs in it
+            assert (line["verdict_ms"] > 0) == line["overlap_host_step"], (row["name"], line)
+        assert any("the content check" in note for note in row["notes"]), row["notes"]
         assert [rank["rank"] for rank in row["ranks"]] == list(range(ranks))
         for rank in row["ranks"]:
             assert {(t["overlap_host_step"], t["sleep_in"], t["clipping"]) for t in rank["times"]} == {
-                (o, s, c) for o in (False, True) for s in SLEEP_PLACES for c in CLIPPING
+                (o, s, c) for o in (False, True) for s in SLEEP_PLACES for c in SETTINGS
             }
             assert all(len(t["exposed_s"]) == 2 and len(t["optimizer_step_s"]) == 2 for t in rank["times"])
             assert rank["final_loss"] == pytest.approx(rank["final_loss"])  # finite: not NaN

@@ -554,6 +554,7 @@ def test_plain_runs_step_during_backward_bitwise(results, label, precision):
         assert report.reasons == {} and r["modes"] == ["ahead"] * STEPS
         # nothing between backward and the step can change it: no rollback copy is kept
         assert r["rollback"] == [0] * STEPS and report.rollback_bytes == 0
+        assert report.content_checks == 0  # no user code between backward and the step: versions tell
         last = report.last
         assert last.buckets and last.backward_end is not None and last.host_step_s > 0
         assert r["report_without_overlap"] is None  # overlap_host_step=False: no step ahead at all
@@ -613,6 +614,7 @@ def test_gradients_edited_in_a_callback_are_stepped_again(results, name):
         assert (report.ahead, report.redone, report.after_backward) == (2, 1, 1)
         assert report.reasons == {"gradients changed after backward": 1, BACKOFF_REASON: 1}
         assert all(b > 0 for b in r["rollback"])  # the callback's hook: copies kept
+        assert report.content_checks == report.ahead + report.redone  # and contents compared at each verdict
 
 
 def test_a_changed_learning_rate_redoes_the_step(results):
@@ -691,8 +693,10 @@ def test_the_host_step_starts_before_backward_ends(results, name):
         assert r["buckets"][0] == 0
         assert r["first_start"] < r["backward_end"], (r["first_start"], r["backward_end"])
         assert r["modes"] == (["redone"] if clipped else ["ahead"] * 2)
-        # clipping by norm alone (no hook between backward and the step) keeps rollback copies
+        # clipping by norm alone (no hook between backward and the step) keeps rollback copies, and
+        # compares no contents (the engine's clipping moves version counters)
         assert all(b > 0 for b in r["rollback"]) if clipped else r["rollback"] == [0, 0]
+        assert r["report"].content_checks == 0
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from lightning_zero.bench import offload_overlap_report, provenance, report, variants, worker
 from lightning_zero.bench.host_bandwidth import HostBandwidth, measure_host_bandwidth
 from lightning_zero.bench.offload_overlap_results import (
-    CLIPPING, SLEEP_PLACES, ConditionTimes, OverlapRankMeasurement, OverlapResult, OverlapRow, summarize,
+    CLIPPING, HOOKS, SETTINGS, SLEEP_PLACES, ConditionTimes, OverlapRankMeasurement, OverlapResult, OverlapRow, summarize,
 )  # fmt: skip
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
 from lightning_zero.bench.rank import BuiltRank, build_rank
@@ -55,8 +55,8 @@ from lightning_zero.models.gpt import GPTConfig
 
 SLEEP_FACTOR = 2.0
 """The default sleep over the warm-up's host step (see [Note: the overlap stand-in])."""
-CONDITIONS = tuple(itertools.product(SLEEP_PLACES, CLIPPING))
-"""(sleep place, clipping name): the steps of one round, in order."""
+CONDITIONS = tuple(itertools.product(SLEEP_PLACES, SETTINGS))
+"""(sleep place, setting name): the steps of one round, in order."""
 
 
 def _say_nothing(line: str) -> None:
@@ -130,6 +130,7 @@ def measure_overlap(rank: int, spec: VariantSpec, options: BenchOptions, config:
                 ConditionTimes(
                     overlap, sleep_in, clipping, tuple(s.exposed_s for s in steps), tuple(s.optimizer_step_s for s in steps),
                     tuple(s.host_step_s for s in steps), tuple(s.host_step_before_backward_end_s for s in steps),
+                    tuple(s.verdict_s for s in steps),
                 )  # fmt: skip
             )
     assert sleep_ms is not None
@@ -167,6 +168,8 @@ class _StepTimes:
     """The host's time stepping (``engine.host_step_report().last``; 0 where it reports none)."""
     host_step_before_backward_end_s: float = 0.0
     """Of that, what ran before backward ended (the host step during backward)."""
+    verdict_s: float = 0.0
+    """The verdict's comparisons (``host_step_report().last.verdict_s``)."""
 
 
 class _Stepper:
@@ -187,19 +190,24 @@ class _Stepper:
         """`count` rounds of one step per condition, each condition on its own batch; the times by condition."""
         out: dict[tuple[str, str], list[_StepTimes]] = {condition: [] for condition in CONDITIONS}
         for _ in range(count):
-            for (sleep_in, clipping), (x, y) in zip(CONDITIONS, self.built.batches):
-                out[(sleep_in, clipping)].append(self.step(x, y, sleep_in, sleep_ms / 1e3, CLIPPING[clipping]))
+            for (sleep_in, setting), (x, y) in zip(CONDITIONS, self.built.batches):
+                out[(sleep_in, setting)].append(self.step(x, y, sleep_in, sleep_ms / 1e3, setting))
         return out
 
-    def step(self, x: Tensor, y: Tensor, sleep_in: str, sleep_s: float, max_norm: Optional[float]) -> _StepTimes:
+    def step(self, x: Tensor, y: Tensor, sleep_in: str, sleep_s: float, setting: str) -> _StepTimes:
         """One training step as `OursWrapped.step` takes it, with the clock read where backward ends,
-        around `optimizer.step()` and after the parameters are refreshed."""
+        around `optimizer.step()` and after the parameters are refreshed. ``setting``: a `CLIPPING`
+        one, or a `HOOKS` one (`_edit_point` runs between backward and the step)."""
         engine, optimizer = self.engine, self.optimizer
         self.sleep.place, self.sleep.seconds = sleep_in, sleep_s
-        # as the Trainer plans it: rollback copies only where clipping may change the step; each step
-        # afresh, so that a firing condition's redo does not make the next condition's step back off
-        # (a run where clipping fires step after step backs off instead: 1 redo in up to 65 steps)
-        engine.plan_host_step(keep_rollback=max_norm is not None)
+        max_norm, hook = CLIPPING.get(setting), setting in HOOKS
+        # as the Trainer plans it: rollback copies only where clipping or a hook may change the step,
+        # the content check only where user code runs between backward and the step. Each step
+        # afresh (another plan first: a plan starts over only where it changes), so that a firing
+        # condition's redo does not make the next condition's step back off (a run where clipping
+        # fires step after step backs off instead: 1 redo in up to 65 steps)
+        engine.plan_host_step(ahead=False)
+        engine.plan_host_step(keep_rollback=max_norm is not None or hook, check_contents=HOOKS.get(setting, False))
         engine.begin_step()
         with self.built.wrapped.setup.autocast():
             loss = self.model(x, y)[1]
@@ -210,6 +218,8 @@ class _Stepper:
         if max_norm is not None:
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
             clip_grads_by_global_norm_(parameters, max_norm, self.built.device)
+        if hook:
+            _edit_point(self.model, optimizer)
         step_start = time.perf_counter()
         optimizer.step()
         step_end = time.perf_counter()
@@ -220,12 +230,18 @@ class _Stepper:
         self.steps += 1
         report = engine.host_step_report()
         last = report.last if report is not None else None
-        host_s, before_s = (last.host_step_s, last.before_backward_end_s) if last is not None else (0.0, 0.0)
-        return _StepTimes(self.steps - 1, end - backward_end, step_end - step_start, host_s, before_s)
+        host_s, before_s, verdict_s = (last.host_step_s, last.before_backward_end_s, last.verdict_s) if last is not None else (0.0,) * 3
+        return _StepTimes(self.steps - 1, end - backward_end, step_end - step_start, host_s, before_s, verdict_s)
 
     def close(self) -> None:
         self._hook.remove()
         self.built.wrapped.close()
+
+
+def _edit_point(model: nn.Module, optimizer: Any) -> None:
+    """Where a Lightning callback's ``on_before_optimizer_step`` runs: user code between backward and
+    the step, which may edit gradients where no version counter sees it. It edits nothing here, so
+    every step taken ahead is kept; what it costs is the verdict's content check."""
 
 
 def _hideable_numel(engine: Any, model: nn.Module) -> int:

@@ -22,7 +22,11 @@ DEFINITIONS = f"""\
   off the two are equal by construction (the baseline).
 - **clipping**: `clip_grads_by_global_norm_` over the optimizer's parameters between backward and the
   step; "on, not firing" with a max_norm no norm reaches (coefficient 1), "on, firing" with one every
-  norm exceeds.
+  norm exceeds. "a hook": no clipping, a callback-like edit point instead (user code between backward
+  and the step, editing nothing), with the verdict's content check (as wherever user code runs there)
+  or without it (as for a Trainer with no hook): the difference is what the content check costs.
+- **verdict ms**: the verdict's comparisons at `optimizer.step()` (versions, hyperparameters, and the
+  gradients' digests where the content check runs), with the sleep in backward.
 - **optimizer.step**: its median time alone, with the sleep in backward / in forward.
 - **host step**: `optimizer.step()` with overlap off, clipping off, the sleep in forward: the whole
   fused AdamW step on the host. **bytes**: 28 B per fp32 element of every rank's chunks (read the
@@ -54,6 +58,7 @@ def _overlap_rows(row: OverlapRow) -> list[list[str]]:
             f"{line.ratio:.2f}",
             f"{_ms(line.optimizer_step_backward_ms)} / {_ms(line.optimizer_step_forward_ms)}",
             f"{_ms(line.before_backward_end_ms)} / {_ms(line.host_step_ms)} ({line.overlap:.0%})" if line.host_step_ms else "—",
+            f"{line.verdict_ms:,.2f}" if line.overlap_host_step else "—",
         ]
         for line in row.lines
     ]
@@ -96,9 +101,9 @@ def markdown(result: OverlapResult) -> str:
     ]
     headers = [
         "variant", "overlap_host_step", "clipping", "exposed, sleep in backward ms", "exposed, sleep in forward ms",
-        "backward / forward", "optimizer.step ms (bwd / fwd)", "host step before backward's end / total ms",
+        "backward / forward", "optimizer.step ms (bwd / fwd)", "host step before backward's end / total ms", "verdict ms",
     ]  # fmt: skip
-    lines += markdown_table(headers, [line for r in ran for line in _overlap_rows(r)], "lllrrrrr")
+    lines += markdown_table(headers, [line for r in ran for line in _overlap_rows(r)], "lllrrrrrr")
     lines += ["", "## The host step against the memory", ""]
     headers = [
         "variant", "sleep ms", "host step ms", "MB moved", "GB/s", "memory GB/s", "of the memory's", "hideable",

@@ -18,7 +18,17 @@ CLIPPING: dict[str, Optional[float]] = {"off": None, "on": 1e6, "fires": 1e-6}
 """max_norm of the global-norm clipping between backward and the optimizer step, by name: none; one
 no gradient norm reaches (the coefficient is exactly 1, as a step speculated before the norm is known
 assumes); one every norm exceeds (the coefficient is below 1 at every step: a speculative step is redone)."""
-CLIPPING_WORDS = {"off": "off", "on": "on, not firing", "fires": "on, firing"}
+HOOKS: dict[str, bool] = {"hook": True, "hook_unchecked": False}
+"""Settings with a callback-like edit point between backward and the step (user code ran there, no
+clipping): whether the verdict compares the gradients' contents, as it does wherever user code runs
+(see [Note: gradient digests] in ``engine/offload/grad_digest.py``), or only their version counters, as
+for a Trainer without hooks. The content check's cost is the difference between the two."""
+SETTINGS = (*CLIPPING, *HOOKS)
+"""What runs between backward and the step, by name: a `CLIPPING` setting or a `HOOKS` one."""
+CLIPPING_WORDS = {
+    "off": "off", "on": "on, not firing", "fires": "on, firing",
+    "hook": "off, a hook (content check)", "hook_unchecked": "off, a hook (no content check)",
+}  # fmt: skip
 RATIO_TARGET = 0.35
 """Issue 53: with `overlap_host_step`, the time exposed after backward with the sleep in backward at
 most 0.35x the same with the sleep in forward, with clipping on and off."""
@@ -33,7 +43,7 @@ class ConditionTimes:
     sleep_in: str
     """One of `SLEEP_PLACES`."""
     clipping: str
-    """A `CLIPPING` name."""
+    """A `SETTINGS` name: the clipping, or a hook, between backward and the step."""
     exposed_s: tuple[float, ...]
     """Per step: from `loss.backward()` returning to the end of `engine.after_optimizer_step`
     (finish_backward, end_step, the clipping, optimizer.step, after_optimizer_step)."""
@@ -43,6 +53,9 @@ class ConditionTimes:
     """Per step: the host's time stepping, as the engine reports it (`host_step_report().last`)."""
     host_step_before_backward_end_s: tuple[float, ...] = ()
     """Per step: of that, what ran before backward ended."""
+    verdict_s: tuple[float, ...] = ()
+    """Per step: the verdict's comparisons at `optimizer.step()` (`host_step_report().last.verdict_s`),
+    the content check included where it ran."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class OverlapLine:
     """With the sleep in backward: median ms of the host step that ran before backward ended (slowest rank)."""
     host_step_ms: float = 0.0
     """With the sleep in backward: median ms of the host step in all (slowest rank)."""
+    verdict_ms: float = 0.0
+    """With the sleep in backward: median ms of the verdict's comparisons (slowest rank)."""
 
     @property
     def overlap(self) -> float:
@@ -149,7 +164,7 @@ def summarize(name: str, stage: int, description: str, ranks: Sequence[OverlapRa
     """A variant's row from its ranks: per condition the slowest rank's median, the host step against
     the probe, and the targets."""
     lines = tuple(
-        _line(ranks, overlap, clipping) for overlap in (False, True) for clipping in CLIPPING
+        _line(ranks, overlap, clipping) for overlap in (False, True) for clipping in SETTINGS
         if _times(ranks[0], overlap, "forward", clipping) is not None
     )  # fmt: skip
     whole = _slowest(ranks, False, "forward", "off", "optimizer_step_s")
@@ -190,6 +205,7 @@ def _line(ranks: Sequence[OverlapRankMeasurement], overlap: bool, clipping: str)
         optimizer_step_forward_ms=ms("forward", "optimizer_step_s"),
         before_backward_end_ms=ms("backward", "host_step_before_backward_end_s"),
         host_step_ms=ms("backward", "host_step_s"),
+        verdict_ms=ms("backward", "verdict_s"),
     )
 
 
@@ -214,6 +230,16 @@ def _notes(lines: Sequence[OverlapLine], host_step: HostStep, sleep_ms: float) -
                 f" ({line.exposed_backward_ms / baseline.exposed_backward_ms:.2f}x); the share of the host step before"
                 f" backward's end: {line.overlap:.0%}"
             )
+    checked = next((line for line in lines if line.overlap_host_step and line.clipping == "hook"), None)
+    unchecked = next((line for line in lines if line.overlap_host_step and line.clipping == "hook_unchecked"), None)
+    if checked is not None and unchecked is not None:
+        added = checked.exposed_backward_ms - unchecked.exposed_backward_ms
+        notes.append(
+            f"the content check (user code between backward and the step): exposed after backward with the sleep in"
+            f" backward {checked.exposed_backward_ms:,.1f} ms with it, {unchecked.exposed_backward_ms:,.1f} ms without"
+            f" ({added:+,.1f} ms, {added / host_step.ms:+.0%} of the host step); the verdict itself"
+            f" {checked.verdict_ms:,.2f} vs {unchecked.verdict_ms:,.2f} ms"
+        )
     if sleep_ms < host_step.ms:
         notes.append(
             f"the sleep ({sleep_ms:,.1f} ms) is shorter than the host step ({host_step.ms:,.1f} ms): not all of it"

@@ -214,7 +214,12 @@ class ZeroEngine:
 
     # ---- the host step during backward (CPU offload) ------------------------------------------
     def plan_host_step(
-        self, ahead: bool = True, keep_rollback: bool = True, reason: str = "", loss_scale: Optional[LossScale] = None
+        self,
+        ahead: bool = True,
+        keep_rollback: bool = True,
+        reason: str = "",
+        loss_scale: Optional[LossScale] = None,
+        check_contents: bool = True,
     ) -> None:
         """How the adapter wants offloaded optimizer steps taken from the next step on: ``ahead`` during
         backward (where the engine can: see [Note: the host step during backward] in ``step_ahead.py``),
@@ -222,10 +227,15 @@ class ZeroEngine:
         to undo a step that something after backward changes (clipping, a hook's edit). Default: ahead,
         with rollback copies (a plain loop may clip or edit anything before ``optimizer.step()``).
         ``loss_scale``: with a ``ZeroGradScaler`` (``16-mixed``), its scale now (None before its first
-        use): gradients are unscaled as they arrive, and a step the scaler skips is undone. A plan
-        starts afresh: steps taken after backward because recent ones were redone (backing off, see
-        ``step_ahead.py``) are taken ahead again."""
-        self._host_step.set_plan(HostStepPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale))
+        use; ``ScaleOf(scaler)``): gradients are unscaled as they arrive, and a step the scaler skips
+        is undone. ``check_contents``: user code may run between backward and the step, so the
+        verdict also compares the gradients' contents (edits through ``.data`` or a NumPy view move
+        no version counter); False only where nothing but the engine touches them there. A plan
+        other than the one in force starts afresh: steps taken after backward because recent ones
+        were redone (backing off, see ``step_ahead.py``) are taken ahead again; planning the same
+        again changes nothing."""
+        plan = HostStepPlan(ahead, keep_rollback or loss_scale is not None, reason, loss_scale, check_contents)
+        self._host_step.set_plan(plan)
 
     def host_step_report(self) -> Optional[HostStepReport]:
         """How the offloaded optimizer's steps ran (during or after backward, redone, and why; the last

@@ -6,7 +6,7 @@ optimizers, the adapter's plan, and where the engine's step arms, settles and en
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -31,6 +31,23 @@ class HostStepPlan:
     reason: str = ""
     """Why not ``ahead`` (counted)."""
     loss_scale: Optional[LossScale] = None
+    check_contents: bool = True
+    """Compare the gradients' contents at the verdict: user code may run between backward and the
+    step, and edit them where no version counter sees it (see [Note: gradient digests] in
+    ``offload/grad_digest.py``). False only where the adapter knows no user code runs there."""
+
+
+@dataclass(frozen=True)
+class ScaleOf:
+    """A loss scaler's scale now, as ``HostStepPlan.loss_scale``: two of the same scaler compare equal,
+    so an adapter that plans again every backward (Fabric) leaves the plan, and its backing off, as
+    they are."""
+
+    scaler: Any
+    """A ``torch.amp.GradScaler`` (its ``_scale``: None before its first use)."""
+
+    def __call__(self) -> Optional[torch.Tensor]:
+        return self.scaler._scale
 
 
 class HostStepOverlap:
@@ -64,11 +81,14 @@ class HostStepOverlap:
         self.bind()
 
     def set_plan(self, plan: HostStepPlan) -> None:
-        self.plan = plan
-        if self.ahead is not None:
+        """Take ``plan`` from the next step on; a plan other than the one in force starts afresh
+        (stepping ahead again, whatever was redone lately), the same one changes nothing."""
+        changed, self.plan = plan != self.plan, plan
+        if self.ahead is not None and changed:
             self.ahead.keep_rollback = plan.keep_rollback
+            self.ahead.check_contents = plan.check_contents
             self.ahead.loss_scale = plan.loss_scale
-            self.ahead.stop_backing_off()  # a new plan starts afresh
+            self.ahead.stop_backing_off()
 
     def bind(self) -> Optional[StepAhead]:
         """The ``StepAhead`` for the optimizers bound now: built before the first ``optimizer.step()``
@@ -90,8 +110,11 @@ class HostStepOverlap:
         buckets = [(b.index, b.host) for b in self._buckets() if b.host is not None and b.host.grads is not None]
         if not buckets:
             return None
-        self.ahead = StepAhead(optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, self.plan.keep_rollback)
-        self.ahead.loss_scale = self.plan.loss_scale
+        plan = self.plan
+        self.ahead = StepAhead(
+            optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents
+        )
+        self.ahead.loss_scale = plan.loss_scale
         return self.ahead
 
     def arm(self, sync_gradients: bool) -> None:

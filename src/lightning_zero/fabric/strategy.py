@@ -36,6 +36,7 @@ from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
+from lightning_zero.engine.host_step_overlap import ScaleOf
 from lightning_zero.engine.optimizer.sharded_optimizer import check_optimizer_type
 from lightning_zero.fabric.checkpointing import FabricCheckpointing
 from lightning_zero.fabric.precision import checked_precision
@@ -201,7 +202,8 @@ class ZeroFabricStrategy(DDPStrategy):
         for sharded in self._modules:
             if sharded.engine is not None:
                 if scaler is not None and scaler.is_enabled():  # each bucket is unscaled as it arrives (step_ahead.py)
-                    sharded.engine.plan_host_step(loss_scale=lambda: scaler._scale)
+                    # the same plan every backward changes nothing (backing off from redone steps goes on)
+                    sharded.engine.plan_host_step(loss_scale=ScaleOf(scaler))
                 sharded.engine.before_backward()
         super().backward(tensor, module, *args, **kwargs)
         for sharded in self._modules:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.shards.precomputed_norms import group_by_dtype_and_device, norms_of, remembered_grad_norm
+from lightning_zero.engine.shards.precomputed_norms import group_by_dtype_and_device, norms_of, remembered_grad_norms
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -49,7 +49,7 @@ def global_grad_norm(
     norm_type = float(norm_type)
     with_grad = [p for p in parameters if p.grad is not None]
     # norms the host step during backward computed already, for these very gradients (precomputed_norms.py)
-    known = [remembered_grad_norm(p, norm_type) for p in with_grad]
+    known = remembered_grad_norms(with_grad, norm_type)
     computed = iter(norms_of([p.grad.detach() for p, norm in zip(with_grad, known) if norm is None], norm_type))
     norms = [norm if norm is not None else next(computed) for norm in known]
     local = _stacked(norms, device) if norms else torch.zeros(1, device=device)

@@ -90,7 +90,13 @@ class ShardedGradient(torch.Tensor):
         return grad
 
     def _like(self, local: LocalChunk, dtype: torch.dtype) -> "ShardedGradient":
+        """A result computed from this gradient (a tensor of its own: edits to it edit nothing)."""
         return ShardedGradient(self.shape, dtype, self.device, local, self._range, self._group, self._name)
+
+    def _alias(self) -> "ShardedGradient":
+        """``.data``, ``.detach()``, ``alias``: the same chunk, so an in-place edit through the alias
+        is an edit of this gradient and tells what this one tells (``_edited``)."""
+        return ShardedGradient(self.shape, self.dtype, self.device, self._local, self._range, self._group, self._name, edited=self._edited)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # printing reads values: never a collective
         start, end = self._range
@@ -125,7 +131,7 @@ class ShardedGradient(torch.Tensor):
         if torch._C._current_graph_task_id() != -1:
             return _accumulate_in_backward(func, first, args)
         if func in _ALIASES:
-            return first._like(first._local, first.dtype)
+            return first._alias()
         name = func.overloadpacket.__name__
         if name.startswith("_foreach_"):
             return _foreach(func, name[len("_foreach_"):], args, kwargs)

@@ -65,7 +65,7 @@ class WorkerThread:
     one (see [Note: handoffs])."""
 
     def __init__(self, name: str) -> None:
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        device = current_cuda_device()
         self._scheduler = _SCHEDULER
         adopted = threading.Event()
 
@@ -113,6 +113,14 @@ class WorkerThread:
         if self._scheduler is not None and last is not None:  # jobs run in order: the last one done, all are
             self._scheduler.wait_until(last.done, "shutdown", last)
         self._pool.shutdown(wait=True)
+
+
+def current_cuda_device() -> Optional[int]:
+    """The calling thread's CUDA device where this process uses CUDA (None otherwise: asking would
+    initialize CUDA). A worker sets it first thing, as the async checkpoint writer does: a new
+    thread's current device is 0 whatever the rank's, and a CUDA call there would make a context on
+    GPU 0 from every rank (review N10)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
 
 def point(name: str) -> None:

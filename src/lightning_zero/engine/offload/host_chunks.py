@@ -86,6 +86,10 @@ class HostChunks:
                 p.master_in_memory = self.in_memory
         self.grads = self._allocate(self.row_numel) if trainable else None
         self._grad_chunks = self._chunks(self.grads) if self.grads is not None else []
+        self._grad_places = [(chunk.data_ptr(), chunk.numel()) for chunk in self._grad_chunks]
+        self.gradient_row: Optional[Tensor] = self.grads[: self.shard_numel] if self.grads is not None else None
+        """(S,): the chunks of ``grads``, where the shards' gradients live once handed out (a
+        gradient assigned by hand lives elsewhere: ``holds_gradient``)."""
         self._landing: Optional[Tensor] = None
         self._landing_chunks: list[Tensor] = []
         self.arrivals: Optional[Arrivals] = None
@@ -165,6 +169,21 @@ class HostChunks:
             self._landing_chunks = self._chunks(self._landing)
         return self._landing
 
+    def holds_gradient(self, i: int, grad: Optional[Tensor]) -> bool:
+        """Whether ``grad`` views the chunk of ``gradient_row`` that parameter ``i``'s gradients land
+        in, as handed out (``set_`` or ``.data =`` keep a tensor object and move what it views)."""
+        if grad is None or i >= len(self._grad_places) or grad.dtype != self.dtype or grad.stride() not in ((1,), (0,)):
+            return False
+        return (grad.data_ptr(), grad.numel()) == self._grad_places[i]
+
+    def _handed_out_chunks(self) -> list[Tensor]:
+        """The chunks of ``grads`` to hand out as the shards' gradients: made again where user code
+        moved one it was handed (``shard.grad.set_(...)``, ``shard.grad.data = ...``), which would
+        otherwise take every later gradient somewhere else."""
+        if not all(self.holds_gradient(i, chunk) for i, chunk in enumerate(self._grad_chunks)):
+            self._grad_chunks = self._chunks(self.grads)
+        return self._grad_chunks
+
     def accept(self, row: Tensor, used_anywhere: Sequence[float]) -> None:
         """Give every parameter a rank used its chunk of ``row`` as ``shard.grad``, added to what it
         holds already (see [Note: used flags] in ``bucket.py``); where the row went to a step during
@@ -177,15 +196,16 @@ class HostChunks:
 
     def accept_now(self, row: Tensor, used_anywhere: Sequence[float]) -> None:
         """``accept`` itself, on the thread that calls it."""
-        chunks = self._grad_chunks if row is self.grads else self._landing_chunks
+        handed = self._handed_out_chunks()
+        chunks = handed if row is self.grads else self._landing_chunks
         for i, p in enumerate(self.params):
             if used_anywhere[i] <= 0:
                 continue
             if row is self.grads:  # all shards' gradients were None
                 p.shard.grad = chunks[i]
             elif p.shard.grad is None:
-                self._grad_chunks[i].copy_(chunks[i])
-                p.shard.grad = self._grad_chunks[i]
+                handed[i].copy_(chunks[i])
+                p.shard.grad = handed[i]
             else:
                 p.shard.grad.add_(chunks[i])
 

@@ -21,6 +21,9 @@ class HostStepTiming:
     """When backward ended (``finish_backward`` began); None if no backward was seen."""
     host_step_s: float
     """Seconds the host spent stepping: the buckets stepped ahead, plus a step after backward."""
+    verdict_s: float = 0.0
+    """Seconds the verdict's comparisons took on the main thread, once the worker was done (the
+    content check included, where it ran)."""
 
     @property
     def before_backward_end_s(self) -> float:
@@ -52,3 +55,7 @@ class HostStepReport:
     rollback_bytes: int = 0
     """Host bytes of the rollback copies kept now."""
     last: Optional[HostStepTiming] = None
+    content_checks: int = 0
+    """Verdicts that compared the gradients' contents (user code may have run between backward and
+    the step, so edits no version counter sees were looked for: see [Note: gradient digests] in
+    ``grad_digest.py``)."""

@@ -21,12 +21,23 @@ row has landed, while the device computes the earlier layers' gradients:
   (Where something may clip, the worker also computes each gradient's norm, which clipping then
   takes instead of reading every host gradient again after backward: ``shards/precomputed_norms.py``.) So
   each bucket records what its step read: each gradient tensor with its version counter (every
-  in-place edit bumps it; our clipping skips multiplying by exactly 1.0, which changes no bit),
-  the hyperparameters of its param groups, and the version of its master row after the step.
+  in-place edit through autograd's view of it bumps it, every edit through ``param.grad`` too, see
+  ``sharded_grad.py``; our clipping skips multiplying by exactly 1.0, which changes no bit), the
+  hyperparameters of its param groups (a snapshot: tensors cloned, containers copied), and the
+  version counters of its master row and shards after the step (weights written since raise: the
+  write landed on the stepped weights, which no rollback can undo). Where user code may have run between backward and the
+  step (the adapter says: the Trainer knows its hooks; Fabric and the engine's own API always), it
+  also records a digest of the gradients' contents, taken before the step reads them, and the
+  verdict takes it again: that sees what no version counter does, edits through ``.data``,
+  ``.detach()`` or a NumPy view (see [Note: gradient digests] in ``grad_digest.py``).
   ``optimizer.step()`` waits for the worker and compares. All the same: the step is taken already
   (**commit**). Anything different: every bucket stepped ahead is restored from its rollback copy
   and the optimizer steps as it always did (**redo**). Bitwise the same result either way: a clip
   coefficient that is not 1 edits the gradients, so its step is redone with them.
+- **reads before the verdict**: a read of a bucket's master chunks before the verdict (a gather
+  during backward, of a unit backward never reached) undoes that bucket's step alone, and only if
+  it moved the chunks; a bucket no rank gave a gradient steps nothing. The verdict then steps the
+  buckets undone after backward and keeps the others (**redone**, ``CHUNKS_READ``).
 - **rollback copies** (``rollback.py``): before a bucket steps, its master row and state are copied
   into host buffers allocated once (``memory_report().host_step_rollback``). Where the adapter knows
   nothing can change the verdict (the Trainer with no clipping, no loss scaling and no hook between
@@ -48,6 +59,7 @@ row has landed, while the device computes the earlier layers' gradients:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -61,8 +73,9 @@ from torch.optim import Optimizer
 from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.handoffs import WorkerThread
+from lightning_zero.engine.offload.bucket_step import CHUNKS_READ, WEIGHTS_WRITTEN, BucketStep, hyperparameters_of, weight_versions
+from lightning_zero.engine.offload.grad_digest import GradContents
 from lightning_zero.engine.offload.host_chunks import HostChunks
-from lightning_zero.engine.offload.bucket_step import BucketStep, hyperparameters_of
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
 from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
@@ -79,7 +92,12 @@ class StepAhead:
     """Steps ``optimizer``'s offloaded ``buckets`` during backward (see [Note: the host step during
     backward]). ``params``: the optimizer's sharded parameters; ``before_step()`` takes what was
     assigned to ``param.grad`` (the engine's, run before every step); ``keep_rollback``: keep copies
-    to undo a step whose verdict fails."""
+    to undo a step whose verdict fails; ``check_contents``: compare the gradients' contents at the
+    verdict (user code may run between backward and the step).
+
+    The worker's handoffs, each in one method: ``_submit`` (a bucket queued), ``_wait_for_copy``
+    (its row's copy awaited), ``_accept`` (its gradients handed out), ``_drain`` (the main thread
+    waits for the worker: the verdict, a settle) and ``_roll_back`` (a bucket's step undone)."""
 
     def __init__(
         self,
@@ -88,15 +106,19 @@ class StepAhead:
         buckets: Sequence[tuple[int, HostChunks]],
         before_step: Callable[[], None],
         keep_rollback: bool = True,
+        check_contents: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.keep_rollback = keep_rollback
+        self.check_contents = check_contents
         self._before_step = before_step
         self._unhooked = unhooked_step(optimizer)
         shards = {id(p.shard) for p in params}
         self._buckets = [(index, host) for index, host in buckets if any(id(p.shard) in shards for p in host.params)]
         self._index_of = {id(host): index for index, host in self._buckets}
         self._shards_of = {id(host): [p.shard for p in host.params if id(p.shard) in shards] for _, host in self._buckets}
+        self._positions_of = {id(host): [i for i, p in enumerate(host.params) if id(p.shard) in shards] for _, host in self._buckets}
+        """Per bucket: where each of its shards (``_shards_of``) sits among the bucket's parameters."""
         self._all_shards = [p.shard for p in params]
         self._rollbacks: dict[int, RollbackCopy] = {}
         self._queued: list[BucketStep] = []
@@ -142,11 +164,17 @@ class StepAhead:
 
     def arrived(self, host: HostChunks, row: Tensor, copy: Event) -> threading.Event:
         """``host``'s reduced ``row`` is being copied to the host (``copy``): queue its step; the
-        returned event is set once its gradients were handed out (``HostChunks.accept``)."""
+        returned event is set once its gradients were handed out (``HostChunks.accept``). From now
+        until the verdict, a read of the bucket's chunks undoes its step first (``_settle_bucket``)."""
         job = BucketStep(host, self._index_of[id(host)])
         self._queued.append(job)
-        job.future = self._worker().submit(self._run, job, row, copy)
+        host.unsettled = functools.partial(self._settle_bucket, job)
+        self._submit(job, row, copy)
         return job.accepted
+
+    def _submit(self, job: BucketStep, row: Tensor, copy: Event) -> None:
+        """Handoff: ``job`` queued for the worker (the thread that runs backward goes on)."""
+        job.future = self._worker().submit(self._run, job, row, copy)
 
     def backward_ended(self) -> None:
         """Backward's gradients are all computed (``finish_backward`` begins): no more arrive ahead."""
@@ -163,47 +191,69 @@ class StepAhead:
             self._executor = WorkerThread("lightning-zero-host-step")
         return self._executor
 
+    # ---- on the worker ------------------------------------------------------------------------
     def _run(self, job: BucketStep, row: Tensor, copy: Event) -> None:
-        """On the worker thread: wait for the row, hand its gradients out, step the bucket."""
+        """On the worker thread: wait for the row, hand its gradients out, step the bucket. What the
+        step reads is recorded before it is read: the gradients' versions, then their digest, then
+        their norms (an edit racing the worker then shows in one of them at the verdict)."""
         host = job.host
         try:
-            host.copies.wait_on_host(copy)  # this thread waits for the copy; backward goes on
-            k = len(host.params)
-            host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
+            self._wait_for_copy(host, copy)
+            self._accept(job, row)
         finally:
             handoffs.signal(job.accepted, "gradients handed out")
         shards = self._shards_of[id(host)]
         job.start = time.perf_counter()
+        grads = [s.grad for s in shards]
+        if all(g is None for g in grads):  # no rank used the bucket: its step would change nothing
+            job.end = time.perf_counter()
+            return
         if self._inv_scale is not None:
-            job.found_inf = _unscale([s.grad for s in shards if s.grad is not None], self._inv_scale)
+            job.found_inf = _unscale([g for g in grads if g is not None], self._inv_scale)
             if job.found_inf:
                 job.end = time.perf_counter()
                 return  # the scaler skips this step on every rank: nothing to step, nothing to undo
+        job.grads = [(shard, grad, grad._version if grad is not None else 0) for shard, grad in zip(shards, grads)]
+        still_valid = None
+        if self.check_contents:
+            in_row = [host.holds_gradient(i, g) for i, g in zip(self._positions_of[id(host)], grads)]
+            job.contents = GradContents.take(host.gradient_row, grads, in_row)
+            still_valid = functools.partial(_contents_unchanged, job.contents, shards)
         if self.keep_rollback:  # something may clip by norm: its norms are taken here, off the critical path
-            remember_grad_norms(shards)
-        job.grads = [(shard, shard.grad, shard.grad._version if shard.grad is not None else 0) for shard in shards]
-        if self.keep_rollback:
+            remember_grad_norms(shards, still_valid=still_valid)
             rollback = self._rollbacks.get(id(host))
             if rollback is None:
                 rollback = self._rollbacks[id(host)] = RollbackCopy(host.master, shards)
             rollback.save(self.optimizer.state)
             job.saved = True
+        job.weights_before = weight_versions(host, shards)
         job.hyperparameters = self._step_bucket(shards)
-        job.master_version = host.master._version
-        host.unsettled = self.settle  # a read of these chunks before the verdict undoes the step first
+        job.weights_after = weight_versions(host, shards)
         job.stepped = True
         job.end = time.perf_counter()
 
+    def _wait_for_copy(self, host: HostChunks, copy: Optional[Event]) -> None:
+        """Handoff (worker): wait for a row's copy to the host; backward goes on meanwhile."""
+        host.copies.wait_on_host(copy)
+
+    def _accept(self, job: BucketStep, row: Tensor) -> None:
+        """Handoff (worker): hand ``job``'s gradients out (``HostChunks.accept_now``); the thread
+        that finishes backward waits for ``job.accepted`` before it reads them."""
+        host = job.host
+        k = len(host.params)
+        host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
+
     def _step_bucket(self, shards: Sequence[Tensor]) -> list[tuple[int, dict[str, Any]]]:
         """The optimizer's own update of ``shards``, on a view of the optimizer whose param groups hold
-        only them; returns each group's hyperparameters as stepped, by group index."""
+        only them; returns each group's hyperparameters as stepped, by group index (a snapshot taken
+        before the view reads them: a change racing the step shows at the verdict)."""
         members = {id(s) for s in shards}
         groups, narrowed, read = self.optimizer.param_groups, [], []
         for i, group in enumerate(groups):
             params = [p for p in group["params"] if id(p) in members]
             if params:
-                narrowed.append({**group, "params": params})
                 read.append((i, hyperparameters_of(group, copy=True)))
+                narrowed.append({**group, "params": params})
         view = object.__new__(type(self.optimizer))
         view.__dict__.update(self.optimizer.__dict__)
         view.param_groups = narrowed
@@ -227,14 +277,19 @@ class StepAhead:
     def _step_or_commit(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> None:
         """``optimizer.step``'s update (after the closure, inside torch's hooks): the verdict, and the
         optimizer's own update where nothing was stepped ahead or the steps ahead were undone."""
-        mode = self._verdict()
+        mode, verdict_s = self._verdict(whole=bool(kwargs))
         after_s = 0.0
         if mode != "ahead":
             start = time.perf_counter()
-            self._unhooked(optimizer, **kwargs)
+            settled = [job for job in self._queued if job.settled]
+            if settled:  # the buckets read before the verdict step now; the others are kept
+                for job in settled:
+                    self._step_bucket(job.shards)
+            else:
+                self._unhooked(optimizer, **kwargs)
             after_s = time.perf_counter() - start
         self._counts[mode] += 1
-        self._last = self._timing(mode, after_s)
+        self._last = self._timing(mode, after_s, verdict_s)
         self._back_off(mode)
         self._clear()
 
@@ -252,68 +307,102 @@ class StepAhead:
         elif self._why_not == BACKOFF_REASON:
             self._skipping -= 1
 
-    def _verdict(self) -> str:
+    def _verdict(self, whole: bool = False) -> tuple[str, float]:
         """"ahead" when every bucket stepped ahead read what stepping now would read (the step is
-        taken); "redone" when one did not (they are rolled back, the optimizer steps again);
-        "after_backward" when nothing was stepped ahead."""
+        taken); "redone" when one did not (they are rolled back, the optimizer steps again), or one
+        was undone because its chunks were read (it steps now, the others are kept, unless ``whole``:
+        the step takes arguments, so it is taken whole); "after_backward" when nothing was stepped
+        ahead. And the seconds the comparisons took."""
         self._drain()
         if not any(job.stepped for job in self._queued):
             if not self._queued:
                 self._reasons[self._why_not or "no backward armed before the step"] += 1
-            return "after_backward"
+            return "after_backward", 0.0
+        start = time.perf_counter()
         self._before_step()
         handoffs.point("verdict")
-        changed = self._what_changed()
+        if self.check_contents and any(job.contents is not None for job in self._queued):
+            self._counts["content_checks"] += 1
+        settled = any(job.settled for job in self._queued)
+        changed = self._what_changed() or (CHUNKS_READ if settled and whole else "")
+        if changed == WEIGHTS_WRITTEN:
+            self._clear()
+            raise _weights_written_error()
+        if not changed and settled:
+            self._reasons[CHUNKS_READ] += 1
+            return "redone", time.perf_counter() - start
         if not changed:
-            return "ahead"
+            return "ahead", time.perf_counter() - start
         self._undo(changed)
+        for job in self._queued:
+            job.settled = False  # the whole step is taken again
         self._reasons[changed] += 1
-        return "redone"
+        return "redone", time.perf_counter() - start
 
-    def _timing(self, mode: str, after_s: float) -> HostStepTiming:
+    def _timing(self, mode: str, after_s: float, verdict_s: float) -> HostStepTiming:
         stepped = [job for job in self._queued if job.stepped] if mode != "after_backward" else []
         buckets = tuple((job.index, job.start, job.end) for job in stepped)
-        return HostStepTiming(mode, buckets, self._backward_end, sum(job.end - job.start for job in stepped) + after_s)
+        host_step_s = sum(job.end - job.start for job in stepped) + after_s
+        return HostStepTiming(mode, buckets, self._backward_end, host_step_s, verdict_s)
 
     def _what_changed(self) -> str:
-        """Why the step taken ahead is not the one to take now ("" if it is)."""
+        """Why the steps taken ahead are not the ones to take now ("" if they are): weights written
+        since (first: no rollback may then hide the write), then what metadata tells of every bucket,
+        then, where asked, the gradients' contents (the one check that reads them)."""
         groups = self.optimizer.param_groups
-        stepped: set[int] = set()
+        held = [job for job in self._queued if job.holds_step]
+        if any(job.weights_written() for job in held):
+            return WEIGHTS_WRITTEN
+        covered = {id(shard) for job in held for shard in job.shards}
         for job in self._queued:
-            if not job.stepped:
-                continue
-            stepped.update(id(shard) for shard, _, _ in job.grads)
-            changed = job.what_changed(groups)
-            if changed:
-                return changed
-        if any(shard.grad is not None and id(shard) not in stepped for shard in self._all_shards):
-            return "gradients outside the buckets stepped ahead"
-        return ""
+            if job.settled:  # undone: it steps now, whatever it reads
+                covered.update(id(shard) for shard in self._shards_of[id(job.host)])
+        changed = next((why for why in (job.what_changed(groups) for job in held) if why), "")
+        if not changed and any(shard.grad is not None and id(shard) not in covered for shard in self._all_shards):
+            changed = "gradients outside the buckets stepped ahead"
+        if not changed and self.check_contents:
+            changed = next((why for why in (job.contents_changed() for job in held) if why), "")
+        return changed
 
     def _undo(self, why: str) -> None:
         """Restore every bucket stepped ahead (the worker is idle)."""
         if not self.keep_rollback:
             self._clear()
-            raise RuntimeError(
-                f"The optimizer step was taken during backward, and then {why}, so it is not the step"
-                " to take; no rollback copies were kept because nothing was expected to change between"
-                " backward and `optimizer.step()`. HINT: pass `ZeroStrategy(..., overlap_host_step=False)`"
-                " (or report what changed them: the strategy keeps rollback copies where clipping or a"
-                " hook between backward and the step is configured)."
-            )
+            raise _no_rollback_error(why)
         handoffs.point("rollback")
         for job in reversed(self._queued):
-            if job.saved:
-                self._rollbacks[id(job.host)].restore(self.optimizer.state)
+            self._roll_back(job)
             job.host.unsettled = None
 
-    def settle(self, why: str = "the chunks were read before the optimizer step") -> None:
-        """Undo a step taken ahead that is not committed yet (anything about to read the chunks, or
-        a next step that comes without ``optimizer.step()``); a no-op when there is none."""
+    def _roll_back(self, job: BucketStep) -> None:
+        """Handoff: ``job``'s bucket back as before its step (the worker is done with it)."""
+        if job.saved and job.holds_step:
+            self._rollbacks[id(job.host)].restore(self.optimizer.state)
+        job.undone = True
+
+    def _settle_bucket(self, job: BucketStep) -> None:
+        """Before a read of ``job``'s chunks ahead of the verdict (``HostChunks.unsettled``): wait for its
+        step and undo it if it moved the chunks; the verdict steps it then (see "reads before the
+        verdict")."""
+        job.host.unsettled = None
+        if job.future is not None and handoffs.join(job.future, "a read of the chunks waits for their step") is not None:
+            self._drain()  # raises, after undoing what was stepped
+        if not job.holds_step or weight_versions(job.host, job.shards) == job.weights_before:
+            return
+        if not self.keep_rollback:
+            self._drain()
+            self._clear()
+            raise _no_rollback_error(CHUNKS_READ)
+        self._roll_back(job)
+        job.settled = True
+
+    def settle(self, why: str = CHUNKS_READ) -> None:
+        """Undo every step taken ahead that is not committed yet (anything about to read all chunks or
+        the state, or a next step that comes without ``optimizer.step()``); a no-op when there is none."""
         if not self._queued:
             return
         self._drain()
-        if any(job.stepped for job in self._queued):
+        if any(job.holds_step for job in self._queued):
             self._undo(why)
         self._reasons[why] += 1
         self._clear()
@@ -323,14 +412,14 @@ class StepAhead:
         self._drain()
 
     def _drain(self) -> None:
-        """Wait for the worker's jobs; where one failed, undo what was stepped ahead and re-raise."""
+        """Handoff: the main thread waits for the worker's jobs; where one failed, undo what was
+        stepped ahead and re-raise."""
         errors = [handoffs.join(job.future, "the verdict waits for the host step") for job in self._queued if job.future is not None]
         error = next((e for e in errors if e is not None), None)
         if error is None:
             return
         for job in reversed(self._queued):
-            if job.saved:
-                self._rollbacks[id(job.host)].restore(self.optimizer.state)
+            self._roll_back(job)
         self._clear()
         raise RuntimeError("The optimizer step taken on a host thread during backward failed (the error above).") from error
 
@@ -349,6 +438,7 @@ class StepAhead:
             reasons=dict(self._reasons),
             rollback_bytes=self.rollback_bytes,
             last=self._last,
+            content_checks=self._counts["content_checks"],
         )
 
     @property
@@ -359,7 +449,7 @@ class StepAhead:
         """Undo anything uncommitted, stop the worker, give the optimizer its own ``step`` back."""
         _STEPS_AHEAD.pop(self.optimizer, None)
         try:
-            if self.keep_rollback or not any(job.stepped for job in self._queued):
+            if self.keep_rollback or not any(job.holds_step for job in self._queued):
                 self.settle("the engine closed before `optimizer.step()`")
             else:  # nothing to undo with (a run that failed mid-step): the chunks keep the step
                 self._drain()
@@ -381,6 +471,31 @@ _STEPS_AHEAD: "weakref.WeakKeyDictionary[Optimizer, StepAhead]" = weakref.WeakKe
 def step_ahead_of(optimizer: Optimizer) -> Optional[StepAhead]:
     """The ``StepAhead`` stepping ``optimizer`` during backward, if any (the loss scaler asks)."""
     return _STEPS_AHEAD.get(optimizer)
+
+
+def _no_rollback_error(why: str) -> RuntimeError:
+    return RuntimeError(
+        f"The optimizer step was taken during backward, and then {why}, so it is not the step"
+        " to take; no rollback copies were kept because nothing was expected to change between"
+        " backward and `optimizer.step()`. HINT: pass `ZeroStrategy(..., overlap_host_step=False)`"
+        " (or report what changed them: the strategy keeps rollback copies where clipping or a"
+        " hook between backward and the step is configured)."
+    )
+
+
+def _weights_written_error() -> RuntimeError:
+    return RuntimeError(
+        "The optimizer's chunks (the weights it steps) were written between backward and"
+        " `optimizer.step()`, after the step was taken during backward: the write landed on the stepped"
+        " weights, and no rollback can tell what it would have done to the weights before the step."
+        " HINT: write weights before the backward or after `optimizer.step()`, or pass"
+        " `overlap_host_step=False` to take the step after backward."
+    )
+
+
+def _contents_unchanged(contents: GradContents, shards: Sequence[Tensor]) -> bool:
+    """Whether ``shards``' gradients hold what ``contents`` recorded (for a remembered norm)."""
+    return contents.unchanged([s.grad for s in shards])
 
 
 def _unscale(grads: Sequence[Tensor], inv_scale: Tensor) -> float:

@@ -4,22 +4,36 @@ during backward] in ``offload/step_ahead.py``), so that clipping by norm after b
 every host gradient again on the critical path.
 
 A norm is remembered for a parameter (the optimizer's shard) together with the gradient tensor it
-was computed from and that tensor's version counter; it is used only while the parameter still has
-that very gradient, unedited, and for the same norm type. It is computed by ``norms_of``, the one
-function that computes such norms, on the same tensor: the same bits as computing it later.
+was computed from and that tensor's version counter, read before the norm is computed (an edit racing
+the computation moves it, so a stale norm is never paired with the new version). It is used only
+while the parameter still has that very gradient, unedited, and for the same norm type; where edits
+may move no version counter (``.data``, a NumPy view), the caller also gives ``still_valid``, which
+compares the gradients' contents with a digest taken before the norm (see [Note: gradient digests]
+in ``offload/grad_digest.py``). It is computed by ``norms_of``, the one function that computes such
+norms, on the same tensor: the same bits as computing it later.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-_REMEMBERED: dict[int, tuple[weakref.ref, weakref.ref, int, float, Tensor]] = {}
-"""By ``id`` of the parameter (tensors compare element-wise, so they cannot be dictionary keys): the
-parameter and its gradient (weakly), the gradient's version, the norm type and the norm."""
+@dataclass(frozen=True)
+class _Remembered:
+    param: weakref.ref
+    grad: weakref.ref
+    version: int
+    norm_type: float
+    norm: Tensor
+    still_valid: Optional[Callable[[], bool]]
+
+
+_REMEMBERED: dict[int, _Remembered] = {}
+"""By ``id`` of the parameter (tensors compare element-wise, so they cannot be dictionary keys)."""
 
 
 def group_by_dtype_and_device(tensors: Sequence[Tensor]) -> list[list[Tensor]]:
@@ -45,21 +59,41 @@ def norms_of(tensors: Sequence[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     return [norms.get(id(t), zero) for t in tensors]
 
 
-def remember_grad_norms(params: Sequence[Tensor], norm_type: float = 2.0) -> None:
-    """Compute and remember the norm of each of ``params``' gradients (those that have one)."""
-    with_grad = [p for p in params if p.grad is not None]
-    grads = [p.grad.detach() for p in with_grad]
-    for p, grad, norm in zip(with_grad, grads, norms_of(grads, norm_type) if grads else ()):
-        _REMEMBERED[id(p)] = (weakref.ref(p), weakref.ref(p.grad), p.grad._version, float(norm_type), norm)
+def remember_grad_norms(params: Sequence[Tensor], norm_type: float = 2.0, still_valid: Optional[Callable[[], bool]] = None) -> None:
+    """Compute and remember the norm of each of ``params``' gradients (those that have one).
+    ``still_valid``: whether the gradients still hold what the norms read (asked once per lookup
+    of a group of norms, see ``remembered_grad_norms``); None: their version counters tell."""
+    taken = [(p, p.grad, p.grad._version) for p in params if p.grad is not None]  # versions before the norms
+    norms = norms_of([grad.detach() for _, grad, _ in taken], norm_type) if taken else []
+    for (p, grad, version), norm in zip(taken, norms):
+        _REMEMBERED[id(p)] = _Remembered(weakref.ref(p), weakref.ref(grad), version, float(norm_type), norm, still_valid)
+
+
+def remembered_grad_norms(params: Sequence[Tensor], norm_type: float) -> list[Optional[Tensor]]:
+    """For each of ``params``, the norm remembered for its gradient as it is now, if any; each
+    ``still_valid`` among them is asked once."""
+    asked: dict[int, bool] = {}
+    found: list[Optional[Tensor]] = []
+    for param in params:
+        entry = _REMEMBERED.get(id(param))
+        grad = param.grad
+        if (
+            entry is None
+            or entry.param() is not param
+            or grad is None
+            or entry.grad() is not grad
+            or grad._version != entry.version
+            or entry.norm_type != float(norm_type)
+        ):
+            found.append(None)
+            continue
+        check = entry.still_valid
+        if check is not None and id(check) not in asked:
+            asked[id(check)] = check()
+        found.append(entry.norm if check is None or asked[id(check)] else None)
+    return found
 
 
 def remembered_grad_norm(param: Tensor, norm_type: float) -> Optional[Tensor]:
     """The norm remembered for ``param``'s gradient as it is now, if any."""
-    entry = _REMEMBERED.get(id(param))
-    if entry is None:
-        return None
-    param_ref, grad_ref, version, remembered_type, norm = entry
-    grad = param.grad
-    if param_ref() is not param or grad is None or grad_ref() is not grad or grad._version != version:
-        return None
-    return norm if remembered_type == float(norm_type) else None
+    return remembered_grad_norms([param], norm_type)[0]
