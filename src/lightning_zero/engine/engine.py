@@ -245,8 +245,8 @@ class ZeroEngine:
     def wait_for_host_step(self) -> None:
         """Block until the host has stepped every bucket that reached it in this backward (all have
         by its end): what changes gradients or hyperparameters next then comes after those steps,
-        and the verdict at ``optimizer.step()`` sees it. Nothing to wait for without the host step
-        during backward."""
+        and the verdict at ``optimizer.step()`` sees it. ``finish_backward`` waits for it already;
+        nothing to wait for without the host step during backward."""
         self._host_step.wait()
 
     def _after_zero_grad(self) -> None:
@@ -265,7 +265,10 @@ class ZeroEngine:
 
     def finish_backward(self) -> None:
         """After every backward: the gradient shards are ready when this returns (unless
-        ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced)."""
+        ``sync_gradients`` is False at stage 1, where gradients keep accumulating unreduced), and the
+        host step taken during backward is done: user code between backward and the optimizer step
+        (a hook, a loop's own lines) reads and edits what that step read after it, never beside it
+        (an edit is then seen by the verdict, see [Note: the host step during backward])."""
         self._host_step.backward_ended()
         self.residency.finish_backward_gathers()
         self.grad_sync.finish_backward(self.sync_gradients, self._host_reads)
@@ -282,6 +285,7 @@ class ZeroEngine:
             self.gradients.open(reduced=self.sync_gradients)
         if self.sync_gradients and self.disk is not None:
             self.disk.prefetch()  # the optimizer step is next: its first reads start now
+        self._host_step.wait()  # the verdict waits for it anyway; user code until then must not race it
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Make the module see the shards ``optimizer`` just updated. ``param.grad`` still shows the
