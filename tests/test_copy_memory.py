@@ -79,7 +79,7 @@ def test_device_rows_count_until_the_compute_stream_read_them():
         events.append(_Event())
         return events[-1]
 
-    rows = DeviceTemporaries(record)
+    rows = DeviceTemporaries(record, _Event.query)  # as CopyStream passes its stream layer's event query
     rows.add(torch.empty(256))  # 1 KiB, being read
     rows.add(torch.empty(512))  # 2 KiB: the first is still unread on the device
     assert rows.bytes_now == 3 * 1024 and rows.most_bytes == 3 * 1024

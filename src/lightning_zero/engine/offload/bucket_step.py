@@ -40,10 +40,10 @@ class BucketStep:
     """Where the verdict compares contents (user code ran between backward and the step): the
     gradients' digests as the step read them."""
     hyperparameters: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    weights_before: list[int] = field(default_factory=list)
-    """The version counters of the master row and of each shard (they count apart: the shards are
-    not autograd views of the row) before the step: a step that moved nothing leaves them there."""
     weights_after: list[int] = field(default_factory=list)
+    """The version counters of the master row and of each shard (they count apart: the shards are
+    not autograd views of the row) after the step: a write since then moved them (torch's fused CPU
+    kernels, which the step uses, move none themselves)."""
     found_inf: float = 0.0
     """With loss scaling: what unscaling its gradients found (non-zero: inf/NaN, not stepped)."""
     saved: bool = False

@@ -235,7 +235,6 @@ class StepAhead:
                 rollback = self._rollbacks[id(host)] = RollbackCopy(host.master, shards)
             rollback.save(self.optimizer.state)
             job.saved = True
-        job.weights_before = weight_versions(host, shards)
         job.hyperparameters = self._step_bucket(shards)
         job.weights_after = weight_versions(host, shards)
         job.stepped = True
@@ -393,12 +392,13 @@ class StepAhead:
 
     def _settle_bucket(self, job: BucketStep) -> None:
         """Before a read of ``job``'s chunks ahead of the verdict (``HostChunks.unsettled``): wait for its
-        step and undo it if it moved the chunks; the verdict steps it then (see "reads before the
-        verdict")."""
+        step and undo it if it stepped (torch's fused CPU kernels, which the host step uses, move no
+        version counter, so whether the chunks moved is known from the job, not the tensors); the
+        verdict steps it then (see "reads before the verdict")."""
         job.host.unsettled = None
         if job.future is not None and handoffs.join(job.future, "a read of the chunks waits for their step") is not None:
             self._drain()  # raises, after undoing what was stepped
-        if not job.holds_step or weight_versions(job.host, job.shards) == job.weights_before:
+        if not job.holds_step:  # not stepped (no rank gave the bucket a gradient) or already undone
             return
         if not self.keep_rollback:
             self._drain()
