@@ -5,7 +5,8 @@ absence once the missing wait is there. One process, no ranks: milliseconds."""
 from __future__ import annotations
 
 import pytest
-from schedules.explorer import Replay, adversaries, explore, host_ahead, random_order, starving
+from schedules.explorer import Replay, explore
+from schedules.policies import adversaries, host_ahead, random_order, starving
 from schedules.trace import (
     Await, Collective, CollectiveWait, HostOp, HostWait, Kernel, KeepAlive, RecordEvent, Release, Signal, Trace,
     WaitEvent, WaitStream,

@@ -24,7 +24,8 @@ from __future__ import annotations
 import pytest
 import torch
 from case_groups import CaseGroup, GroupResults, RankContext
-from schedules.explorer import Replay, adversaries, random_order, starving
+from schedules.explorer import Replay
+from schedules.policies import adversaries, random_order, starving
 from schedules.scenarios import Scenario
 
 pytestmark = pytest.mark.schedules

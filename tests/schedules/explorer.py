@@ -28,14 +28,13 @@ policy, and the policies show the orders.
 
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
+from schedules.policies import Policy
 from schedules.trace import (
-    Await, Collective, CollectiveWait, Entry, HostOp, HostWait, Kernel, KeepAlive, Mark, Range, RecordEvent,
-    Release, Signal, Trace, WaitEvent, WaitStream,
+    Await, Collective, CollectiveWait, Entry, HostWait, KeepAlive, Mark, RecordEvent, Release, Signal, Trace, WaitEvent, WaitStream,
 )  # fmt: skip
 
 QueueKey = tuple[int, str, int]
@@ -260,7 +259,7 @@ class Replay:
         first = next(iter(members.values())).entry
         return set(members) != set(first.ranks)
 
-    def run(self, policy: "Policy", races: bool = False) -> Outcome:
+    def run(self, policy: Policy, races: bool = False) -> Outcome:
         """Run every queue to its end (or a deadlock) in the order ``policy`` picks; with ``races``,
         also report the accesses the waits leave unordered, in any order (see the module's docstring)."""
         outcome = Outcome(policy.name, 0, mismatches=list(self.mismatches))
@@ -410,97 +409,6 @@ class Replay:
                 seen[following] = len(path)
                 path.append(following)
         return [f"{self._where(self.head(k))} {', '.join(b for _, b in blocks) or 'waits'}" for k, blocks in waits_for.items()]
-
-
-# ---- policies ------------------------------------------------------------------------------------
-Action = tuple[str, object]
-
-
-@dataclass
-class Policy:
-    """Which of the runnable actions runs next."""
-
-    name: str
-    choose_from: Callable[[list[Action], Replay, random.Random], Action]
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self._random = random.Random(self.seed)
-
-    def choose(self, actions: list[Action], replay: Replay) -> Action:
-        return self.choose_from(sorted(actions, key=repr), replay, self._random)
-
-
-def _is_host(action: Action) -> bool:
-    return action[0] == "queue" and action[1][1] == "thread"
-
-
-def _any(actions: list[Action], replay: Replay, rng: random.Random) -> Action:
-    return rng.choice(actions)
-
-
-def _host_first(actions: list[Action], replay: Replay, rng: random.Random) -> Action:
-    host = [a for a in actions if _is_host(a)]
-    return rng.choice(host or actions)
-
-
-def _device_first(actions: list[Action], replay: Replay, rng: random.Random) -> Action:
-    device = [a for a in actions if not _is_host(a)]
-    return rng.choice(device or actions)
-
-
-def _stream_role(action: Action, replay: Replay) -> str:
-    if action[0] == "collective":
-        return "collective"
-    rank, kind, number = action[1]
-    return replay.traces[rank].streams.get(number, "") if kind == "stream" else "host"
-
-
-def random_order(seed: int) -> Policy:
-    """Any runnable action, uniformly."""
-    return Policy(f"random order (seed {seed})", _any, seed)
-
-
-def host_ahead(seed: int) -> Policy:
-    """The longest lag: the host threads run whenever they can; the device only when they wait."""
-    return Policy(f"host as far ahead as it can get (seed {seed})", _host_first, seed)
-
-
-def device_eager(seed: int) -> Policy:
-    """No lag: the device runs whatever it can before the host goes on."""
-    return Policy(f"device runs all it can first (seed {seed})", _device_first, seed)
-
-
-def newest_first(seed: int) -> Policy:
-    """Reversed ready order: the queue that was runnable the least time goes first (the last in the
-    sorted list of what is runnable, ties broken by the seed)."""
-
-    def choose(actions: list[Action], replay: Replay, rng: random.Random) -> Action:
-        device = [a for a in actions if not _is_host(a)]
-        pool = device or actions
-        return pool[-1] if rng.random() < 0.8 else rng.choice(pool)
-
-    return Policy(f"reversed ready order (seed {seed})", choose, seed)
-
-
-def starving(role: str, seed: int) -> Policy:
-    """The streams named ``role`` (e.g. "reduce": a slow network) run only when nothing else can."""
-
-    def choose(actions: list[Action], replay: Replay, rng: random.Random) -> Action:
-        others = [a for a in actions if _stream_role(a, replay) != role]
-        return rng.choice(others or actions)
-
-    return Policy(f"{role} stream starved (seed {seed})", choose, seed)
-
-
-def adversaries(seeds: Sequence[int]) -> list[Policy]:
-    """The policies a scenario is replayed under: for each seed, a random order, the host far ahead,
-    the device eager, the reversed ready order, and the reduce and copy streams starved."""
-    policies = []
-    for seed in seeds:
-        policies += [random_order(seed), host_ahead(seed), device_eager(seed), newest_first(seed)]
-        policies += [starving("reduce", seed), starving("to host", seed), starving("to device", seed)]
-    return policies
 
 
 def explore(traces: Sequence[Trace], policies: Sequence[Policy]) -> list[Outcome]:

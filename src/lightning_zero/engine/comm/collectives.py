@@ -18,7 +18,7 @@ import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -325,48 +325,8 @@ def default_timeout() -> timedelta:
     return getattr(dist, "default_pg_timeout", timedelta(minutes=30))
 
 
-class StoreAgreement(NamedTuple):
-    """What ``post_and_agree`` found: each rank's post, and whether the ranks go ahead."""
-
-    values: list[Optional[str]]
-    """Each rank's value in ``group`` order; None for a rank that had not posted when this rank
-    stopped waiting (only where ``go`` is False)."""
-    go: bool
-    """True on every rank alike, or False on every rank alike: every rank posted, and the first rank
-    to decide saw them all (then each goes ahead together); False once any rank gave up waiting."""
-
-
-def post_and_agree(prefix: str, value: str, group: ProcessGroup, timeout: timedelta) -> StoreAgreement:
-    """Post ``value`` under ``prefix`` for this rank in the process group's store, wait up to
-    ``timeout`` for every rank of ``group`` to post under the same ``prefix``, and decide with the
-    other ranks whether to go ahead. Not a collective: a rank that never posts leaves nothing half-done
-    in any process group, so the others can fail and go on.
-
-    The decision is one key set once (``compare_set``: the first rank to decide wins): "go" by a rank
-    that saw every post, "gave_up" by one that stopped waiting. A rank that gave up after another
-    decided "go" goes ahead too (every post is there); a rank that saw every post after another
-    gave up does not. So a rank never enters what follows (a collective) that another abandoned."""
-    store = _default_store()
-    keys = [f"{prefix}/{r}" for r in group_ranks(group)]
-    store.set(f"{prefix}/{dist.get_rank()}", value)
-    try:
-        store.wait(keys, timeout)
-        complete = True
-    except RuntimeError:  # DistStoreError on timeout (a RuntimeError on a FileStore): decided below
-        complete = False
-    go = store.compare_set(f"{prefix}/decision", "", "go" if complete else "gave_up") == b"go"
-    values = [store.get(key).decode() if (complete or go or store.check([key])) else None for key in keys]
-    return StoreAgreement(values, go)
-
-
-def forget_posts(keys: list[str]) -> None:
-    """Delete ``keys`` from the store (those no rank reads any more)."""
-    store = _default_store()
-    for key in keys:
-        store.delete_key(key)
-
-
 def _default_store() -> Any:
+    """The default process group's store (``store_agreement.py`` agrees through it)."""
     return dist.distributed_c10d._get_default_store()
 
 

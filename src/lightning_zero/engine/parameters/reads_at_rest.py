@@ -5,7 +5,7 @@
 A read is a collective over the shard group, so the ranks first agree that they are all reading the
 same parameter: each posts the parameter's name for this read (the n-th read at rest of this
 engine) in the process group's store and waits for every rank's post, then one key decides for all
-whether they go ahead (``collectives.post_and_agree``). The store is used rather than a collective
+whether they go ahead (``store_agreement.post_and_agree``). The store is used rather than a collective
 so that a read made on some ranks only fails on each rank that made it, naming the parameter, and
 leaves no collective half-done in the groups that training goes on with. The decision is atomic
 (the store's ``compare_set``): a rank that gave up waiting and a late rank that then saw every post
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, store_agreement
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 ChunkInMemory = Callable[[ShardedParam], AbstractContextManager]
@@ -137,9 +137,9 @@ class ReadsAtRest:
         if self._count >= 2:  # every rank posted the read after it, so decided the one before
             done = f"{self._prefix}/{self._count - 2}"
             decided = [f"{done}/decision"] if self._forgets_decisions else []
-            collectives.forget_posts([f"{done}/{collectives.rank()}", *decided])
+            store_agreement.forget_posts([f"{done}/{collectives.rank()}", *decided])
         self._count += 1
-        agreed = collectives.post_and_agree(read, p.name, self._group, self.timeout)
+        agreed = store_agreement.post_and_agree(read, p.name, self._group, self.timeout)
         ranks = collectives.group_ranks(self._group)
         missing = [r for r, name in zip(ranks, agreed.values) if name is None]
         if missing:
