@@ -26,6 +26,16 @@ import lightning_zero  # noqa: E402,F401
 
 import lightning_helpers  # noqa: E402,F401 - and with it the test models and multiprocess
 
+# What most groups' ranks would each import again: Lightning asks whether a checkpoint folder is
+# object storage (`lightning.fabric.utilities.cloud_io._is_object_storage`, from every
+# ModelCheckpoint's setup) by importing each of these that is installed: s3fs and its ~330
+# modules, ~0.3 CPU-seconds a rank (the `test` extra installs it)
+import importlib.util  # noqa: E402
+
+for _package in ("adlfs", "gcsfs", "s3fs"):
+    if importlib.util.find_spec(_package) is not None:
+        importlib.import_module(_package)
+
 # Everything imported so far lives as long as the ranks: out of the collector's sight, a full
 # collection in a rank (test_sharded_averaging counts live modules after one) walks only what the
 # rank made, and the forked pages holding these objects are not copied by the walk.

@@ -275,21 +275,32 @@ def test_offload_params_needs_offload_optimizer():
         lightning_zero.ZeroStrategy(stage=3, offload_params=True)
 
 
-def test_one_device_script(tmp_path):
-    """scripts/offload_one_device.py (issue 6's GPU check) on the CPU: same losses, state moved to the host."""
-    import json
-    import subprocess
+def _run_script(rank: int, world_size: int, script: str, args: list[str]) -> None:
+    """``python SCRIPT ARGS`` in this rank: the script run as ``__main__`` with that command line."""
+    import runpy
     import sys
+
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def test_one_device_script(tmp_path):
+    """scripts/offload_one_device.py (issue 6's GPU check) on the CPU: same losses, state moved to the host.
+
+    The script runs as its ``__main__`` in a process forked from the tests' rank server (world size
+    1, its own process group, as on the command line), which spares a new interpreter's imports
+    (~4 CPU-seconds); its imports from a fresh interpreter are the GPU check's dry run's
+    (``scripts/offload_gpu.py`` imports it, tests/test_gpu_check_script.py)."""
+    import json
     from pathlib import Path
+
+    from multiprocess import run_on_ranks
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "offload_one_device.py"
     out = tmp_path / "figures.json"
-    done = subprocess.run(
-        # --fused: the user's kernel is the one the offloaded step switches to, so losses match bitwise
-        [sys.executable, str(script), "--device", "cpu", "--n-layer", "2", "--n-embd", "32", "--steps", "2", "--fused", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    # --fused: the user's kernel is the one the offloaded step switches to, so losses match bitwise
+    args = ["--device", "cpu", "--n-layer", "2", "--n-embd", "32", "--steps", "2", "--fused", "--out", str(out)]
+    run_on_ranks(_run_script, str(script), args, world_size=1, init_process_group=False, timeout=120)
     results = json.loads(out.read_text())["results"]
     plain, offloaded = results["zero3"], results["zero3_offload"]
     assert plain["losses"] == offloaded["losses"]

@@ -1,4 +1,5 @@
-"""Every process of the test suite imports torchmetrics without its two optional heavy imports.
+"""Every process of the test suite imports torchmetrics without its two optional heavy imports, and
+reads each group of entry points once (``entry_points_once.py``, next to this file).
 
 Lightning imports torchmetrics, and torchmetrics imports, wherever they are installed (the test
 extra installs both):
@@ -57,3 +58,7 @@ class _TorchmetricsWithoutOptionalImports(importlib.abc.MetaPathFinder):
 
 if "torchmetrics" not in sys.modules and not any(isinstance(f, _TorchmetricsWithoutOptionalImports) for f in sys.meta_path):
     sys.meta_path.insert(0, _TorchmetricsWithoutOptionalImports())
+
+import entry_points_once  # noqa: E402 - this folder is on sys.path wherever this file runs
+
+entry_points_once.install()
