@@ -276,10 +276,19 @@ def test_offload_params_needs_offload_optimizer():
 
 
 def _run_script(rank: int, world_size: int, script: str, args: list[str]) -> None:
-    """``python SCRIPT ARGS`` in this rank: the script run as ``__main__`` with that command line."""
+    """``python SCRIPT ARGS`` in this rank: the script run as ``__main__`` with that command line.
+
+    ``OMP_NUM_THREADS`` is set to the rank server's thread count (1), which the offloaded step then
+    keeps: the offloaded run would otherwise set the cores ÷ ranks (2 here) while the plain one steps
+    with the rank's 1, and torch's fused CPU Adam rounds its vectorised body and scalar tail
+    differently, so its bits depend on how the elements are split among threads (seen with torch 2.6)."""
+    import os
     import runpy
     import sys
 
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
