@@ -6,6 +6,7 @@ per-read metadata fails here."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
 import pickle
@@ -17,6 +18,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from multiprocess import run_on_ranks
+
+from lightning_zero.compat.dcp_reads import load_in_this_process
 
 
 @contextmanager
@@ -62,13 +65,16 @@ def _tensors(blocks: int) -> dict[str, torch.Tensor]:
 
 
 def _save(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    """DCP's save in this process alone (torch 2.6's takes no ``no_dist`` and decides so itself: no
+    process group here)."""
+    alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(directory)), **alone)
 
 
 def _read_like_dcp(directory: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DCP's own reader (``torch.load`` per item): the reference."""
     targets = {key: torch.full_like(t, 7) for key, t in like.items()}
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    load_in_this_process(targets, dcp.FileSystemReader(str(directory)))
     return targets
 
 

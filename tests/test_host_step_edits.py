@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from host_step_modes import mode_between
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.host_step_overlap import ScaleOf
@@ -104,19 +105,11 @@ def _run(
             with engine.gathered():
                 history.append([p.detach().clone() for p in net.parameters()])
             report = engine.host_step_report()
-            modes.append(_mode(previous, report))
+            modes.append(mode_between(previous, report))
             previous = report
     finally:
         engine.close()
     return {"history": history, "modes": modes, "report": previous}
-
-
-def _mode(before: Any, after: Any) -> Optional[str]:
-    if after is None:
-        return None
-    counts = lambda r: (0, 0, 0) if r is None else (r.ahead, r.redone, r.after_backward)  # noqa: E731
-    taken = [m for m, a, b in zip(("ahead", "redone", "after_backward"), counts(before), counts(after)) if b > a]
-    return taken[0] if taken else None
 
 
 def _bitwise(a: dict, b: dict) -> bool:
@@ -458,7 +451,7 @@ def test_planning_the_same_loss_scale_every_backward_keeps_backing_off():
             engine.after_optimizer_step(opt)
             opt.zero_grad()
             report = engine.host_step_report()
-            modes.append(_mode(previous, report))
+            modes.append(mode_between(previous, report))
             previous = report
     finally:
         engine.close()

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from host_step_modes import mode_between
 
 from lightning_zero.engine.offload.bucket_step import CONTENTS_CHANGED, GRADIENTS_CHANGED, HYPERPARAMETERS_CHANGED
 from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
@@ -118,18 +119,10 @@ class EditEachStep(Callback):
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         report = engine.host_step_report() if engine is not None else None
-        self.modes.append(_mode(self._report, report))
+        self.modes.append(mode_between(self._report, report))
         self.reasons.append(dict(report.reasons) if report is not None else {})
         self.content_checks = report.content_checks if report is not None else 0
         self._report = report
-
-
-def _mode(before: Any, after: Any) -> Optional[str]:
-    if after is None:
-        return None
-    counts = lambda r: (0, 0, 0) if r is None else (r.ahead, r.redone, r.after_backward)  # noqa: E731
-    taken = [m for m, a, b in zip(("ahead", "redone", "after_backward"), counts(before), counts(after)) if b > a]
-    return taken[0] if taken else None
 
 
 def _no_backing_off() -> None:
@@ -288,7 +281,7 @@ def fabric_backs_off(ctx: RankContext) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         report = engine.host_step_report()
-        modes.append(_mode(previous, report))
+        modes.append(mode_between(previous, report))
         previous = report
     return {"modes": modes, "reasons": dict(previous.reasons)}
 

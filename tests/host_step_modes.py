@@ -1,0 +1,17 @@
+"""Which way the host step went in the last step, told by two of the engine's ``host_step_report()``s
+(tests/test_host_step_edits.py and tests/test_host_step_verdict.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+MODES = ("ahead", "redone", "after_backward")
+
+
+def mode_between(before: Any, after: Any) -> Optional[str]:
+    """The mode whose count grew from ``before`` to ``after`` (None before any report, or where none grew)."""
+    if after is None:
+        return None
+    counts = lambda r: (0, 0, 0) if r is None else (r.ahead, r.redone, r.after_backward)  # noqa: E731
+    taken = [mode for mode, a, b in zip(MODES, counts(before), counts(after)) if b > a]
+    return taken[0] if taken else None
