@@ -633,14 +633,14 @@ def _fit_host_step(case: dict, overlap: bool, device: torch.device, lead: int) -
 def host_step_twins(ctx: RankContext, label: str) -> dict:
     """``HOST_CASES[label]`` fitted with the host step during backward and without it (or the error
     that stopped a fit)."""
-    from lightning_zero.engine.offload import step_ahead
+    from lightning_zero.engine.offload import backoff
 
     device = setup_rank(deterministic=True)
     case = HOST_CASES[label]
     _, lead = _lead_and_sleep(ctx) if case.get("lead") else (0.0, 0)
-    backoff = step_ahead.MAX_BACKOFF
+    longest_backoff = backoff.MAX_BACKOFF
     if case.get("edits"):
-        step_ahead.MAX_BACKOFF = 0  # every edited step is taken ahead and judged, none after a redo
+        backoff.MAX_BACKOFF = 0  # every edited step is taken ahead and judged, none after a redo
     try:
         with _collectives_at_one_rank():
             ahead = _fit_host_step(case, True, device, lead)
@@ -648,7 +648,7 @@ def host_step_twins(ctx: RankContext, label: str) -> dict:
     except Exception as error:  # noqa: BLE001 - the test reports it (N5 raised here before its fix)
         return {"error": _error(error), "figures": {"error": _error(error)}}
     finally:
-        step_ahead.MAX_BACKOFF = backoff
+        backoff.MAX_BACKOFF = longest_backoff
         _release()
     diffs = [_max_diff(a, b) for a, b in zip(ahead["history"], after["history"])]
     inf_at = case.get("inf_at", -1)

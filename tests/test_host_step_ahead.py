@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from case_groups import CaseGroup, GroupResults, RankContext
 from lightning_helpers import GPTModule
 
-from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
+from lightning_zero.engine.offload.backoff import BACKOFF_REASON
 
 STEPS = 3
 VARIANTS = {

@@ -30,7 +30,7 @@ from lightning_zero.engine.offload.bucket_step import (
     HYPERPARAMETERS_CHANGED,
 )
 from lightning_zero.engine.offload.grad_digest import LANES, digest, same
-from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
+from lightning_zero.engine.offload.backoff import BACKOFF_REASON
 
 WIDTH = 16
 SMALL_BUCKETS = 0.001
@@ -483,8 +483,8 @@ def test_the_worker_sets_the_ranks_cuda_device_first(monkeypatch):
 def test_a_kept_step_whose_content_check_costs_more_than_it_hides_backs_off():
     """Judged from the last step's timing alone: the worker's part after backward plus the verdict,
     against the whole host step; only where the verdict compared contents and the step is long."""
+    from lightning_zero.engine.offload.backoff import WORTH_JUDGING_S, paid_off
     from lightning_zero.engine.offload.host_step_report import HostStepTiming
-    from lightning_zero.engine.offload.step_ahead import WORTH_JUDGING_S, _paid
 
     step = 4 * WORTH_JUDGING_S
     end = 100.0
@@ -492,24 +492,24 @@ def test_a_kept_step_whose_content_check_costs_more_than_it_hides_backs_off():
     def timing(tail_s: float, verdict_s: float, host_step_s: float = step) -> HostStepTiming:
         return HostStepTiming("ahead", ((0, end - 1.0, end + tail_s),), end, host_step_s, verdict_s)
 
-    assert _paid(timing(tail_s=0.1 * step, verdict_s=0.5 * step))  # hides 40% of the step
-    assert not _paid(timing(tail_s=0.5 * step, verdict_s=0.6 * step))  # exposes more than stepping after
-    assert _paid(timing(tail_s=0.5 * step, verdict_s=0.05 * step))  # no content check: judged as it was
-    assert _paid(timing(tail_s=1.0, verdict_s=1.0, host_step_s=WORTH_JUDGING_S / 2))  # too short to judge
+    assert paid_off(timing(tail_s=0.1 * step, verdict_s=0.5 * step))  # hides 40% of the step
+    assert not paid_off(timing(tail_s=0.5 * step, verdict_s=0.6 * step))  # exposes more than stepping after
+    assert paid_off(timing(tail_s=0.5 * step, verdict_s=0.05 * step))  # no content check: judged as it was
+    assert paid_off(timing(tail_s=1.0, verdict_s=1.0, host_step_s=WORTH_JUDGING_S / 2))  # too short to judge
 
 
 def test_backing_off_after_a_costly_step_counts_its_own_reason():
-    from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON, COSTLY_REASON, StepAhead
+    from lightning_zero.engine.offload.backoff import COSTLY_REASON, BackOff
 
-    ahead = object.__new__(StepAhead)
-    ahead._backoff = ahead._skipping = 0
-    ahead._skip_reason, ahead._why_not = BACKOFF_REASON, ""
-    ahead._back_off("ahead", paid=False)
-    assert (ahead._skipping, ahead._skip_reason) == (1, COSTLY_REASON)
-    ahead._why_not = COSTLY_REASON
-    ahead._back_off("after_backward")
-    assert ahead._skipping == 0
-    ahead._back_off("ahead", paid=False)
-    assert (ahead._backoff, ahead._skipping) == (2, 2)  # twice as long while it keeps not paying
-    ahead._back_off("ahead")
-    assert ahead._backoff == 0
+    backoff = BackOff()
+    assert backoff.why_not() == ""
+    backoff.after_step("ahead", paid=False, was_backing_off=False)
+    assert (backoff.left, backoff.why_not()) == (1, COSTLY_REASON)
+    backoff.after_step("after_backward", paid=True, was_backing_off=True)
+    assert backoff.why_not() == ""
+    backoff.after_step("ahead", paid=False, was_backing_off=False)
+    assert (backoff.length, backoff.left) == (2, 2)  # twice as long while it keeps not paying
+    backoff.after_step("redone", paid=True, was_backing_off=False)
+    assert (backoff.length, backoff.left, backoff.why_not()) == (4, 4, BACKOFF_REASON)
+    backoff.after_step("ahead", paid=True, was_backing_off=False)
+    assert backoff.length == 0

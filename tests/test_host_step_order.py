@@ -10,7 +10,7 @@ import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
 
-from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
+from lightning_zero.engine.offload.backoff import BACKOFF_REASON
 
 SLEEP_S = 0.3
 BLOCKS = 4

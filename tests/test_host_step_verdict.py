@@ -25,7 +25,7 @@ from case_groups import CaseGroup, GroupResults, RankContext
 from host_step_modes import mode_between
 
 from lightning_zero.engine.offload.bucket_step import CONTENTS_CHANGED, GRADIENTS_CHANGED, HYPERPARAMETERS_CHANGED
-from lightning_zero.engine.offload.step_ahead import BACKOFF_REASON
+from lightning_zero.engine.offload.backoff import BACKOFF_REASON
 
 GROUP = CaseGroup(world_size=2)
 
@@ -127,9 +127,9 @@ class EditEachStep(Callback):
 
 def _no_backing_off() -> None:
     """Every step is taken ahead (and judged), also right after a redone one."""
-    from lightning_zero.engine.offload import step_ahead
+    from lightning_zero.engine.offload import backoff
 
-    step_ahead.MAX_BACKOFF = 0
+    backoff.MAX_BACKOFF = 0
 
 
 # ---- the runs ------------------------------------------------------------------------------------------
@@ -258,10 +258,10 @@ def fabric_backs_off(ctx: RankContext) -> dict:
     from lightning_helpers import token_data
 
     import lightning_zero
-    from lightning_zero.engine.offload import step_ahead
+    from lightning_zero.engine.offload import backoff
     from lightning_zero.models.gpt import GPT, GPTConfig
 
-    step_ahead.MAX_BACKOFF = 64  # as shipped (the matrix cases switch it off)
+    backoff.MAX_BACKOFF = 64  # as shipped (the matrix cases switch it off)
     plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000))
     strategy = lightning_zero.ZeroFabricStrategy(stage=2, offload_optimizer=True, **SMALL_BUCKETS)
     fabric = Fabric(accelerator="cpu", devices=ctx.world_size, strategy=strategy, plugins=[plugin])

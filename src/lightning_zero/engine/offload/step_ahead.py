@@ -47,7 +47,7 @@ row has landed, while the device computes the earlier layers' gradients:
   step after step (early in training), stepping ahead would only slow every step, so after a redone
   step the next steps are taken after backward: 1 after the first redo, then 2, 4, ... up to
   ``MAX_BACKOFF`` while redos follow one another, and stepping ahead resumes fully once a step taken
-  ahead is kept. The same where a kept step did not pay: its verdict's content check (a pass over
+  ahead is kept (``backoff.py``). The same where a kept step did not pay: its verdict's content check (a pass over
   every gradient, after backward) and the worker's part after backward exposed more than the whole
   step after backward would have (on a machine whose host step is fast next to that pass);
   ``report()`` counts such steps with their reason (``COSTLY_REASON``).
@@ -75,6 +75,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload import handoffs
+from lightning_zero.engine.offload.backoff import BACKOFF_REASON, COSTLY_REASON, BackOff, paid_off
 from lightning_zero.engine.offload.handoffs import WorkerThread
 from lightning_zero.engine.offload.bucket_step import CHUNKS_READ, WEIGHTS_WRITTEN, BucketStep, hyperparameters_of, weight_versions
 from lightning_zero.engine.offload.grad_digest import GradContents
@@ -84,16 +85,6 @@ from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
 from lightning_zero.engine.shards.precomputed_norms import remember_grad_norms
 from lightning_zero.engine.shards.sharded_param import ShardedParam
-
-
-MAX_BACKOFF = 64
-"""The most steps taken after backward in a row after redone steps (see [Note: the host step during backward])."""
-BACKOFF_REASON = "a recent step taken during backward was redone (clipping applied, or an edit)"
-COSTLY_REASON = "stepping during backward exposed more than stepping after it would (the verdict's content check)"
-"""Why steps are taken after backward for a while after a kept step that did not pay (see "backing off")."""
-WORTH_JUDGING_S = 0.02
-"""Host steps shorter than this are never judged by what stepping ahead hid (timings of a few
-milliseconds say more about the machine's load than about the step)."""
 
 
 class StepAhead:
@@ -133,9 +124,7 @@ class StepAhead:
         self._executor: Optional[WorkerThread] = None
         self._armed = False
         self._why_not = ""  # why the last backward was not armed
-        self._backoff = 0  # steps to take after backward after the next redo (0: none redone lately)
-        self._skipping = 0  # steps still to take after backward before stepping ahead again
-        self._skip_reason = BACKOFF_REASON
+        self._backoff = BackOff()
         self._backward_end: Optional[float] = None
         self._counts: Counter = Counter()
         self._reasons: Counter = Counter()
@@ -154,8 +143,8 @@ class StepAhead:
     def arm(self, armed: bool, why_not: str = "") -> None:
         """Whether the next backward's buckets step as they arrive (its micro-batch steps); if not,
         ``why_not`` (counted if the step comes after it)."""
-        if armed and self._skipping:
-            armed, why_not = False, self._skip_reason
+        if armed and self._backoff.why_not():
+            armed, why_not = False, self._backoff.why_not()
         if armed and self.loss_scale is not None and self._inv_scale is None:
             scale = self.loss_scale()
             if scale is None:  # the scaler has not scaled a loss yet: nothing to unscale by
@@ -298,24 +287,13 @@ class StepAhead:
             after_s = time.perf_counter() - start
         self._counts[mode] += 1
         self._last = self._timing(mode, after_s, verdict_s)
-        self._back_off(mode, paid=mode != "ahead" or _paid(self._last))
+        paid = mode != "ahead" or paid_off(self._last)
+        self._backoff.after_step(mode, paid, was_backing_off=self._why_not in (BACKOFF_REASON, COSTLY_REASON))
         self._clear()
 
     def stop_backing_off(self) -> None:
         """Step ahead from the next step on, whatever was redone lately."""
-        self._backoff = self._skipping = 0
-
-    def _back_off(self, mode: str, paid: bool = True) -> None:
-        """After a step: how many of the next steps to take after backward (see "backing off");
-        ``paid``: a step kept ahead hid more than it cost."""
-        if mode == "redone" or not paid:
-            self._backoff = min(MAX_BACKOFF, max(1, 2 * self._backoff))
-            self._skipping = self._backoff
-            self._skip_reason = BACKOFF_REASON if mode == "redone" else COSTLY_REASON
-        elif mode == "ahead":
-            self._backoff = 0
-        elif self._why_not in (BACKOFF_REASON, COSTLY_REASON):
-            self._skipping -= 1
+        self._backoff.stop()
 
     def _verdict(self, whole: bool = False) -> tuple[str, float]:
         """"ahead" when every bucket stepped ahead read what stepping now would read (the step is
@@ -502,19 +480,6 @@ def _weights_written_error() -> RuntimeError:
         " HINT: write weights before the backward or after `optimizer.step()`, or pass"
         " `overlap_host_step=False` to take the step after backward."
     )
-
-
-def _paid(timing: HostStepTiming) -> bool:
-    """Whether a step kept ahead exposed less than stepping after backward would have: the worker's
-    part after backward ended plus the verdict, against the host step itself. Judged only where the
-    verdict compared contents (its one cost that grows with the model: a pass over every gradient on
-    the critical path) and the step is long enough for timings to mean something."""
-    if timing.backward_end is None or not timing.buckets or timing.host_step_s < WORTH_JUDGING_S:
-        return True
-    if timing.verdict_s < 0.1 * timing.host_step_s:  # no content check (or a cheap one): it pays
-        return True
-    tail = max(0.0, max(end for _, _, end in timing.buckets) - timing.backward_end)
-    return tail + timing.verdict_s < timing.host_step_s
 
 
 def _contents_unchanged(contents: GradContents, shards: Sequence[Tensor]) -> bool:
