@@ -39,7 +39,7 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_
 # nccl_contracts and reduce_stream. The summary says how long each step took.
 if [ "$dry_run" = 1 ]; then
   # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
-  tier_steps=("cuda-tier:engine host_work lightning checkpoint compile nccl_contracts reduce_stream concurrency:60") overhead_precisions=(fp32)
+  tier_steps=("cuda-tier:engine host_work unreached lightning checkpoint compile nccl_contracts reduce_stream concurrency:60") overhead_precisions=(fp32)
   overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
@@ -50,7 +50,7 @@ if [ "$dry_run" = 1 ]; then
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else
   # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
-  tier_steps=("cuda-tier-engine:engine host_work:40" "cuda-tier-lightning:lightning:55" "cuda-tier-checkpoint:checkpoint:35"
+  tier_steps=("cuda-tier-engine:engine host_work unreached:40" "cuda-tier-lightning:lightning:55" "cuda-tier-checkpoint:checkpoint:35"
               "cuda-tier-compile:compile:55" "cuda-tier-nccl-contracts:nccl_contracts:35"
               "cuda-tier-reduce-stream:reduce_stream:35" "cuda-tier-concurrency:concurrency:75")
   overhead_precisions=(fp32 bf16-mixed) overhead_limit=45 offload_limit=90 nvme_limit=45 capacity_limit=45

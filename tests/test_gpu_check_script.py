@@ -270,3 +270,17 @@ def test_nvme_rows_judge_each_tier_against_cpu_offload_in_the_same_run():
     assert (on_disk.target, on_disk.verdict) == ("≤ 1.50× zero3_offload", "PASS")
     assert on_disk.measured == "1.25× (250.0 ms vs 200.0 ms; read / write 2.50 / 1.25 GB/s, 3.0 waits per step)"
     assert rows["zero3_offload_nvme_params step time"].verdict == "FAIL"  # 1.6x
+
+
+def test_every_gpu_tier_module_runs_in_a_step_of_both_runs():
+    """A GPU-tier module (``tests/test_cuda_*.py`` with the tier's marks) that no step of the script
+    names would never run on a GPU: each is named once, in the GPU run and in the dry run."""
+    import re
+
+    script = (REPO / "scripts" / "gpu_check.sh").read_text()
+    tier = {path.stem.removeprefix("test_cuda_") for path in (REPO / "tests").glob("test_cuda_*.py") if "MARKS" in path.read_text()}
+    runs = re.findall(r"tier_steps=\(([^)]*)\)", script)
+    assert len(runs) == 2, runs  # the dry run's, then the GPU's
+    for steps in runs:
+        named = [module for step in re.findall(r'"([^"]+)"', steps) for module in step.split(":")[1].split()]
+        assert sorted(named) == sorted(tier), (steps, tier)
