@@ -292,7 +292,7 @@ def test_a_remembered_norm_reads_the_version_before_the_norm(monkeypatch):
     monkeypatch.setattr(precomputed_norms, "norms_of", racing)
     precomputed_norms.remember_grad_norms([p])
     monkeypatch.setattr(precomputed_norms, "norms_of", computing)
-    assert precomputed_norms.remembered_grad_norm(p, 2.0) is None
+    assert precomputed_norms.remembered_grad_norms([p], 2.0)[0] is None
 
 
 def test_a_remembered_norm_is_not_used_after_a_content_edit():

@@ -292,15 +292,15 @@ def test_only_optimizers_that_count_per_parameter_step_bucket_by_bucket():
 
 
 def test_a_remembered_norm_serves_only_the_gradient_it_was_taken_from():
-    from lightning_zero.engine.shards.precomputed_norms import norms_of, remember_grad_norms, remembered_grad_norm
+    from lightning_zero.engine.shards.precomputed_norms import norms_of, remember_grad_norms, remembered_grad_norms
 
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.tensor([3.0, 4.0, 0.0])
     remember_grad_norms([p])
-    assert torch.equal(remembered_grad_norm(p, 2.0), norms_of([p.grad], 2.0)[0])
-    assert remembered_grad_norm(p, 1.0) is None  # another norm type
+    assert torch.equal(remembered_grad_norms([p], 2.0)[0], norms_of([p.grad], 2.0)[0])
+    assert remembered_grad_norms([p], 1.0)[0] is None  # another norm type
     p.grad.mul_(2)  # edited in place: its version moved
-    assert remembered_grad_norm(p, 2.0) is None
+    assert remembered_grad_norms([p], 2.0)[0] is None
     remember_grad_norms([p])
     p.grad = p.grad.clone()  # replaced
-    assert remembered_grad_norm(p, 2.0) is None
+    assert remembered_grad_norms([p], 2.0)[0] is None

@@ -197,17 +197,17 @@ def a_late_rank_and_one_that_gave_up(ctx: RankContext) -> dict[str, Any]:
     reads = engine.residency.reads
     wait_s = getattr(reads, "timeout", timedelta(seconds=4)).total_seconds()  # (before issue 59: the group's)
     out: dict[str, Any] = {}
-    original = collectives._default_store
+    original = collectives.default_store
     if ctx.rank == 0:
         late = _LateDecisionStore(original(), delay=2.0)
-        collectives._default_store = lambda: late
+        collectives.default_store = lambda: late
     values: list[torch.Tensor] = []
     try:
         if ctx.rank != 0:
             time.sleep(wait_s + 0.5)  # after rank 0 stopped waiting, before it acts on it
         out["read"] = _attempt(lambda: values.append(model.hidden.weight.clone()))[0]
     finally:
-        collectives._default_store = original
+        collectives.default_store = original
     out["right_value"] = bool(values) and torch.equal(values[0], expected)
     _barrier()
     out["recovered"] = _attempt(lambda: model.hidden.weight.clone())[0]

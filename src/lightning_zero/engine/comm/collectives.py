@@ -127,13 +127,9 @@ class PendingCollective:
         return self._work is None or self._work.is_completed()
 
 
-def _issue(kind: str, group: ProcessGroup, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...], issue: Any) -> Any:
-    """Issue a collective through the stream layer (see [Note: the stream layer] in ``streams.py``):
-    on CUDA and the CPU that is ``issue()`` itself; a simulated device records it."""
-    return streams.issue_collective(kind, group, reads, writes, issue)
-
-
 def _pending(work: Any) -> PendingCollective:
+    """What ``streams.issue_collective`` returned (every collective is issued through the stream
+    layer, see [Note: the stream layer] in ``streams.py``), as a ``PendingCollective``."""
     return work if isinstance(work, PendingCollective) else PendingCollective(work)
 
 
@@ -199,7 +195,7 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
         output.copy_(shard)
         return PendingCollective()
     issue = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
-    return _pending(_issue("all_gather", group, (shard,), (output,), issue))
+    return _pending(streams.issue_collective("all_gather", group, (shard,), (output,), issue))
 
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
@@ -215,7 +211,7 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
         issue = lambda: _reduce_scatter_gloo(output, inputs.view(n, -1), group)  # noqa: E731
     else:
         issue = lambda: _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
-    return _pending(_issue("reduce_scatter", group, (inputs,), (output,), issue))
+    return _pending(streams.issue_collective("reduce_scatter", group, (inputs,), (output,), issue))
 
 
 def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup) -> Tensor:
@@ -232,7 +228,7 @@ def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_s
         output.copy_(inputs)
         return output
     issue = lambda: dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group, async_op=True)  # noqa: E731
-    _pending(_issue("all_to_all", group, (inputs,), (output,), issue)).wait()
+    _pending(streams.issue_collective("all_to_all", group, (inputs,), (output,), issue)).wait()
     return output
 
 
@@ -279,7 +275,7 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     if not skips_collectives(group):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)  # noqa: E731
-        _pending(_issue("all_reduce", group, (tensor,), (tensor,), issue)).wait()
+        _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue)).wait()
     return tensor
 
 
@@ -290,7 +286,7 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     if skips_collectives(group):
         return PendingCollective()
     issue = lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
-    return _pending(_issue("all_reduce", group, (tensor,), (tensor,), issue))
+    return _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue))
 
 
 def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
@@ -303,7 +299,7 @@ def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
         dist.all_gather_object(gathered, obj, group=group)
         return gathered
 
-    return _issue("all_gather_object", group, (), (), issue)
+    return streams.issue_collective("all_gather_object", group, (), (), issue)
 
 
 def raise_if_any_rank(problem: Optional[str], group: ProcessGroup = None, error: type[Exception] = ValueError) -> None:
@@ -325,7 +321,7 @@ def default_timeout() -> timedelta:
     return getattr(dist, "default_pg_timeout", timedelta(minutes=30))
 
 
-def _default_store() -> Any:
+def default_store() -> Any:
     """The default process group's store (``store_agreement.py`` agrees through it)."""
     return dist.distributed_c10d._get_default_store()
 
@@ -335,7 +331,7 @@ def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
     check_compute_tensors("broadcast", (tensor,))
     if not skips_collectives(group):
         issue = lambda: dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group, async_op=True)  # noqa: E731
-        _pending(_issue("broadcast", group, (tensor,), (tensor,), issue)).wait()
+        _pending(streams.issue_collective("broadcast", group, (tensor,), (tensor,), issue)).wait()
     return tensor
 
 

@@ -32,7 +32,7 @@ def post_and_agree(prefix: str, value: str, group: collectives.ProcessGroup, tim
     that saw every post, "gave_up" by one that stopped waiting. A rank that gave up after another
     decided "go" goes ahead too (every post is there); a rank that saw every post after another
     gave up does not. So a rank never enters what follows (a collective) that another abandoned."""
-    store = collectives._default_store()
+    store = collectives.default_store()
     keys = [f"{prefix}/{r}" for r in collectives.group_ranks(group)]
     store.set(f"{prefix}/{collectives.rank()}", value)
     try:
@@ -47,6 +47,6 @@ def post_and_agree(prefix: str, value: str, group: collectives.ProcessGroup, tim
 
 def forget_posts(keys: list[str]) -> None:
     """Delete ``keys`` from the store (those no rank reads any more)."""
-    store = collectives._default_store()
+    store = collectives.default_store()
     for key in keys:
         store.delete_key(key)

@@ -92,8 +92,3 @@ def remembered_grad_norms(params: Sequence[Tensor], norm_type: float) -> list[Op
             asked[id(check)] = check()
         found.append(entry.norm if check is None or asked[id(check)] else None)
     return found
-
-
-def remembered_grad_norm(param: Tensor, norm_type: float) -> Optional[Tensor]:
-    """The norm remembered for ``param``'s gradient as it is now, if any."""
-    return remembered_grad_norms([param], norm_type)[0]
