@@ -30,6 +30,8 @@ VARIANTS = {
     "zero3_offload": ZeroConfig(stage=3, offload_optimizer=True, offload_params=True),
     # the host step after backward, as before issue 53 (the comparison for the step during backward)
     "zero3_offload_after_backward": ZeroConfig(stage=3, offload_optimizer=True, offload_params=True, overlap_host_step=False),
+    # torch's fused CPU kernel for the host step: faster there, not DDP's rounding (host_step.py)
+    "zero3_offload_fused": ZeroConfig(stage=3, offload_optimizer=True, offload_params=True, fused_host_step=True),
 }
 
 

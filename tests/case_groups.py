@@ -115,17 +115,17 @@ class CaseGroup:
 
     def run(self, tmpdir: Any) -> GroupResults:
         """Run every registered case on every rank; ``tmpdir`` is shared by the ranks."""
-        outcomes_file = os.path.join(tempfile.mkdtemp(prefix="case_outcomes_"), "store")
-        per_rank = run_on_ranks(
-            _run_cases,
-            list(self.cases.items()),
-            str(tmpdir),
-            outcomes_file,
-            world_size=self.world_size,
-            init_process_group=self.init_process_group,
-            timeout=self.timeout,
-            start_method=self.start_method,
-        )
+        with tempfile.TemporaryDirectory(prefix="case_outcomes_") as outcomes_dir:
+            per_rank = run_on_ranks(
+                _run_cases,
+                list(self.cases.items()),
+                str(tmpdir),
+                os.path.join(outcomes_dir, "store"),
+                world_size=self.world_size,
+                init_process_group=self.init_process_group,
+                timeout=self.timeout,
+                start_method=self.start_method,
+            )
         return GroupResults(per_rank)
 
 

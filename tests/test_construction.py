@@ -40,8 +40,8 @@ def test_stage_3_options_at_stages_1_and_2_are_refused(stage, options):
 
 def test_fused_host_step_without_offload_is_refused():
     with pytest.raises(ValueError, match="only applies with `offload_optimizer=True`"):
-        ZeroStrategy(stage=2, fused_host_step=False)
-    ZeroStrategy(stage=2, fused_host_step=False, offload_optimizer=True)
+        ZeroStrategy(stage=2, fused_host_step=True)
+    ZeroStrategy(stage=2, fused_host_step=True, offload_optimizer=True)
 
 
 NVME_REFUSALS = [

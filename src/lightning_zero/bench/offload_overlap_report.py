@@ -92,7 +92,7 @@ def markdown(result: OverlapResult) -> str:
         f"GPT {config['n_layer']} layers × {config['n_embd']} wide, {config['n_head']} heads (Ψ = {model['num_params']:,}),"
         f" {opts['batch_size']} × {opts['block_size']} tokens per rank; N = {env['world_size']} ranks on"
         f" {env['device']} ({env['cpu']}, {env['threads_per_rank']} threads per rank); {opts['precision']}; AdamW"
-        f" (fused on the host). {opts['warmup']} warm-up and {opts['steps']} timed rounds, each one step of every"
+        f" (fused on the host: `fused_host_step=True`). {opts['warmup']} warm-up and {opts['steps']} timed rounds, each one step of every"
         f" sleep place and clipping setting. torch {env['torch']}; load average {_load(env)} before the run"
         " (the figures need an idle machine).",
         "",

@@ -75,7 +75,7 @@ class ZeroFabricStrategy(DDPStrategy):
         offload_params: OffloadTier = False,
         nvme_path: Optional[str] = None,
         nvme_buffer_count: int = 4,
-        fused_host_step: bool = True,
+        fused_host_step: bool = False,
         overlap_host_step: bool = True,
         host_threads: Optional[int] = None,
         elementwise_optimizers: Optional[list[str]] = None,
