@@ -445,8 +445,12 @@ def test_cli_verify_and_convert_on_s3_urls(results, server):
         "main(['verify', 's3://bucket/cli/missing.ckpt'])"
     )
     done = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=120)
+    import fsspec
+
+    from lightning_zero.sizing import format_bytes
+
     lines = done.stdout.splitlines()
-    assert lines[0].startswith(f"wrote {dst} (") and lines[0].endswith(" MB)"), done.stdout + done.stderr
+    assert lines[0] == f"wrote {dst} ({format_bytes(fsspec.filesystem('s3').size(dst))})", done.stdout + done.stderr
     assert lines[1].startswith(f"{dst}: OK (a single-file checkpoint") and lines[2].startswith(f"{src}: OK ("), lines
     assert done.returncode == 2 and "Checkpoint 's3://bucket/cli/missing.ckpt' does not exist" in done.stderr, done.stderr
     assert server.keys("cli/") == ["cli/step6.ckpt"]
