@@ -171,6 +171,12 @@ class RemoteFolder:
                 return fs.info(self.location.join(MANIFEST_NAME))["type"] == "file"
             except FileNotFoundError:
                 return False
+            except PermissionError:
+                # S3 answers a missing key with 403 to credentials that may read objects but not list
+                # the bucket: a full file readable at the URL itself has no manifest beside it
+                if _is_readable_file(fs, self.location.path):
+                    return False
+                raise
 
     def write_file(self, name: str, data: bytes) -> None:
         with writing_remote(self.location.fs, self.file(name)) as f:
@@ -178,6 +184,13 @@ class RemoteFolder:
 
 
 Folder = Union[LocalFolder, RemoteFolder]
+
+
+def _is_readable_file(fs: Any, path: str) -> bool:
+    try:
+        return fs.info(path)["type"] == "file"
+    except Exception:  # noqa: BLE001 - not a file this process can read, whatever the reason
+        return False
 
 
 @contextmanager
