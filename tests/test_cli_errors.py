@@ -89,3 +89,17 @@ def test_other_errors_are_lightning_clis(capsys, monkeypatch):
     assert err.startswith("usage: ") and err.endswith(
         "error: Parser key \"trainer.max_steps\":\n  Expected a <class 'int'>. Got value: many\n"
     ), err[-300:]
+
+
+def test_an_option_of_ours_after_a_default_ddp_points_to_zero_strategy(capsys, monkeypatch):
+    """A script whose default strategy is ``ddp`` (examples/train_gpt.py's), given only
+    ``--trainer.strategy.bucket_size_mb``: DDPStrategy has no such option, ZeroStrategy has."""
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit):
+        ZeroCLI(BoringModel, BoringDataModule, args=["fit", "--trainer.strategy.bucket_size_mb=8"], trainer_defaults={"strategy": "ddp"})
+    assert capsys.readouterr().err == (
+        "error: trainer.strategy: 'ddp' is a registered name, which takes no options (`bucket_size_mb` given), and"
+        " `bucket_size_mb` is not an option of DDPStrategy. HINT: it is lightning-zero's:"
+        " --trainer.strategy=lightning_zero.ZeroStrategy --trainer.strategy.stage=3 --trainer.strategy.bucket_size_mb=..."
+        " (or stage 1 or 2; in YAML: `class_path` and `init_args`, as configs/zero_class_path.yaml).\n"
+    )

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_zero.engine.config import STRATEGY_NAMES
+from lightning_zero.lightning.strategy import ZeroStrategy
 
 STRATEGY_KEY = "trainer.strategy"
 
@@ -175,17 +176,29 @@ def _refusal(class_path: str, key: str, value: Any) -> Optional[str]:
 
 
 def _options_of_a_name(name: str, key: Optional[str]) -> str:
+    """How to give ``key`` (None: unknown) with what the registered ``name`` stands for: its class and
+    options; or, for an option of ``ZeroStrategy``'s that the name's class lacks (a script's default
+    ``ddp`` and ``--trainer.strategy.bucket_size_mb``), ``ZeroStrategy``."""
     entry = StrategyRegistry[name]
     strategy_class, params = entry["strategy"], entry["init_params"]
+    accepted = inspect.signature(strategy_class.__init__).parameters
+    yours = f"--{STRATEGY_KEY}.{key or 'OPTION'}=..."
+    given = f"({f'`{key}`' if key else 'options'} given)"
+    if key is not None and key not in accepted and key in inspect.signature(ZeroStrategy.__init__).parameters:
+        return (
+            f"{STRATEGY_KEY}: {name!r} is a registered name, which takes no options {given}, and `{key}` is not an"
+            f" option of {strategy_class.__name__}. HINT: it is lightning-zero's: --{STRATEGY_KEY}=lightning_zero.ZeroStrategy"
+            f" --{STRATEGY_KEY}.stage=3 {yours} (or stage 1 or 2; in YAML: `class_path` and `init_args`, as configs/zero_class_path.yaml)."
+        )
     ours = strategy_class.__module__.startswith("lightning_zero.")  # ZeroStrategy: exported at the top
     class_path = f"lightning_zero.{strategy_class.__name__}" if ours else f"{strategy_class.__module__}.{strategy_class.__qualname__}"
     # every option the name stands for but how its ranks start, where that is the class's default
-    default_start = inspect.signature(strategy_class.__init__).parameters.get("start_method")
-    given = {k: v for k, v in params.items() if not (k == "start_method" and default_start is not None and v == default_start.default)}
-    flags = "".join(f" --{STRATEGY_KEY}.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items())
+    start = accepted.get("start_method")
+    options = {k: v for k, v in params.items() if not (k == "start_method" and start is not None and v == start.default)}
+    flags = "".join(f" --{STRATEGY_KEY}.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
     return (
-        f"{STRATEGY_KEY}: {name!r} is a registered name, which takes no options ({f'`{key}`' if key else 'options'} given). HINT: give its class"
-        f" with the name's options, then yours: --{STRATEGY_KEY}={class_path}{flags} --{STRATEGY_KEY}.{key or 'OPTION'}=..."
+        f"{STRATEGY_KEY}: {name!r} is a registered name, which takes no options {given}. HINT: give its class"
+        f" with the name's options, then yours: --{STRATEGY_KEY}={class_path}{flags} {yours}"
         " (in YAML: `class_path` and `init_args`, as configs/zero_class_path.yaml)."
     )
 
