@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel  # noqa: E402
 from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
-from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero import ZeroCLI, ZeroStrategy  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 
 
@@ -157,8 +157,9 @@ def save_pretrained(model: PreTrainedModel, trainer: L.Trainer, directory: str) 
     strategy.barrier()
 
 
-class CausalLMCLI(LightningCLI):
-    """LightningCLI that exports the model with `save_pretrained` after `fit`."""
+class CausalLMCLI(ZeroCLI):
+    """LightningCLI that exports the model with `save_pretrained` after `fit` (as ZeroCLI: a strategy option it
+    refuses is one line saying what it accepts)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(

@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser  # noqa: E402
 from torch import nn  # noqa: E402
 from torchmetrics import MeanMetric  # noqa: E402
 from torchmetrics.text import Perplexity  # noqa: E402
 
 import lightning_zero  # noqa: E402,F401  registers the strategy names zero1, zero2, zero3, ...
-from lightning_zero import ZeroMemoryMonitor  # noqa: E402
+from lightning_zero import ZeroCLI, ZeroMemoryMonitor  # noqa: E402
 from lightning_zero.models.gpt import GPT, Block, GPTConfig  # noqa: E402
 from stdlib_corpus import StdlibCorpus  # noqa: E402
 
@@ -207,8 +207,9 @@ def compile_every_block(model: nn.Module, backend: str) -> None:
             module.forward = torch.compile(module.forward, backend=backend)
 
 
-class GPTCLI(LightningCLI):
-    """LightningCLI with the one argument model and data must agree on set once, and a memory monitor."""
+class GPTCLI(ZeroCLI):
+    """LightningCLI with the one argument model and data must agree on set once, and a memory monitor; as
+    ZeroCLI, a strategy option it refuses is one line saying what it accepts."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.block_size", "model.block_size")

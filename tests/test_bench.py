@@ -419,3 +419,43 @@ def test_a_config_without_offload_makes_the_variant_unavailable() -> None:
     with pytest.raises(wrappers.VariantUnavailable, match="offload_optimizer"):
         wrappers._zero_config(StagesOnly, variants.BY_NAME["zero2_offload"], setup)
     assert wrappers._zero_config(StagesOnly, variants.BY_NAME["zero2"], setup) == StagesOnly(2, 25.0)
+
+
+def _timed(name: str, step_s: float) -> VariantResult:
+    """A variant that ran at `step_s` per step and met every target but speed's (its state and
+    communication on the floors, DDP's aten ops, no host sync): built by hand, as `judge` reads it."""
+    spec = variants.BY_NAME[name]
+    floors = theory.variant_theory(spec, num_params=1_000_000, world_size=2, unit_bytes=0)
+    nones = {f.name: None for f in dataclasses.fields(VariantResult) if f.default is dataclasses.MISSING}
+    return VariantResult(**{
+        **nones, "name": name, "family": spec.family.value, "stage": spec.stage, "description": "", "status": OK,
+        "theory": floors, "model_state_bytes": floors.model_state.total, "step_time_s": step_s, "host_cpu_s": step_s,
+        "comm_bytes_per_step": floors.comm_bytes_per_step, "comm_vs_theory": 0.0, "aten_ops_per_step": 1000,
+        "host_syncs_ours_per_step": 0, "host_syncs_ours_forward_backward": 0, "targets": {}, "notes": (), "ranks": (),
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_step_time_targets_are_judged_on_a_gpu_only(device: str) -> None:
+    """zero2 at 1.30x and zero3 at 1.40x DDP's step: MISSED on a GPU; on the CPU (gloo) the ratios
+    are noted beside the GPU targets, unjudged, and nothing is reported missed."""
+    from lightning_zero.bench import targets
+
+    options = BenchOptions(**{**TINY, "device": device}, variants=("ddp", "zero2", "zero3"))
+    results = [_timed("ddp", 1.0), _timed("zero2", 1.3), _timed("zero3", 1.4)]
+    judged, run_notes = targets.judge(results, options)
+    by_name = {r.name: r for r in judged}
+    for name, ratio, limit in (("zero2", "1.30", "1.03"), ("zero3", "1.40", "1.15")):
+        result = by_name[name]
+        assert result.targets["model_state"] is True and result.targets["communication"] is True
+        if device == "cuda":
+            assert result.targets["step_time"] is False
+            assert f"MISSED target: step time {ratio}x DDP (target ≤ {limit}x)" in result.notes, result.notes
+        else:
+            assert result.targets["step_time"] is None
+            assert result.notes == (
+                f"step time {ratio}x DDP; its target, ≤ {limit}x, is a GPU target, not applicable on CPU: on gloo a"
+                " reduce-scatter plus an all-gather costs about twice one all-reduce",
+            ), result.notes
+    missed = [note for note in run_notes if note.startswith("Ours missing")]
+    assert missed == (["Ours missing at least one target: zero2, zero3 (see their notes)."] if device == "cuda" else [])

@@ -284,6 +284,7 @@ def test_convert_command(w2, tmp_path, capsys):
     import sys
 
     from lightning_zero.cli import main
+    from lightning_zero.sizing import format_bytes
 
     out = tmp_path / "cli.ckpt"
     done = subprocess.run(
@@ -292,6 +293,7 @@ def test_convert_command(w2, tmp_path, capsys):
     )
     assert done.returncode == 0, done.stderr
     assert "optimizer_states" in torch.load(out, weights_only=False)
+    assert done.stdout == f"wrote {out} ({format_bytes(out.stat().st_size)})\n"  # a small file in KB, not "0.0 MB"
     # the refusal in this process: the command's exit status is main's return value or SystemExit's code
     try:
         status = main(["convert", str(tmp_path / "nowhere"), str(out)])

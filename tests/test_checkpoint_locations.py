@@ -120,3 +120,23 @@ def test_urls_never_become_local_folders(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         verify_checkpoint(_url("missing.ckpt"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_directory_above_checkpoints_names_them(tmp_path):
+    """The Trainer's ``checkpoints/`` given where one checkpoint in it is meant (``load_from_checkpoint``,
+    ``ckpt_path``, ``verify``, ``checkpoint_file``): the refusal lists the checkpoints it holds."""
+    from lightning_zero import checkpoint_file
+
+    folder = tmp_path / "checkpoints"
+    for name in ("last.ckpt", "epoch=0-step=4.ckpt"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / MANIFEST_NAME).write_text("{}")
+    (folder / "notes").mkdir()  # not a checkpoint: not listed
+    hint = f"HINT: it holds the sharded checkpoints '{folder}/epoch=0-step=4.ckpt', '{folder}/last.ckpt'; give the path of one."
+    for read in (checkpoint_file, verify_checkpoint):
+        with pytest.raises(ValueError, match="is not a lightning-zero sharded checkpoint") as refused:
+            read(folder)
+        assert str(refused.value).endswith(hint), str(refused.value)
+    with pytest.raises(ValueError) as refused:
+        verify_checkpoint(folder / "notes")  # a directory that holds none: no hint
+    assert "HINT" not in str(refused.value)

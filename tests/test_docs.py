@@ -49,3 +49,24 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line for line in ci.splitlines() if line.startswith("python3 -m venv"))
     assert command in readme, "README's test command and .ci/run differ"
+
+
+def test_troubleshooting_quotes_the_messages_lightning_and_torch_print(tmp_path: Path) -> None:
+    """Two rows of docs/troubleshooting.md are for messages lightning-zero does not write, which a new
+    user meets first: a strategy name Lightning does not know (misspelled, or ``lightning_zero`` never
+    imported), and torch opening a sharded checkpoint directory as a file. They quote the messages as
+    the installed Lightning and torch print them, so searching the page for the error finds its row."""
+    import torch
+    from lightning.pytorch import Trainer
+
+    import lightning_zero  # noqa: F401 - the zero* names registered: a misspelled one still fails
+
+    rows = (ROOT / "docs" / "troubleshooting.md").read_text()
+    with pytest.raises(ValueError) as invalid:
+        Trainer(strategy="zer03")
+    lightning_says = str(invalid.value).replace("'zer03'", "'{name}'").split(" Find a complete list")[0]
+    assert f"| {lightning_says} (Lightning's;" in rows, lightning_says
+    with pytest.raises(IsADirectoryError) as opened:
+        torch.load(tmp_path)
+    torch_says = str(opened.value).replace(repr(str(tmp_path)), "'{path}'")
+    assert f"| IsADirectoryError: {torch_says} |" in rows, torch_says

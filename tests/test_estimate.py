@@ -260,6 +260,8 @@ def test_format_bytes():
     assert sizing.format_bytes(28_125_000_000) == "28.125 GB"
     assert sizing.format_bytes(120 * GB) == "120 GB"
     assert sizing.format_bytes(16_000_000) == "16 MB"
+    # small files (`lightning-zero convert`, `verify`) in the unit that shows them, not "0.0 MB"
+    assert [sizing.format_bytes(n) for n in (0, 523, 40_960, 1_842_311)] == ["0 B", "523 B", "40.96 KB", "1.842 MB"]
 
 
 def test_format_count():

@@ -445,8 +445,12 @@ def test_cli_verify_and_convert_on_s3_urls(results, server):
         "main(['verify', 's3://bucket/cli/missing.ckpt'])"
     )
     done = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, timeout=120)
+    import fsspec
+
+    from lightning_zero.sizing import format_bytes
+
     lines = done.stdout.splitlines()
-    assert lines[0].startswith(f"wrote {dst} (") and lines[0].endswith(" MB)"), done.stdout + done.stderr
+    assert lines[0] == f"wrote {dst} ({format_bytes(fsspec.filesystem('s3').size(dst))})", done.stdout + done.stderr
     assert lines[1].startswith(f"{dst}: OK (a single-file checkpoint") and lines[2].startswith(f"{src}: OK ("), lines
     assert done.returncode == 2 and "Checkpoint 's3://bucket/cli/missing.ckpt' does not exist" in done.stderr, done.stderr
     assert server.keys("cli/") == ["cli/step6.ckpt"]
@@ -555,3 +559,81 @@ def test_reshard_from_the_bucket_onto_one_rank(results, server):
     (one,) = run_on_ranks(_resume_on_one_rank, url, world_size=1, init_process_group=False, timeout=120)
     assert all(torch.equal(one["weights"][k], two["weights"][k]) for k in two["weights"])
     assert _state_equal(one["optimizer"], two["optimizer"])
+
+
+def _read_errors(url: str, tmp_path: Any) -> dict[str, Exception]:
+    """What each reader of a checkpoint URL raises, in this process alone: a resume (the strategies'
+    load), ``load_from_checkpoint``, ``checkpoint_file``, ``verify`` and ``convert``. Each starts from
+    a fresh filesystem (s3fs keeps one per set of options, with the credentials it found)."""
+    import s3fs
+    from lightning.pytorch import LightningModule
+
+    import lightning_zero.lightning  # noqa: F401 - load_from_checkpoint reads sharded checkpoints
+    from lightning_zero.checkpoint import CheckpointReadError, checkpoint_file, convert_checkpoint, verify_checkpoint
+    from lightning_zero.checkpoint.checkpointing import ZeroCheckpointing
+
+    readers = {
+        "resume": lambda: ZeroCheckpointing("sharded").load(url, torch.nn.Linear(1, 1), None, [], True, read_file=torch.load),
+        "load_from_checkpoint": lambda: LightningModule.load_from_checkpoint(url),
+        "checkpoint_file": lambda: checkpoint_file(url),
+        "verify": lambda: verify_checkpoint(url),
+        "convert": lambda: convert_checkpoint(url, tmp_path / "out.ckpt"),
+    }
+    errors = {}
+    for name, read in readers.items():
+        s3fs.S3FileSystem.clear_instance_cache()
+        with pytest.raises(CheckpointReadError) as caught:
+            read()
+        errors[name] = caught.value
+    s3fs.S3FileSystem.clear_instance_cache()  # none made without the test's credentials outlives it
+    return errors
+
+
+def _reset_auth(server: S3Server, after: str) -> None:
+    """The moto server checks credentials from its next request on (``after="0"``), or never ("inf")."""
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{server.endpoint}/moto-api/reset-auth", data=after.encode(), headers={"Content-Type": "text/plain"}, method="POST"
+    )  # not a form: the server reads the body as it is
+    urllib.request.urlopen(request).close()
+
+
+def test_a_load_without_credentials_says_so_in_one_line(server, tmp_path, monkeypatch):
+    """Reading a checkpoint in the bucket with no credentials anywhere (botocore raises before any
+    request), then with credentials the server refuses (its authentication turned on): every reader
+    raises one line naming the URL and the cause, as a save does, not botocore's 70-line trace."""
+    import fsspec
+
+    url = f"{BUCKET}/credentials/x.ckpt"
+    fs = fsspec.filesystem("s3")
+    fs.pipe("bucket/credentials/x.ckpt/v-1/meta.pt", b"m")
+    fs.pipe("bucket/credentials/x.ckpt/lightning_zero.json", b'{"content": "v-1"}')
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key)
+    for key in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(key, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup either
+    for name, err in _read_errors(url, tmp_path).items():
+        assert str(err) == (
+            f"Checkpoint '{url}' could not be read: NoCredentialsError: Unable to locate credentials while looking for {_first_look(name)}."
+        ), (name, str(err))
+        assert err.__cause__ is None and err.__suppress_context__, name  # botocore's trace left out
+
+    monkeypatch.undo()  # the server's test credentials, which it now refuses
+    _reset_auth(server, "0")
+    try:
+        refused = _read_errors(url, tmp_path)
+    finally:
+        _reset_auth(server, "inf")
+    for name, err in refused.items():
+        # the server's 403 to a HEAD request has no body: "Forbidden" is all S3 says
+        assert str(err) == f"Checkpoint '{url}' could not be read: PermissionError: Forbidden while looking for {_first_look(name)}.", (
+            name, str(err),
+        )  # fmt: skip
+        assert err.__cause__ is None and err.__suppress_context__, name
+
+
+def _first_look(reader: str) -> str:
+    return "it" if reader == "convert" else "its lightning_zero.json"  # convert asks whether it exists first

@@ -33,17 +33,19 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time `__get
     from lightning_zero.checkpoint import checkpoint_file, convert_checkpoint
     from lightning_zero.fabric import ZeroFabricStrategy
     from lightning_zero.lightning import ZeroMemoryMonitor, ZeroStrategy
+    from lightning_zero.lightning.cli import ZeroCLI
 
 _IMPORTED_ON_FIRST_USE = {
+    "ZeroCLI": "lightning_zero.lightning.cli",
     "ZeroFabricStrategy": "lightning_zero.fabric",
     "ZeroMemoryMonitor": "lightning_zero.lightning",
     "ZeroStrategy": "lightning_zero.lightning",
     "checkpoint_file": "lightning_zero.checkpoint",
     "convert_checkpoint": "lightning_zero.checkpoint",
 }
-"""The names whose packages import Lightning (the adapters, see ``registration.py``) or
-torch.distributed.checkpoint and DTensor (``checkpoint``, ~0.9 CPU-seconds): a console tool that
-needs neither starts without them."""
+"""The names whose packages import Lightning (the adapters, see ``registration.py``; ``ZeroCLI`` also
+its LightningCLI) or torch.distributed.checkpoint and DTensor (``checkpoint``, ~0.9 CPU-seconds): a
+console tool that needs neither starts without them."""
 
 
 def __getattr__(name: str) -> Any:
@@ -57,6 +59,7 @@ register_with_lightning()
 __all__ = [
     "MemoryReport",
     "StateBytes",
+    "ZeroCLI",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricStrategy",

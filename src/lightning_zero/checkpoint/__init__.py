@@ -6,11 +6,12 @@ Like ``engine/comm/collectives.py`` for communication, this package is the one p
 """
 
 from lightning_zero.checkpoint.convert import checkpoint_file, convert_checkpoint, full_checkpoint
-from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, UntrustedCheckpointError
+from lightning_zero.checkpoint.errors import CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UntrustedCheckpointError
 from lightning_zero.checkpoint.manifest import Manifest, is_sharded_checkpoint
 from lightning_zero.checkpoint.verify import verify_checkpoint
 
 __all__ = [
+    "CheckpointReadError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "Manifest",

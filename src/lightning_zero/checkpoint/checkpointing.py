@@ -232,14 +232,16 @@ class ZeroCheckpointing:
                 raise untrusted(path, "it", refused) from None
             raise CorruptCheckpointError(f"Checkpoint {str(path)!r} is truncated or corrupted ({describe(err)}).") from err
 
-    @staticmethod
-    def sharded_folder(location: Location) -> Optional[Folder]:
+    def sharded_folder(self, location: Location) -> Optional[Folder]:
         """The folder of the sharded checkpoint at ``location``, or None where it is a file (or
-        nothing). A local one that a crash left under a sibling name while it was being replaced is
-        moved back first (every rank: they agree on which sibling, whoever moves it)."""
+        nothing); every rank calls it. A local one that a crash left under a sibling name while it
+        was being replaced is moved back first (every rank: they agree on which sibling, whoever
+        moves it). At a URL the ranks compare answers: storage that one of them cannot reach (its
+        credentials, its network: ``CheckpointReadError``) fails every rank with that rank's error,
+        rather than the others waiting for it in the load's first collective."""
         if isinstance(location, RemoteLocation):
             folder = RemoteFolder(location)
-            return folder if folder.has_manifest() else None
+            return folder if on_every_rank(self.group, folder.has_manifest)[self.group.rank] else None
         recover(location)
         return LocalFolder(location) if location.is_dir() else None
 

@@ -31,6 +31,13 @@ class CheckpointWriteError(OSError):
         """The cause and the file, without the checkpoint's path (kept when pickled: it is in __dict__)."""
 
 
+class CheckpointReadError(OSError):
+    """A checkpoint at a URL whose storage refused or failed the first request of a read (credentials
+    missing or refused, the endpoint unreachable): the URL and the cause on one line, as a save's
+    ``CheckpointWriteError`` names them, instead of the filesystem's own trace (botocore's runs to
+    70 lines a rank)."""
+
+
 class ShardFileError(Exception):
     """An error raised while torch.distributed.checkpoint had one file open, tagged with that file.
 

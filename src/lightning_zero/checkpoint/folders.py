@@ -25,7 +25,7 @@ from typing import IO, Any, Generator, Optional, Union
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
-from lightning_zero.checkpoint.errors import ShardFileError, describe
+from lightning_zero.checkpoint.errors import CheckpointReadError, ShardFileError, describe
 from lightning_zero.checkpoint.locations import PathLike, RemoteLocation, checkpoint_location
 
 MANIFEST_NAME = "lightning_zero.json"
@@ -158,12 +158,25 @@ class RemoteFolder:
     def exists(self) -> bool:
         fs = self.location.fs
         fs.invalidate_cache(self.location.path)
-        return fs.exists(self.location.path)
+        with reaching(self.location, "while looking for it"):
+            return fs.exists(self.location.path)
 
     def has_manifest(self) -> bool:
+        """Whether the manifest is there: the first request of every read of a URL (a load, convert,
+        verify, ``checkpoint_file``), so the one whose failure ``reaching`` names."""
         fs = self.location.fs
         fs.invalidate_cache(self.location.path)
-        return fs.isfile(self.location.join(MANIFEST_NAME))
+        with reaching(self.location, f"while looking for its {MANIFEST_NAME}"):
+            try:  # not fsspec's `isfile`, which answers False for any error: refused credentials too
+                return fs.info(self.location.join(MANIFEST_NAME))["type"] == "file"
+            except FileNotFoundError:
+                return False
+            except PermissionError:
+                # S3 answers a missing key with 403 to credentials that may read objects but not list
+                # the bucket: a full file readable at the URL itself has no manifest beside it
+                if _is_readable_file(fs, self.location.path):
+                    return False
+                raise
 
     def write_file(self, name: str, data: bytes) -> None:
         with writing_remote(self.location.fs, self.file(name)) as f:
@@ -171,6 +184,27 @@ class RemoteFolder:
 
 
 Folder = Union[LocalFolder, RemoteFolder]
+
+
+def _is_readable_file(fs: Any, path: str) -> bool:
+    try:
+        return fs.info(path)["type"] == "file"
+    except Exception:  # noqa: BLE001 - not a file this process can read, whatever the reason
+        return False
+
+
+@contextmanager
+def reaching(location: RemoteLocation, doing: str) -> Generator[None, None, None]:
+    """A request to ``location``'s storage whose failure (credentials missing or refused, the endpoint
+    unreachable) is raised as one line, ``CheckpointReadError``, naming the URL and the cause as a
+    save's error does (``describe``); an absent file is an answer, not a failure. The filesystem's
+    own trace is dropped: its first line is in the message."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the filesystem raises (botocore's, aiohttp's, OSError)
+        raise CheckpointReadError(f"Checkpoint {location.url!r} could not be read: {describe(err)} {doing}.") from None
 
 
 def as_folder(directory: Union[PathLike, Folder, RemoteLocation]) -> Folder:

@@ -72,6 +72,7 @@ class Manifest:
                 f"{str(folder)!r} is not a lightning-zero sharded checkpoint: it has no {MANIFEST_NAME}."
                 " A sharded checkpoint gets it as the last step of a complete save; an interrupted save"
                 " leaves a '*.tmp-*' directory (at a URL: a version folder no manifest names) instead."
+                + _checkpoints_inside(folder)
             )
         path = f"{folder}/{MANIFEST_NAME}"
         try:
@@ -110,6 +111,18 @@ class Manifest:
         if unsummed:
             raise RuntimeError(f"lightning-zero bug: no checksum was taken of {unsummed} in {str(directory)!r}.")
         self.checksums = {name: checksums[name] for name in self.files}
+
+
+def _checkpoints_inside(folder: Any) -> str:
+    """A hint where a local directory holds sharded checkpoints instead of being one (the Trainer's
+    ``checkpoints/`` given for ``checkpoints/last.ckpt``): their paths, to give one of."""
+    if not folder.is_local or not folder.path.is_dir():
+        return ""
+    inside = sorted(str(p) for p in folder.path.iterdir() if (p / MANIFEST_NAME).is_file())
+    if not inside:
+        return ""
+    listed = ", ".join(repr(p) for p in inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+    return f" HINT: it holds the sharded checkpoints {listed}; give the path of one."
 
 
 def is_sharded_checkpoint(path: Any) -> bool:

@@ -30,6 +30,7 @@ from lightning_zero.checkpoint.locations import RemoteLocation, checkpoint_locat
 from lightning_zero.checkpoint.manifest import META_NAME, PathLike
 from lightning_zero.checkpoint.pickles import checkpoint_globals, load_torch_file
 from lightning_zero.checkpoint.storage import read_meta, storage_items
+from lightning_zero.sizing import format_bytes
 
 
 def verify_checkpoint(path: PathLike, weights_only: bool = True) -> str:
@@ -49,7 +50,7 @@ def verify_checkpoint(path: PathLike, weights_only: bool = True) -> str:
         path = location
         check_zip(path)
         pickled = _check_pickle(path, weights_only, lambda: load_torch_file(path, True, path, "it", mmap=True))
-        return f"{path}: OK (a single-file checkpoint, {path.stat().st_size / 1e6:.1f} MB, every zip record matches its CRC-32; its pickle {pickled})"
+        return f"{path}: OK (a single-file checkpoint, {format_bytes(path.stat().st_size)}, every zip record matches its CRC-32; its pickle {pickled})"
     return _verify_directory(LocalFolder(location), weights_only)
 
 
@@ -64,7 +65,7 @@ def _verify_remote_file(location: RemoteLocation, weights_only: bool) -> str:
             return load_torch_file(f, True, location.url, "it")
 
         pickled = _check_pickle(f, weights_only, load, location.url)
-    return f"{location.url}: OK (a single-file checkpoint, {size / 1e6:.1f} MB, every zip record matches its CRC-32; its pickle {pickled})"
+    return f"{location.url}: OK (a single-file checkpoint, {format_bytes(size)}, every zip record matches its CRC-32; its pickle {pickled})"
 
 
 def _verify_directory(path: Folder, weights_only: bool) -> str:
@@ -86,8 +87,8 @@ def _verify_directory(path: Folder, weights_only: bool) -> str:
     else:
         _check_items(path.path, items)  # format 1: local directories only (written before URLs were)
         checked = "sizes, and each DCP item's zip checksums (format 1: no file checksums recorded)"
-    total = sum(manifest.files.values()) / 1e6
-    return f"{path}: OK ({len(manifest.files)} files, {total:.1f} MB; {checked}; DCP metadata read by its restricted unpickler; {pickled})"
+    total = format_bytes(sum(manifest.files.values()))
+    return f"{path}: OK ({len(manifest.files)} files, {total}; {checked}; DCP metadata read by its restricted unpickler; {pickled})"
 
 
 def _check_pickle(file: Any, weights_only: bool, load: Callable[[], Any], label: str = "") -> str:

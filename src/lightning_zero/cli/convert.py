@@ -10,6 +10,7 @@ import argparse
 import os
 
 from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
+from lightning_zero.sizing import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
     size = out.fs.size(out.path) if hasattr(out, "fs") else os.path.getsize(out)  # a URL's object, or a local file
-    print(f"wrote {out} ({size / 1e6:.1f} MB)")
+    print(f"wrote {out} ({format_bytes(size)})")
     return 0
 
 
