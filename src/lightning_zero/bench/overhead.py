@@ -14,7 +14,8 @@ machine, CPU included, and do not drift with load:
   ``.to("cpu")``). On a CPU-only run they do not wait for anything, but the same calls sync on a
   GPU, so they are counted all the same (except copies whose source already is on the CPU). Each
   is attributed to lightning-zero when one of the frames calling it is in the package's engine or
-  Lightning adapter (not this benchmark, not the model), and to the forward/backward part of the
+  Lightning adapter (not this benchmark, not the model) and none between is torch's optimizers' (an
+  offloaded step runs the user's optimizer, whose calls DDP's step makes too), and to the forward/backward part of the
   step when it happens before the step's ``"backward"`` probe point.
 """
 
@@ -34,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _PACKAGE = Path(__file__).resolve().parents[1]
 _OURS = tuple(str(_PACKAGE / name) for name in ("engine", "lightning", "checkpoint"))
 """Source folders whose calls are "ours" (the bench and the models are not)."""
+_OPTIMIZERS = str(Path(torch.optim.__file__).parent)
+"""torch's optimizers: a call of theirs is the optimizer's, also where the engine steps it on the host."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class HostSyncCounter:
         self.total += 1
         frame = sys._getframe(2)  # the caller of the patched method
         while frame is not None:
+            if frame.f_code.co_filename.startswith(_OPTIMIZERS):
+                return  # the optimizer's own (a step counter's `.item()`), as under DDP, where the engine steps it too
             if frame.f_code.co_filename.startswith(_OURS):
                 self.ours += 1
                 self.ours_forward_backward += self.in_forward_backward
