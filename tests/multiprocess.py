@@ -45,6 +45,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def script_environment() -> dict[str, str]:
+    """The environment for a rank the tests start as a script (``torchrun``, or as ``srun`` would):
+    this process's, without any launcher's variables, with the tests and the sources importable."""
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LT_"))}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        keep.pop(key, None)
+    keep["OMP_NUM_THREADS"] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    keep["PYTHONPATH"] = os.pathsep.join([here, os.path.join(os.path.dirname(here), "src"), keep.get("PYTHONPATH", "")])
+    return keep
+
+
 _RANK_SERVER = multiprocessing.forkserver.ForkServer()
 _RANK_SERVER.set_forkserver_preload(["rank_imports"])
 

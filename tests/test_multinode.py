@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multiprocess import free_port, run_on_ranks
+from multiprocess import free_port, run_on_ranks, script_environment
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "multinode_worker.py")
@@ -36,15 +36,6 @@ def _run_nodes(commands: list[list[str]], environments: list[dict[str, str]]) ->
         assert process.returncode == 0, output[-4000:]
 
 
-def _clean_environment() -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LT_"))}
-    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        keep.pop(key, None)
-    keep["OMP_NUM_THREADS"] = "1"
-    keep["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent / "src"), keep.get("PYTHONPATH", "")])
-    return keep
-
-
 @pytest.fixture(scope="module")
 def torchrun_run(tmp_path_factory) -> Path:
     """zero3 with `shard_group_size="node"`: each node's one rank shards alone, the nodes replicate."""
@@ -59,7 +50,7 @@ def torchrun_run(tmp_path_factory) -> Path:
         ]
         for node in (0, 1)
     ]  # fmt: skip
-    _run_nodes(commands, [_clean_environment(), _clean_environment()])
+    _run_nodes(commands, [script_environment(), script_environment()])
     return out
 
 
@@ -70,7 +61,7 @@ def slurm_run(tmp_path_factory) -> Path:
     port = free_port()
     environments = []
     for rank in (0, 1):
-        env = _clean_environment()
+        env = script_environment()
         env.update(
             SLURM_JOB_ID="4242", SLURM_JOB_NAME="zero", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="1",
             SLURM_NNODES="2", SLURM_NODELIST="localhost", SLURM_PROCID=str(rank), SLURM_LOCALID="0",

@@ -8,15 +8,23 @@ a backward (counted in that step's vote) or after it (counted in the next step's
 from timers 0.4 s apart, landing wherever the ranks happen to be. ``scontrol`` is a stub on the
 PATH that records its calls. The data of each step is keyed by the loop's batch counter, which a
 checkpoint restores (Lightning restarts a plain DataLoader at the start of its epoch on resume).
+
+Signals that arrive after the ranks agreed to stop are sent to tasks started as ``srun`` starts
+them (``late_signal_worker.py``), whose processes exit as a job's do: from inside the preemption
+save, the teardown, and the interpreter's exit (see [Note: late signals] in ``preemption.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator, Optional
 from unittest import mock
 
@@ -27,8 +35,10 @@ from case_groups import CaseGroup, GroupResults, RankContext
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
 from lightning_helpers import GPTModule, WeightRecorder, make_trainer, token_data
+from multiprocess import free_port, script_environment
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import verify_checkpoint
 
 STEPS = 5
 """Optimizer steps of every run: the reference, and the preempted run with its resumed one."""
@@ -239,6 +249,32 @@ for _name, (_, _options) in CASES.items():
     GROUP.case(preempt_and_resume, name=_name, folder=_name, **_options)
 
 
+@GROUP.case
+def fit_again_after_preemption(ctx: RankContext) -> dict:
+    """The Trainer of a preempted run fitted again in the same process (SLURM resumes it from the
+    checkpoint): rank 0's signal in the new run is acted on, not dropped as a late one of the first."""
+    root = os.path.join(ctx.tmpdir, "fit_again")
+    os.makedirs(root, exist_ok=True)
+    with _slurm_job(ctx, root) as calls:
+        setup, signals = Setup(1), SendSignals(USR1, {0: (0, "before")})
+        trainer = setup.trainer([signals], default_root_dir=root, plugins=[SLURMEnvironment(auto_requeue=True)])
+        stopped_at = []
+        for batch in (0, 2):
+            signals.at = {0: (batch, "before")}
+            with contextlib.suppress(SystemExit):
+                setup.fit(trainer)
+            stopped_at.append(trainer.global_step)
+        requeues = open(calls).read().splitlines() if os.path.exists(calls) else []
+    return {"stopped_at": stopped_at, "saved": sorted(set(os.listdir(root)) - {"bin", "scontrol_calls"}), "requeues": requeues}
+
+
+def test_a_preempted_trainer_fitted_again_stops_for_its_new_signal(results) -> None:
+    for r in results["fit_again_after_preemption"]:
+        assert r["stopped_at"] == [1, 3]
+        assert r["saved"] == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]
+    assert results["fit_again_after_preemption"][0]["requeues"] == [f"0 requeue {JOB_ID}"] * 2
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("preemption"))
@@ -264,6 +300,85 @@ def test_ranks_signalled_apart_stop_at_one_step_save_once_and_resume_exactly(res
         assert r["differ"] == [], f"rank {rank}: resumed weights differ from the uninterrupted run's in {r['differ']}"
     # rank 0 alone requeues the job, once, and only for SLURM's requeue signal
     assert ranks[0]["requeues"] == ([f"0 requeue {JOB_ID}"] if requeue else [])
+
+
+# ---- late signals, to tasks started as srun starts them ---------------------------------------
+PHASES = ("save", "teardown")
+DELAYS = (0.2, 0.4, 1.0)
+"""Seconds from rank 0's signal to the late ones (rank 1's first, rank 0's second)."""
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "late_signal_worker.py")
+
+
+@pytest.fixture(scope="module")
+def late_signals(tmp_path_factory) -> tuple[str, list[tuple[int, str]], list[dict[str, dict]]]:
+    """``late_signal_worker.py`` run as the 2 tasks of a SLURM job, one fit for each phase and delay
+    (``scontrol``: a stub that appends its arguments to the file in ``$SCONTROL_CALLS``): the folder,
+    each task's exit code and output, and each rank's view of each fit by ``<phase>-<delay>``."""
+    out = str(tmp_path_factory.mktemp("late_signals"))
+    bin_dir = os.path.join(out, "bin")
+    os.makedirs(bin_dir)
+    with open(os.path.join(bin_dir, "scontrol"), "w") as file:
+        file.write('#!/bin/sh\necho "$SLURM_PROCID $*" >> "$SCONTROL_CALLS"\n')
+    os.chmod(os.path.join(bin_dir, "scontrol"), 0o755)
+    port, tasks = free_port(), []
+    fits = [f"{phase}-{delay}" for phase in PHASES for delay in DELAYS]
+    for rank in (0, 1):
+        env = script_environment()
+        env.update(
+            SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="zero", SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+            SLURM_NNODES="1", SLURM_NODELIST="localhost", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PATH=bin_dir + os.pathsep + env["PATH"],
+        )  # fmt: skip
+        command = [sys.executable, WORKER, out, *fits]
+        tasks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [task.communicate(timeout=120)[0] for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    exits = [(task.returncode, output) for task, output in zip(tasks, outputs)]
+    views = []
+    for rank, (_, output) in enumerate(exits):
+        path = os.path.join(out, f"rank{rank}.json")
+        views.append(json.loads(Path(path).read_text()) if os.path.exists(path) else {})
+        assert list(views[-1]) == fits, f"rank {rank} ran {list(views[-1])} of {fits}:\n{output[-4000:]}"
+    return out, exits, views
+
+
+def _kind(line: str) -> str:
+    if "after the ranks agreed to stop for preemption" in line:
+        return "dropped"
+    return "request" if "the ranks stop at the next step boundary" in line else line
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_late_signals_from_the_agreed_stop_on_are_logged_and_dropped(late_signals, phase: str) -> None:
+    """Rank 0 is signalled (SIGUSR1) before the first backward, and the ranks agree to stop there;
+    each rank then gets SIGUSR1 and SIGTERM in ``phase`` (rank 1's first, 0.2, 0.4 and 1.0 s after
+    rank 0's at the earliest), one fit after the other in one process (see ``late_signal_worker.py``).
+    Each is logged and dropped: no second requeue, no second request, one complete checkpoint."""
+    out, exits, views = late_signals
+    for delay in DELAYS:
+        fit = f"{phase}-{delay}"
+        for rank, view in enumerate(views):
+            f, where = view[fit], f"rank {rank}, {fit}"
+            # every fit, the later ones included, is stopped by rank 0's first signal: its handlers are back
+            assert (f["exit_code"], f["stopped_at"]) == (None, 1), where
+            assert f["sent_after"] is not None and f["sent_after"] >= delay, where  # sent in the phase
+            assert [_kind(line) for line in f["log"]] == ["request"] * (rank == 0) + ["dropped", "dropped"], where
+        root = os.path.join(out, fit)
+        assert sorted(os.listdir(root)) == ["hpc_ckpt_1.ckpt", "scontrol_calls"], fit
+        verify_checkpoint(os.path.join(root, "hpc_ckpt_1.ckpt"))
+        assert Path(root, "scontrol_calls").read_text().splitlines() == [f"0 requeue {JOB_ID}"], fit
+
+
+def test_late_signals_while_the_process_exits_do_not_kill_it(late_signals) -> None:
+    """The same two signals while the interpreter exits, after Python gave its handlers up: both
+    tasks still exit 0 (not -10 or -15: killed by the default action)."""
+    _, exits, _ = late_signals
+    for rank, (code, output) in enumerate(exits):
+        assert "late signals sent at exit" in output, f"rank {rank}:\n{output[-2000:]}"
+        assert code == 0, f"rank {rank} exited with {code}:\n{output[-2000:]}"
 
 
 # ---- one process -------------------------------------------------------------------------------

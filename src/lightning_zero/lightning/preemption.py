@@ -22,15 +22,27 @@ Under ``ZeroStrategy`` instead (see [Note: stop votes] in ``engine/comm/stop_vot
 Outside ``fit`` (validate, test, predict) there is no training state to keep: SIGTERM stops each
 rank's loop at its next batch as Lightning's does, and the requeue signal only requeues.
 
-After a stop for preemption the ranks leave ``fit`` at once, but each rank's own signal may still be
-on its way (a scheduler signals the tasks of a job one by one): Lightning's teardown would put the
-handlers from before ``fit`` back — for SIGUSR1 and SIGTERM usually the default, which kills the
-process (exit code -10 or -15) while it exits cleanly or writes its last logs. So once the ranks
-agreed to stop, the teardown leaves handlers that log such a late signal and drop it.
+[Note: late signals]
+A scheduler signals the tasks of a job one by one, so after the ranks agreed to stop each rank's
+own signal may still be on its way (or a second one: SIGTERM after the requeue signal). From the
+moment the ranks agreed (the stop vote decided) until the process exits, such a signal is logged
+and dropped on every rank — acting on it would requeue the job again or ask for a stop already
+agreed, and the default action kills the rank (exit code -10 or -15) while it saves, exits cleanly
+or writes its last logs:
+
+- until ``fit`` is torn down, ``PreemptionSignals``' own handlers drop it;
+- at teardown, the handlers that drop it replace those from before ``fit`` (usually the default)
+  before Lightning puts the others back, so there is no moment without them; a new run in this
+  process gets the handlers from before back first (``register_signal_handlers``);
+- at the interpreter's exit, Python puts the default action back for every signal it handles
+  (after the ``atexit`` functions, before it frees the modules — with torch loaded that can take
+  a second): so the ``atexit`` function of this module ignores them from there on (``SIG_IGN``,
+  which Python leaves alone), unlogged, as Python can no longer run a handler.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -76,27 +88,48 @@ class PreemptionSignals(_SignalConnector):
         self._request(StopReason.EXIT, signum)
 
     stopped_for_preemption = False
-    """Set by ``StopAtAgreedStep`` when this run stops for a preemption signal (see the module docstring)."""
+    """Set by ``StopAtAgreedStep`` when this run stops for a preemption signal (see [Note: late signals])."""
 
     @override
     def register_signal_handlers(self) -> None:
         # a new run in this process: the handlers an earlier preempted run left (see `teardown`) go,
         # else Lightning would take them for the user's and not register its own
+        self.stopped_for_preemption = False
         for signum, before in list(_REPLACED_BY_LATE_SIGNAL_DROP.items()):
             if signal.getsignal(signum) is _drop_late_signal:
-                self._register_signal(signum, before)
+                self._register_signal(signum, signal.SIG_DFL if before is None else before)
         _REPLACED_BY_LATE_SIGNAL_DROP.clear()
         super().register_signal_handlers()
 
     @override
     def teardown(self) -> None:
-        super().teardown()  # the handlers from before `fit`
         if self.stopped_for_preemption:
-            for signum in PREEMPTION_SIGNALS:
-                _REPLACED_BY_LATE_SIGNAL_DROP.setdefault(signum, signal.getsignal(signum))
+            # in place of the handlers from before `fit`, which Lightning must not put back first
+            for signum in self._preemption_signals():
+                before = self._original_handlers.pop(signum, signal.getsignal(signum))
+                _REPLACED_BY_LATE_SIGNAL_DROP.setdefault(signum, before)
                 self._register_signal(signum, _drop_late_signal)
+            atexit.unregister(_ignore_late_signals_at_exit)  # once, however many runs were preempted
+            atexit.register(_ignore_late_signals_at_exit)
+        super().teardown()  # the other handlers from before `fit`
+
+    def _preemption_signals(self) -> list[int]:
+        """SIGTERM, and the requeue signal where this run handles it (SLURM with auto-requeue)."""
+        environment = self.trainer._accelerator_connector.cluster_environment
+        slurm = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        return [signal.SIGTERM] + ([environment.requeue_signal] if slurm and environment.requeue_signal is not None else [])
+
+    def _agreed_to_stop(self) -> bool:
+        """From the stop vote's decision until the next run (see [Note: late signals])."""
+        if self.stopped_for_preemption:
+            return True
+        engine = getattr(self.trainer.strategy, "engine", None)
+        return engine is not None and bool(engine.stop_vote.agreed)
 
     def _request(self, reason: StopReason, signum: Any) -> None:
+        if self._agreed_to_stop():
+            _drop_late_signal(signum, None)
+            return
         engine = getattr(self.trainer.strategy, "engine", None)
         if engine is not None and self.trainer.state.fn == TrainerFn.FITTING:
             log.info(f"Received signal {signum}: the ranks stop at the next step boundary ({reason.name.lower()}).")
@@ -132,15 +165,19 @@ class StopAtAgreedStep(Callback):
         raise PreemptedExit()
 
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1) if hasattr(signal, "SIGUSR1") else (signal.SIGTERM,)
-
-
 _REPLACED_BY_LATE_SIGNAL_DROP: dict[int, Any] = {}
 """The handlers ``_drop_late_signal`` replaced after a preempted run, put back when a new run starts."""
 
 
 def _drop_late_signal(signum: int, _: Optional[FrameType]) -> None:
-    log.info(f"Received signal {signum} after the ranks stopped for preemption: nothing left to do, ignored.")
+    log.info(f"Received signal {signum} after the ranks agreed to stop for preemption: nothing left to do, ignored.")
+
+
+def _ignore_late_signals_at_exit() -> None:
+    """From the interpreter's exit on, Python runs no handler: a late signal is ignored (see [Note: late signals])."""
+    for signum in _REPLACED_BY_LATE_SIGNAL_DROP:
+        if signal.getsignal(signum) is _drop_late_signal:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def handle_preemption(trainer: "pl.Trainer") -> None:
