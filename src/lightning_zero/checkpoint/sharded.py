@@ -13,7 +13,9 @@ DCP keys (flat, "/"-separated so that parameter names keep their dots)::
                                    parameter, each rank holding its chunk (our exact layout)
     model/<param>                  or a plain tensor, for a parameter no rank shards (stages 1-2:
                                    one in no optimizer); identical on every rank, stored once
-    buffer/<state_dict key>        plain tensor
+    buffer/<state_dict key>        plain tensor: rank 0's, as DDP's checkpoint holds (the ranks'
+                                   BatchNorm statistics differ; see [Note: which rank writes a
+                                   whole entry] in save_plan.py)
     optim/<i>/<param>/<state key>  1-D DTensor for per-element state (Adam's moments), plain
                                    tensor for the rest (a step count)
     current/model/<param>,         only when a weight-averaging callback saved (Lightning's

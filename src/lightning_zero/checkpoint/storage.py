@@ -42,6 +42,7 @@ from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import bytes_checksum, check_files, checksum_files, share
 from lightning_zero.checkpoint.manifest import MANIFEST_NAME, META_NAME, REMOTE_FORMAT, Manifest
 from lightning_zero.checkpoint.pickles import DcpTensorItems, load_dcp_metadata, load_torch_file, save_torch_file
+from lightning_zero.checkpoint.save_plan import RankZeroWholeEntries
 from lightning_zero.compat.dcp_reads import load_in_this_process
 
 __all__ = ["CheckpointGroup", "on_every_rank"]  # and the functions below; the group lives in group.py
@@ -167,7 +168,8 @@ def write_directory(
     folder = as_folder(directory)
     writer = _writer(folder)
     try:
-        dcp.save(tensors, storage_writer=writer, process_group=group.group)
+        # rank 0 writes the buffers and every other whole entry, as DDP's checkpoint holds rank 0's
+        dcp.save(tensors, storage_writer=writer, planner=RankZeroWholeEntries(), process_group=group.group)
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises alike on every rank
         name, cause, who = _dcp_failure(err)
         detail = f"{cause} while writing {folder.name}/{name} ({who})" if name else f"{cause} ({who})"
