@@ -30,3 +30,18 @@ def batches(rank: int, steps: int, batch: int = 4) -> list[tuple[torch.Tensor, t
     """Different data on every rank, as a DistributedSampler would give."""
     g = torch.Generator().manual_seed(1000 + rank)
     return [(torch.randn(batch, 7, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(steps)]
+
+
+class ConvBatchNorm(nn.Module):
+    """Conv2d, BatchNorm2d and Linear on (B, 2, 4, 4) images (no torchvision): BatchNorm's running
+    statistics are buffers that every rank updates from its own batch, so ranks that see different
+    data hold different ones after each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, kernel_size=3, padding=1)
+        self.norm = nn.BatchNorm2d(3)
+        self.out = nn.Linear(3 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.conv(x))).flatten(1))  # (B, 2, 4, 4) -> (B, 3)
