@@ -9,7 +9,8 @@
 The collectives' names (``all_gather_single`` from torch 2.13, the list ``reduce_scatter`` gloo has
 only from torch 2.8) are picked in ``engine/comm/collectives.py``, the one module that calls
 ``torch.distributed``. DTensor needs no module: its public import path exists from torch 2.5, below
-the supported range.
+the supported range. Nor does DCP's save planner (``checkpoint/save_plan.py``): overriding
+``DefaultSavePlanner.create_global_plan`` works alike from torch 2.6 to 2.14.
 
 Each module decides once (at import, or for ``lightning_api`` at first use: importing Lightning
 there would import the adapters, which import it) by asking the installed package what it offers (a parameter
