@@ -1,28 +1,31 @@
-"""Forward hooks the engine puts on the user's modules, left out of copies and pickles of them.
+"""Forward hooks (and the link to the engine) that the engine puts in the user's modules, left out of
+copies and pickles of them.
 
-[Note: engine hooks are not copied]
-Stage 3 gathers a unit in a forward pre-hook of its module and frees it in a forward hook, and
-Fabric's strategy hooks the root module at every stage to see where its steps begin and end. torch
-keeps a module's hooks in the module's ``__dict__``, so ``torch.save(model)`` or
-``copy.deepcopy(model)`` while an engine holds the module (a callback saving the LightningModule
-inside ``fit``) would pickle the engine's closures, which fails ("Can't pickle local object"), or
-copy them, giving a copy whose forward gathers and frees the *original*'s units. DDP's module has
-no hooks of DDP's (its reducer lives in the wrapper): its pickle and its copy are plain modules.
+[Note: engine entries are not copied]
+Stage 3 gathers a unit in a forward pre-hook of its module and frees it in a forward hook, Fabric's
+strategy hooks the root module at every stage to see where its steps begin and end, and a module the
+engine holds sharded keeps a link to it (``module_link.py``). torch keeps a module's hooks, like its
+attributes, in the module's ``__dict__``, so ``torch.save(model)`` or ``copy.deepcopy(model)`` while
+an engine holds the module (a callback saving the LightningModule inside ``fit``) would pickle the
+engine's closures, which fails ("Can't pickle local object"), or copy them, giving a copy whose
+forward gathers and frees the *original*'s units. DDP keeps nothing in the module (its reducer lives
+in the wrapper): its pickle and its copy are plain modules.
 
-So a module the engine hooks gets, in its instance ``__dict__``, a ``__getstate__``
-(:class:`_StateWithoutEngineHooks`): the module's own state, as its class gives it (torch's
+So a module the engine keeps entries in gets, in its instance ``__dict__``, a ``__getstate__``
+(:class:`_StateWithoutEngineEntries`): the module's own state, as its class gives it (torch's
 ``Module.__getstate__``, or the user's, such as ``LightningModule``'s, which drops the Trainer),
-less the engine's entries in the hook dicts and less itself. ``pickle`` and ``copy`` (through
-``object.__reduce_ex__``) look ``__getstate__`` up on the instance, so both take it: the pickle or
-copy keeps the user's own hooks, never names lightning-zero, and loads where it is not installed.
-It goes with the module's last engine hook. The hook dicts stay the ones torch made, so every
-handle (the user's too) keeps working and ``torch.compile`` sees torch's own dicts. This is the
-place for it because the hooks are the engine's: the module's class is the user's, and a class
-switched per module (FSDP2's ``FSDP<Cls>``, which refuses ``deepcopy``) would change what
-``type(module)`` says. The values the pickle or copy holds: a stage-3 parameter at rest pickles
-and copies as a full ``nn.Parameter`` (gathered, see [Note: reads at rest] in
-``shards/at_rest.py``); one gathered (inside a step) is a full ``nn.Parameter`` already; the link
-to the engine pickles and copies as empty (``module_link.py``).
+less the engine's entries in the hook dicts, less the engine's attributes (``leave_out_of_copies``)
+and less itself. ``pickle`` and ``copy`` (through ``object.__reduce_ex__``) look ``__getstate__`` up
+on the instance, so both take it: the pickle or copy keeps the user's own hooks and attributes,
+names nothing of lightning-zero, and loads where it is not installed. It goes with the module's
+last engine entry. The hook dicts stay the ones torch made, so every handle (the user's too) keeps
+working and ``torch.compile`` sees torch's own dicts. It is done here, on the engine's entries,
+because the module's class is the user's: a class switched per module (FSDP2's ``FSDP<Cls>``, which
+refuses ``deepcopy``) would change what ``type(module)`` says. The values the pickle or copy holds:
+a stage-3 parameter at rest pickles and copies as a full ``nn.Parameter`` (gathered: a collective,
+see [Note: reads at rest] in ``shards/at_rest.py``); one gathered (inside a step) is a full
+``nn.Parameter`` already; stages 1-2 keep full parameters, whose own pickling leaves out the
+engine's gradient hooks.
 """
 
 from __future__ import annotations
@@ -62,32 +65,54 @@ class ModuleHooks:
         self._keep(module, module.register_forward_hook(hook, with_kwargs=with_kwargs))
 
     def _keep(self, module: nn.Module, handle: RemovableHandle) -> None:
-        held = module.__dict__.get(_STATE)
-        if not isinstance(held, _StateWithoutEngineHooks):
-            held = _StateWithoutEngineHooks(module)
-            module.__dict__[_STATE] = held  # not `setattr`: Module.__setattr__ has nothing to do with it
-        held.engine_ids.add(handle.id)
+        _entries_of(module).hook_ids.add(handle.id)
         self._added.append((weakref.ref(module), handle))
 
     def remove(self) -> None:
         for module_ref, handle in self._added:
             handle.remove()
             module = module_ref()
-            held = module.__dict__.get(_STATE) if module is not None else None
-            if isinstance(held, _StateWithoutEngineHooks):
-                held.engine_ids.discard(handle.id)
-                if not held.engine_ids:
-                    del module.__dict__[_STATE]
+            if module is not None:
+                _forget(module, lambda entries: entries.hook_ids.discard(handle.id))
         self._added.clear()
 
 
-class _StateWithoutEngineHooks:
-    """A hooked module's ``__getstate__`` (see [Note: engine hooks are not copied])."""
+def leave_out_of_copies(module: nn.Module, attribute: str) -> None:
+    """The engine's ``attribute`` of ``module`` is left out of its pickles and copies from now on."""
+    _entries_of(module).attributes.add(attribute)
+
+
+def keep_in_copies(module: nn.Module, attribute: str) -> None:
+    """Undoes ``leave_out_of_copies`` (the engine dropped the attribute)."""
+    _forget(module, lambda entries: entries.attributes.discard(attribute))
+
+
+def _entries_of(module: nn.Module) -> "_StateWithoutEngineEntries":
+    held = module.__dict__.get(_STATE)
+    if not isinstance(held, _StateWithoutEngineEntries):
+        held = _StateWithoutEngineEntries(module)
+        module.__dict__[_STATE] = held  # not `setattr`: Module.__setattr__ has nothing to do with it
+    return held
+
+
+def _forget(module: nn.Module, drop: Callable[["_StateWithoutEngineEntries"], None]) -> None:
+    held = module.__dict__.get(_STATE)
+    if isinstance(held, _StateWithoutEngineEntries):
+        drop(held)
+        if not held.hook_ids and not held.attributes:
+            del module.__dict__[_STATE]
+
+
+class _StateWithoutEngineEntries:
+    """The ``__getstate__`` of a module the engine keeps entries in (see [Note: engine hooks are
+    not copied])."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = weakref.ref(module)  # the module holds this: no cycle
-        self.engine_ids: set[int] = set()
+        self.hook_ids: set[int] = set()
         """Handle ids of the engine's hooks on the module."""
+        self.attributes: set[str] = set()
+        """Names of the engine's attributes of the module."""
 
     def __call__(self) -> Any:
         module = self._module()
@@ -98,8 +123,10 @@ class _StateWithoutEngineHooks:
             return state  # a class of the user's that pickles otherwise: its own business
         state = dict(state)  # never edit what a `__getstate__` returning `self.__dict__` hands out
         state.pop(_STATE, None)
+        for attribute in self.attributes:
+            state.pop(attribute, None)
         for key in _HOOK_DICTS:
             hooks = state.get(key)
-            if isinstance(hooks, dict) and not self.engine_ids.isdisjoint(hooks):
-                state[key] = type(hooks)((k, v) for k, v in hooks.items() if k not in self.engine_ids)
+            if isinstance(hooks, dict) and not self.hook_ids.isdisjoint(hooks):
+                state[key] = type(hooks)((k, v) for k, v in hooks.items() if k not in self.hook_ids)
         return state
