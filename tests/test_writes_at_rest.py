@@ -110,6 +110,46 @@ def writes_after_fit(ctx: RankContext) -> dict[str, Any]:
     return {variant: _writes_after_fit(ctx, variant) for variant in ["ddp", *VARIANTS]}
 
 
+@GROUP.case
+def a_write_on_one_rank_only(ctx: RankContext) -> dict[str, Any]:
+    """A stage-3 engine whose accesses at rest wait 3 s for the other ranks: rank 0 writes a weight
+    alone (under DDP its replica would silently differ from the others'), then the other rank writes
+    one, pairing with the write rank 0 abandoned; then both write, and that write holds."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm import collectives
+    from models import OddShapes
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # the rank's environment names the others
+    torch.manual_seed(0)
+    model = OddShapes()
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3), timeout=timedelta(seconds=3))
+    weight = model.hidden.weight
+    out: dict[str, Any] = {}
+
+    def attempt(key: str) -> None:
+        try:
+            with torch.no_grad():
+                weight.copy_(torch.ones(weight.shape))
+            out[key] = None
+        except RuntimeError as error:
+            out[key] = str(error)
+
+    if ctx.rank == 0:
+        attempt("alone")
+    collectives.all_reduce(torch.zeros(1), None)  # the other rank waits here until rank 0 gave up
+    if ctx.rank != 0:
+        attempt("alone")
+    attempt("together")
+    out["value"] = weight.clone()
+    engine.close()
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> GroupResults:
     return GROUP.run(tmp_path_factory.mktemp("writes_at_rest"))
@@ -157,3 +197,11 @@ def test_a_write_at_rest_keeps_the_master_copy_of_a_half_precision_parameter() -
     with engine.gathered():
         assert torch.equal(model[1].weight, value.to(torch.bfloat16))
     engine.close()
+
+
+def test_a_write_at_rest_on_one_rank_only_fails_on_each_rank_that_made_it(results: GroupResults) -> None:
+    rank0, rank1 = results["a_write_on_one_rank_only"]
+    assert "'hidden.weight' was written at rest" in rank0["alone"] and "did not write it" in rank0["alone"], rank0
+    assert "'hidden.weight' was written at rest" in rank1["alone"] and "stopped waiting" in rank1["alone"], rank1
+    for r in (rank0, rank1):
+        assert r["together"] is None and torch.equal(r["value"], torch.ones(13, 13))

@@ -156,7 +156,7 @@ class ReadsAtRest:
             decided = [f"{done}/decision"] if self._forgets_decisions else []
             store_agreement.forget_posts([f"{done}/{collectives.rank()}", *decided])
         self._count += 1
-        agreed = store_agreement.post_and_agree(read, f"{p.name} ({access})", self._group, self.timeout)
+        agreed = store_agreement.post_and_agree(read, f"{access}:{p.name}", self._group, self.timeout)
         ranks = collectives.group_ranks(self._group)
         missing = [r for r, name in zip(ranks, agreed.values) if name is None]
         if missing:
@@ -176,8 +176,8 @@ class ReadsAtRest:
                 " stopped waiting for this one: the ranks' reads and writes at rest disagree (one made on some"
                 " ranks only). HINT: make reads and writes at rest on every rank, or use `summon_full_params()`."
             )
-        if any(value != f"{p.name} ({access})" for value in agreed.values):
-            made = ", ".join(f"rank {r}: {value!r}" for r, value in zip(ranks, agreed.values))
+        if any(value != f"{access}:{p.name}" for value in agreed.values):
+            made = ", ".join(f"rank {r}: {_described(value)}" for r, value in zip(ranks, agreed.values))
             raise RuntimeError(
                 f"The ranks read or wrote different parameters at rest at the same point ({made}): a read or"
                 " write at rest takes every rank, so every rank must make the same reads and writes in the same"
@@ -195,3 +195,9 @@ class ReadsAtRest:
         if n > 1:
             collectives.start_all_gather(out, row, self._group).wait()
         return out[: p.layout.numel].view(p.shape)
+
+
+def _described(posted: str) -> str:
+    """What a rank posted for a read or write at rest (``"<access>:<name>"``), for a message."""
+    access, _, name = posted.partition(":")
+    return f"{name!r} ({access})"
