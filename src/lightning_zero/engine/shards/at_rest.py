@@ -286,6 +286,9 @@ def write_at_rest(func: Any, args: tuple, kwargs: Any) -> Any:
         return keep_read_only(tree_map(lambda r: back.get(id(r), r), result), origins, names)
 
 
+GatheredValue.write_at_rest = staticmethod(write_at_rest)
+
+
 def _param_of(t: Any) -> Optional[Tensor]:
     """The parameter at rest ``t`` is, or that a value read from it (``t``) aliases; else None."""
     if isinstance(t, ParameterAtRest):

@@ -14,7 +14,7 @@ write through them.
 from __future__ import annotations
 
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -84,6 +84,10 @@ class GatheredValue(Tensor):
     _names: str
     """The parameter(s) it was read from, for messages."""
     _origin: Optional[Origin]
+    write_at_rest: Callable[[Any, tuple, Any], Any]
+    """How a write into such a value is made: ``at_rest.write_at_rest``, set there (only reads at
+    rest make these values, so it is set before any exists; set, not imported: ``at_rest`` imports
+    this module)."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -92,9 +96,7 @@ class GatheredValue(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             written = [t for t in written_tensors(func, args, kwargs) if isinstance(t, GatheredValue)]
         if written:
-            from lightning_zero.engine.shards.at_rest import write_at_rest  # (at_rest.py imports this module)
-
-            return write_at_rest(func, args, kwargs)
+            return GatheredValue.write_at_rest(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             sources = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, GatheredValue)]
             result = func(*args, **(kwargs or {}))
