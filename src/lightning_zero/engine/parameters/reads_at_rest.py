@@ -13,7 +13,9 @@ cannot both act, so a late rank never enters an all-gather that an early one aba
 agree, one all-gather of that parameter's chunks, in place in one buffer of the full (padded) size,
 gives every reading rank the full value; nothing else is gathered, and the buffer is the caller's
 (dropped after the read unless the result is it). Ranks that read different parameters all fail,
-naming what each read.
+naming what each read. A write at rest agrees the same way, in the same count, posting that it
+writes (``value_to_write``; see [Note: writes at rest] in ``shards/at_rest.py``): a rank writing a
+parameter while another reads it, or writing on some ranks only, fails as a read would.
 
 How long a rank waits for the others is the agreement timeout, not the process group's (torch's
 default is 30 minutes, which Lightning keeps): ranks running the same script reach the same read
@@ -162,8 +164,9 @@ class ReadsAtRest:
         if missing:
             raise RuntimeError(
                 f"Parameter {p.name!r} was {access} at rest (a stage-3 parameter outside its unit's forward and"
-                f" backward) on this rank, but ranks {missing} did not {'read' if access == READ else 'write'} it within {self.timeout}. A read or write"
-                " at rest takes every rank, so every rank must make the same reads and writes, in the same"
+                f" backward) on this rank, but ranks {missing} did not {'read' if access == READ else 'write'} it"
+                f" within {self.timeout}. A read or write at rest takes every rank, so every rank must make the"
+                " same reads and writes, in the same"
                 " order (not in `if trainer.is_global_zero:`, nor in a logger that reads parameters on rank 0"
                 " only). HINT: read it on every rank, or gather the model once on every rank with `with"
                 " trainer.strategy.summon_full_params(rank0_only=True):` and read it on rank 0 inside. (Where"

@@ -84,7 +84,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_zero.engine.shards.gathered_value import (
-    AT_REST_MARK,
     GatheredValue,
     Origin,
     input_tensors,
@@ -133,7 +132,7 @@ class Writer(Protocol):
 class ParameterAtRest(nn.Parameter):
     """The class of a stage-3 parameter while only this rank's chunk of it exists."""
 
-    _lightning_zero_at_rest = True  # see gathered_value.AT_REST_MARK
+    _lightning_zero_at_rest = True  # gathered_value.AT_REST_MARK: a GatheredValue leaves operations with one to this class
 
     names: dict[int, str] = {}
     """``id(param)`` → its name in the module, for the message (filled and emptied by the engine)."""
@@ -268,7 +267,7 @@ def write_at_rest(func: Any, args: tuple, kwargs: Any) -> Any:
             back[id(view)] = a
             return view
 
-        with torch.no_grad():  # into the parameters' values, as `torch.no_grad()` writes (checked above)
+        with torch.no_grad():  # values only: what autograd would refuse was refused above
             swapped_args, swapped_kwargs = tree_map(swap, args), tree_map(swap, kwargs)  # alive until `back` is read
             result = func(*swapped_args, **swapped_kwargs)
             for key, full in fulls.items():

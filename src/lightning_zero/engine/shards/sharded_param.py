@@ -225,9 +225,9 @@ class ShardedParam:
 
     def check_adoptable(self, value: Tensor) -> None:
         """Stage 3, ``param.data = value`` while the parameter is at rest (outside its unit's use,
-        e.g. pretrained weights loaded between steps): ``value`` becomes the parameter's value, this
-        rank keeping its chunk of it, as at stages 1-2, if it has the parameter's shape and dtype;
-        raises otherwise. The parameter stays at rest."""
+        e.g. pretrained weights loaded between steps): raises unless ``value`` has the parameter's
+        shape and dtype. It then becomes the parameter's value, this rank keeping its chunk of it
+        (``ShardedParameters.write_full_value``), as at stages 1-2; the parameter stays at rest."""
         dtype = self._placeholder.dtype
         if (value.shape, value.dtype) != (self.shape, dtype):
             raise RuntimeError(
