@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -73,7 +73,7 @@ class ModuleHooks:
             handle.remove()
             module = module_ref()
             if module is not None:
-                _forget(module, lambda entries: entries.hook_ids.discard(handle.id))
+                _forget(module, hook_id=handle.id)
         self._added.clear()
 
 
@@ -84,7 +84,7 @@ def leave_out_of_copies(module: nn.Module, attribute: str) -> None:
 
 def keep_in_copies(module: nn.Module, attribute: str) -> None:
     """Undoes ``leave_out_of_copies`` (the engine dropped the attribute)."""
-    _forget(module, lambda entries: entries.attributes.discard(attribute))
+    _forget(module, attribute=attribute)
 
 
 def _entries_of(module: nn.Module) -> "_StateWithoutEngineEntries":
@@ -95,16 +95,19 @@ def _entries_of(module: nn.Module) -> "_StateWithoutEngineEntries":
     return held
 
 
-def _forget(module: nn.Module, drop: Callable[["_StateWithoutEngineEntries"], None]) -> None:
+def _forget(module: nn.Module, hook_id: Optional[int] = None, attribute: Optional[str] = None) -> None:
+    """The engine's hook ``hook_id`` or its ``attribute`` is gone from ``module``; with the last of
+    them, so is the module's ``__getstate__``."""
     held = module.__dict__.get(_STATE)
     if isinstance(held, _StateWithoutEngineEntries):
-        drop(held)
+        held.hook_ids.discard(hook_id)
+        held.attributes.discard(attribute)
         if not held.hook_ids and not held.attributes:
             del module.__dict__[_STATE]
 
 
 class _StateWithoutEngineEntries:
-    """The ``__getstate__`` of a module the engine keeps entries in (see [Note: engine hooks are
+    """The ``__getstate__`` of a module the engine keeps entries in (see [Note: engine entries are
     not copied])."""
 
     def __init__(self, module: nn.Module) -> None:

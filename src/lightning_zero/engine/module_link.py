@@ -17,8 +17,8 @@ stages 1-2 need anyway). Full weights appear only where asked for: ``summon_full
 launcher's hand-back to the calling process (rank 0 only).
 
 The link is neither copied nor pickled with the module (left out of its state, see [Note: engine
-hooks are not copied] in ``module_hooks.py``; failing that, it unpickles as None), so loading needs no
-lightning-zero: a copy made inside ``summon_full_params``, or ``torch.save(model)`` at rest or inside
+entries are not copied] in ``module_hooks.py``; failing that, it unpickles as None), so loading needs
+no lightning-zero: a copy made inside ``summon_full_params``, or ``torch.save(model)`` at rest or inside
 ``fit`` (see [Note: reads at rest] in ``shards/at_rest.py``), is a plain module with full weights.
 """
 
