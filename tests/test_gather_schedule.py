@@ -79,11 +79,12 @@ def test_each_backward_of_a_step_keeps_units_gathered_until_their_gradients_accu
     _assert_stage3_matches_torch(TwoBackwardsPerStep())  # the 2nd backward freed blocks[0] after its bias
 
 
-def test_a_parameter_at_rest_reads_as_its_full_value_and_refuses_writes_naming_itself():
+def test_a_parameter_at_rest_reads_and_writes_as_ddps_and_refuses_what_a_chunk_cannot_take():
     """Outside its unit's forward and backward (see [Note: parameters at rest], [Note: reads at
-    rest]): what describes the parameter works, what reads its values gets DDP's values (gathered
-    for that read), what writes into it fails naming it and the way to edit; gathered, it is a plain
-    parameter."""
+    rest], [Note: writes at rest]): what describes the parameter works, what reads its values gets
+    DDP's values (gathered for that read), what writes into it — directly or through a value read
+    from it — writes what the same write does to a plain module; what would change the parameter
+    rather than its values fails naming it; gathered, it is a plain parameter."""
     import pickle
 
     import pytest
@@ -92,6 +93,7 @@ def test_a_parameter_at_rest_reads_as_its_full_value_and_refuses_writes_naming_i
 
     model = CalledTwiceInARow()
     before = copy.deepcopy(model)
+    reference = copy.deepcopy(model)  # what DDP's replica holds after the same writes
     engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
     weight, expected = model.blocks[1].weight, before.blocks[1].weight.detach()
     # its true size at rest (as DDP's, and FSDP2's DTensors)
@@ -114,20 +116,51 @@ def test_a_parameter_at_rest_reads_as_its_full_value_and_refuses_writes_naming_i
         assert torch.equal(value, expected), what
     assert torch.equal(weight, expected) and weight.sum() == expected.sum()
     assert type(pickle.loads(pickle.dumps(weight))) is nn.Parameter and type(weight.clone()) is torch.Tensor
-    writes = {
-        "add_": lambda: weight.add_(1),
-        "copy_": lambda: weight.copy_(expected),
-        "setitem": lambda: weight.__setitem__(0, 1.0),
-        "out": lambda: torch.add(expected, expected, out=weight),
-        "init": lambda: nn.init.zeros_(weight),
-        "through detach": lambda: weight.detach().mul_(2),
-        "through data": lambda: weight.data.zero_(),
-        "through view": lambda: weight.view(-1)[0:2].fill_(3.0),
+    full = torch.arange(64.0).view(8, 8)
+    writes = {  # each applied to the parameter at rest and to the reference's: the same values after each
+        "copy_": lambda w: w.copy_(full),
+        "add_": lambda w: w.add_(1),
+        "setitem": lambda w: w.__setitem__(0, 1.0),
+        "augmented": lambda w: w.__imul__(0.5),
+        "reads itself": lambda w: w.add_(w.flip(0)),
+        "out": lambda w: torch.add(full, full, out=w),
+        "init zeros_": lambda w: nn.init.zeros_(w),
+        "init constant_ (by keyword)": lambda w: nn.init.constant_(w, 0.25),
+        "init xavier": lambda w: (torch.manual_seed(5), nn.init.xavier_uniform_(w)),
+        "through detach": lambda w: w.detach().mul_(2),
+        "through data": lambda w: w.data.copy_(full.t()),
+        "through a transposed alias": lambda w: w.data.t().sub_(1),
+        "through view": lambda w: w.view(-1)[0:2].fill_(3.0),
+        "clamp through data": lambda w: w.data.clamp_(-5.0, 5.0),
     }
     for what, write in writes.items():
-        with torch.no_grad(), pytest.raises(RuntimeError, match=r"parameter 'blocks\.1\.weight'") as err:
+        with torch.no_grad():
+            result = write(weight)
+            write(reference.blocks[1].weight)
+        assert torch.equal(weight, reference.blocks[1].weight), what
+        if what in ("copy_", "add_", "out"):
+            assert result is weight, what  # in place, as torch returns it
+    held = weight.data  # a value read earlier, written later: the write reaches today's values
+    with torch.no_grad():
+        weight.add_(1)
+        held.mul_(2)
+        reference.blocks[1].weight.add_(1)
+        reference.blocks[1].weight.data.mul_(2)
+    assert torch.equal(weight, reference.blocks[1].weight) and torch.equal(held, reference.blocks[1].weight)
+    model.load_state_dict(before.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.state_dict().values()))
+    refused = {  # what a chunk cannot take, and what torch refuses for a parameter that requires a gradient
+        "resize_": (lambda: weight.resize_(4), "storage, shape"),
+        "t_": (lambda: weight.t_(), "storage, shape"),
+        "detach_": (lambda: _without_grad(weight.detach_), "storage, shape"),
+        "grad mode": (lambda: weight.copy_(full), "torch.no_grad()"),
+        "grad mode, a view": (lambda: weight.view(-1).zero_(), "torch.no_grad()"),
+    }
+    for what, (write, says) in refused.items():
+        with pytest.raises(RuntimeError, match=r"parameter 'blocks\.1\.weight'") as err:
             write()
-        assert "summon_full_params(writeback=True)" in str(err.value), what
+        assert says in str(err.value), what
+    assert torch.equal(weight, expected)  # nothing refused changed anything
     with pytest.raises(RuntimeError, match=r"'blocks\.[01]\.(weight|bias)' was replaced or resized"):
         model.to(torch.float64)  # reads, then assigns `.data` a new dtype: refused
     from lightning_zero.engine.shards.at_rest import is_at_rest
@@ -136,11 +169,16 @@ def test_a_parameter_at_rest_reads_as_its_full_value_and_refuses_writes_naming_i
     with engine.gathered():
         assert not is_at_rest(weight) and weight.clone().shape == (8, 8) and type(weight.clone()) is torch.Tensor
         assert type(copy.deepcopy(weight)) is nn.Parameter  # copies are plain, never of the unit's class
-        assert torch.equal(weight, expected)  # no refused write changed anything
+        assert torch.equal(weight, expected)
     assert is_at_rest(weight)
     assert model(torch.randn(2, 8)).isfinite()  # a unit's forward sees its full parameters
     engine.close()
     assert type(weight) is nn.Parameter  # the engine gone, a plain parameter again
+
+
+def _without_grad(write):
+    with torch.no_grad():
+        return write()
 
 
 def test_data_assigned_at_rest_is_adopted_and_a_new_shape_or_dtype_fails_naming_both():

@@ -19,7 +19,9 @@ ones below it; ``parameters`` and ``gradients`` sit side by side and import neit
 
 Beside them: ``config`` (what the user chooses; imported by all), ``device_roles`` (which tensors
 are host memory, for the checks that stand in for NCCL's on a CPU), ``host_work`` (counts of the
-host work an aten-op count cannot see) and ``module_link`` (these import nothing here), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
+host work an aten-op count cannot see), ``module_hooks`` (the engine's hooks and attributes in the
+user's modules, left out of their pickles and copies) and ``module_link`` (these import nothing here
+but each other), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
 ``full_weights``, ``host_step_overlap``, ``memory`` — which nothing below imports. ``tests/test_import_layers.py`` holds
 the tree to this.
 """

@@ -16,9 +16,10 @@ stages 1-2 need anyway). Full weights appear only where asked for: ``summon_full
 (optionally on rank 0 only, or in host memory), a ``state_dict_type="full"`` save, the spawn
 launcher's hand-back to the calling process (rank 0 only).
 
-The link is neither copied nor pickled with the module (it unpickles as None, so loading needs no
-lightning-zero): a copy made inside ``summon_full_params``, or ``torch.save(model)`` at rest (see
-[Note: reads at rest] in ``shards/at_rest.py``), is a plain module with full weights.
+The link is neither copied nor pickled with the module (left out of its state, see [Note: engine
+entries are not copied] in ``module_hooks.py``; failing that, it unpickles as None), so loading needs
+no lightning-zero: a copy made inside ``summon_full_params``, or ``torch.save(model)`` at rest or inside
+``fit`` (see [Note: reads at rest] in ``shards/at_rest.py``), is a plain module with full weights.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from torch import nn
+
+from lightning_zero.engine.module_hooks import keep_in_copies, leave_out_of_copies
 
 _ATTRIBUTE = "_lightning_zero_engine"
 
@@ -46,12 +49,14 @@ class _Link:
 def link(module: nn.Module, engine: object) -> None:
     """``engine`` holds ``module``'s parameters sharded from now on."""
     object.__setattr__(module, _ATTRIBUTE, _Link(engine))
+    leave_out_of_copies(module, _ATTRIBUTE)
 
 
 def unlink(module: nn.Module, engine: object) -> None:
     """``engine`` no longer holds ``module`` (it released or dropped the parameters)."""
     if linked(module) is engine:
         object.__delattr__(module, _ATTRIBUTE)
+        keep_in_copies(module, _ATTRIBUTE)
 
 
 def linked(module: nn.Module) -> Optional[object]:

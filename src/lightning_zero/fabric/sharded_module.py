@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroStage
+from lightning_zero.engine.module_hooks import ModuleHooks
 
 
 class ShardedModule:
@@ -74,10 +75,9 @@ class ShardedModule:
             collectives.broadcast_tensors_([p.data for p in module.parameters()] + list(module.buffers()), src=0, group=None)
             if self.optimizers:
                 self._build_engine()
-        self._handles = [
-            module.register_forward_pre_hook(self._before_forward),
-            module.register_forward_hook(self._after_forward),
-        ]
+        self._hooks = ModuleHooks()  # left out of pickles and copies of the module (module_hooks.py)
+        self._hooks.add_forward_pre(module, self._before_forward)
+        self._hooks.add_forward(module, self._after_forward)
 
     # ---- the engine ----------------------------------------------------------------------------
     def _build_engine(self) -> ZeroEngine:
@@ -179,9 +179,7 @@ class ShardedModule:
     def release(self) -> None:
         """Training is over: plain full parameters on the module's device again, hooks removed."""
         self.close_step()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
         if self.engine is not None:
             self.engine.release_parameters(self._device)
             self.engine = None

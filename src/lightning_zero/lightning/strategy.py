@@ -420,9 +420,13 @@ class ZeroStrategy(ZeroStepHooks):
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Also outside a run (after ``fit``, as Lightning's ``_checkpoint_connector.restore`` does):
+        the finished run's engine still holds the weights (stage 3: as chunks, the module at rest;
+        stages 1-2: the master chunks and the optimizers' state), so the checkpoint is read into it,
+        each rank reading its chunks, as a save after ``fit`` writes from it."""
         try:
             return checkpoint_hooks.load_checkpoint(
-                self._checkpointing, checkpoint_path, self.lightning_module, self._engine, self.optimizers,
+                self._checkpointing, checkpoint_path, self.lightning_module, self._state_engine, self.optimizers,
                 has_schedulers=bool(self.lr_scheduler_configs),
                 read_file=lambda path: load_passing_weights_only(super(ZeroStrategy, self).load_checkpoint, path, weights_only),
                 weights_only=weights_only,
@@ -440,17 +444,19 @@ class ZeroStrategy(ZeroStepHooks):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._checkpointing.restored_from_directory:
             return  # done in load_checkpoint
-        if self._engine is None:
+        engine = self._state_engine  # after `fit` too: its optimizers step chunks (see `load_checkpoint`)
+        if engine is None:
             return super().load_optimizer_state_dict(checkpoint)
-        self._checkpointing.load_full_optimizer_states(self._engine, self.optimizers, checkpoint["optimizer_states"])
+        self._checkpointing.load_full_optimizer_states(engine, self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._checkpointing.restored_from_directory:
             return  # done in load_checkpoint
-        if self._engine is None:
+        engine = self._state_engine  # after `fit` too (see `load_checkpoint`)
+        if engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        engine.load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @classmethod
     @override

@@ -62,10 +62,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.engine.host_work import HOST_WORK
-
+from lightning_zero.engine.module_hooks import ModuleHooks
 from lightning_zero.engine.parameters.unit import Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -136,7 +135,7 @@ class GatherSchedule:
         self.units = list(units)
         self.root = self.units[0]
         self.prefetch_units = prefetch_units
-        self._handles: list[RemovableHandle] = []
+        self._hooks = ModuleHooks()  # left out of pickles and copies of the modules (module_hooks.py)
         self._forward_order: list[int] = []  # unit indices in the order their forward ran
         self._previous_order: list[int] = []
         # What ends each unit's backward; filled by its forward calls, cleared by each backward's end
@@ -157,11 +156,11 @@ class GatherSchedule:
     def open(self) -> None:
         """Register the units' module hooks (at construction, and again when a module kept sharded
         after ``fit`` is used again; a no-op while they are registered)."""
-        if self._handles:
+        if self._hooks:
             return
         for unit in self.units[1:]:
-            self._handles.append(unit.module.register_forward_pre_hook(self._pre_forward(unit), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(self._post_forward(unit), with_kwargs=True))
+            self._hooks.add_forward_pre(unit.module, self._pre_forward(unit), with_kwargs=True)
+            self._hooks.add_forward(unit.module, self._post_forward(unit), with_kwargs=True)
             HOST_WORK.hook_registrations += 2
 
     # ---- step boundaries -----------------------------------------------------------------------
@@ -315,7 +314,5 @@ class GatherSchedule:
             self.units[later].read_ahead()
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.remove()
 

@@ -13,7 +13,9 @@ cannot both act, so a late rank never enters an all-gather that an early one aba
 agree, one all-gather of that parameter's chunks, in place in one buffer of the full (padded) size,
 gives every reading rank the full value; nothing else is gathered, and the buffer is the caller's
 (dropped after the read unless the result is it). Ranks that read different parameters all fail,
-naming what each read.
+naming what each read. A write at rest agrees the same way, in the same count, posting that it
+writes (``value_to_write``; see [Note: writes at rest] in ``shards/at_rest.py``): a rank writing a
+parameter while another reads it, or writing on some ranks only, fails as a read would.
 
 How long a rank waits for the others is the agreement timeout, not the process group's (torch's
 default is 30 minutes, which Lightning keeps): ranks running the same script reach the same read
@@ -49,6 +51,9 @@ from torch import Tensor
 
 from lightning_zero.engine.comm import collectives, store_agreement
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+READ, WRITE = "read", "written"
+"""How a parameter at rest is used, as messages and the ranks' agreement name it."""
 
 ChunkInMemory = Callable[[ShardedParam], AbstractContextManager]
 """A context in which ``param.shard`` can be read (its bucket read in from disk, where it lives there)."""
@@ -112,41 +117,56 @@ class ReadsAtRest:
         """``p``'s full value (its shape, its dtype, on the compute device), once every rank of the
         group reads it too; raises, naming ``p``, when they do not within the timeout or read another,
         and on a thread that does not train the model."""
-        self._check_thread(p)
+        self._check_thread(p, READ)
         if collectives.world_size(self._group) > 1:
-            self._agree_on(p)
+            self._agree_on(p, READ)
         with torch.no_grad(), self._in_memory(p):
             self._before_read()
             return self._gathered(p)
 
-    def _check_thread(self, p: ShardedParam) -> None:
+    def value_to_write(self, p: ShardedParam, keep_values: bool) -> Tensor:
+        """For a write at rest (see [Note: writes at rest] in ``shards/at_rest.py``), once every rank
+        of the group writes ``p`` too (agreed as a read is): a full tensor of ``p``'s shape and dtype
+        on the compute device, holding its values (gathered, as for a read) with ``keep_values``,
+        else uninitialized (a write over all of it: nothing is gathered)."""
+        self._check_thread(p, WRITE)
+        if collectives.world_size(self._group) > 1:
+            self._agree_on(p, WRITE)
+        if not keep_values:
+            return torch.empty(p.shape, dtype=p.param.dtype, device=self._device)
+        with torch.no_grad(), self._in_memory(p):
+            self._before_read()
+            return self._gathered(p)
+
+    def _check_thread(self, p: ShardedParam, access: str) -> None:
         if threading.current_thread() is self._trainer or torch._C._current_graph_task_id() != -1:
             return  # the training thread, or autograd's thread running its backward (hooks on CUDA)
         raise RuntimeError(
-            f"Parameter {p.name!r} was read at rest (a stage-3 parameter outside its unit's forward and backward)"
+            f"Parameter {p.name!r} was {access} at rest (a stage-3 parameter outside its unit's forward and backward)"
             f" on thread {threading.current_thread().name!r}, which does not train the model (thread"
-            f" {self._trainer.name!r} does). A read at rest gathers the parameter from every rank, and a second"
-            " thread's gathers would interleave with the training thread's collectives in an order that differs"
-            " between ranks. HINT: read on the training thread and hand the values over (e.g. `state ="
-            " {k: v.clone() for k, v in model.state_dict().items()}` there), or read inside"
+            f" {self._trainer.name!r} does). A read or write at rest agrees with every rank and gathers the"
+            " parameter, and a second thread's would interleave with the training thread's collectives in an"
+            " order that differs between ranks. HINT: read on the training thread and hand the values over (e.g."
+            " `state = {k: v.clone() for k, v in model.state_dict().items()}` there), or read inside"
             " `with trainer.strategy.summon_full_params():` entered on every rank's training thread."
         )
 
-    def _agree_on(self, p: ShardedParam) -> None:
+    def _agree_on(self, p: ShardedParam, access: str) -> None:
         read = f"{self._prefix}/{self._count}"
         if self._count >= 2:  # every rank posted the read after it, so decided the one before
             done = f"{self._prefix}/{self._count - 2}"
             decided = [f"{done}/decision"] if self._forgets_decisions else []
             store_agreement.forget_posts([f"{done}/{collectives.rank()}", *decided])
         self._count += 1
-        agreed = store_agreement.post_and_agree(read, p.name, self._group, self.timeout)
+        agreed = store_agreement.post_and_agree(read, f"{access}:{p.name}", self._group, self.timeout)
         ranks = collectives.group_ranks(self._group)
         missing = [r for r, name in zip(ranks, agreed.values) if name is None]
         if missing:
             raise RuntimeError(
-                f"Parameter {p.name!r} was read at rest (a stage-3 parameter outside its unit's forward and"
-                f" backward) on this rank, but ranks {missing} did not read it within {self.timeout}. A read at"
-                " rest gathers the parameter from every rank, so every rank must make the same reads, in the same"
+                f"Parameter {p.name!r} was {access} at rest (a stage-3 parameter outside its unit's forward and"
+                f" backward) on this rank, but ranks {missing} did not {'read' if access == READ else 'write'} it"
+                f" within {self.timeout}. A read or write at rest takes every rank, so every rank must make the"
+                " same reads and writes, in the same"
                 " order (not in `if trainer.is_global_zero:`, nor in a logger that reads parameters on rank 0"
                 " only). HINT: read it on every rank, or gather the model once on every rank with `with"
                 " trainer.strategy.summon_full_params(rank0_only=True):` and read it on rank 0 inside. (Where"
@@ -155,16 +175,16 @@ class ReadsAtRest:
             )
         if not agreed.go:
             raise RuntimeError(
-                f"Parameter {p.name!r} was read at rest, pairing with a read on another rank that had stopped"
-                " waiting for this one: the ranks' reads at rest disagree (a read made on some ranks only)."
-                " HINT: make reads at rest on every rank, or use `summon_full_params()`."
+                f"Parameter {p.name!r} was {access} at rest, pairing with a read or write on another rank that had"
+                " stopped waiting for this one: the ranks' reads and writes at rest disagree (one made on some"
+                " ranks only). HINT: make reads and writes at rest on every rank, or use `summon_full_params()`."
             )
-        if any(name != p.name for name in agreed.values):
-            read_by = ", ".join(f"rank {r}: {name!r}" for r, name in zip(ranks, agreed.values))
+        if any(value != f"{access}:{p.name}" for value in agreed.values):
+            made = ", ".join(f"rank {r}: {_described(value)}" for r, value in zip(ranks, agreed.values))
             raise RuntimeError(
-                f"The ranks read different parameters at rest at the same point ({read_by}): a read at rest"
-                " gathers the parameter from every rank, so every rank must make the same reads in the same"
-                " order. HINT: read them on every rank alike, or use `summon_full_params()`."
+                f"The ranks read or wrote different parameters at rest at the same point ({made}): a read or"
+                " write at rest takes every rank, so every rank must make the same reads and writes in the same"
+                " order. HINT: make them on every rank alike, or use `summon_full_params()`."
             )
 
     def _gathered(self, p: ShardedParam) -> Tensor:
@@ -178,3 +198,9 @@ class ReadsAtRest:
         if n > 1:
             collectives.start_all_gather(out, row, self._group).wait()
         return out[: p.layout.numel].view(p.shape)
+
+
+def _described(posted: str) -> str:
+    """What a rank posted for a read or write at rest (``"<access>:<name>"``), for a message."""
+    access, _, name = posted.partition(":")
+    return f"{name!r} ({access})"

@@ -104,6 +104,7 @@ class ShardedParameters(ParameterResidency):
         """The engine's: wait until the host step during backward has stepped every bucket that
         reached it (``ZeroEngine.wait_for_host_step``), so no read of a master races its step."""
         ParameterAtRest.readers.update({id(p.param): _reader_at_rest(self, p) for p in self.params})
+        ParameterAtRest.writers.update({id(p.param): _WriterAtRest(self, p) for p in self.params})
         self.join = EvaluationJoin(comm.gather_group, device)
 
     @property
@@ -156,6 +157,19 @@ class ShardedParameters(ParameterResidency):
             return nullcontext()
         self.wait_for_host_step()  # `in_memory` sees a step only once its worker has finished it
         return host.in_memory()
+
+    def write_full_value(self, p: ShardedParam, full: Tensor) -> None:
+        """``p``, at rest, takes its chunk of ``full`` (a value of its shape): in the chunk the
+        optimizer steps (the fp32 master where one is kept, on the host when offloaded, read in and
+        written back where it lives on disk) and in the one the all-gather sends. Offloaded, a step
+        the host took during backward ahead of its verdict is finished and undone first, as for a read
+        (``_chunk_in_memory``): the optimizer step then steps the written value, as DDP's steps a
+        parameter written between backward and ``optimizer.step()``."""
+        if self.copies is not None:
+            self.copies.synchronize()  # no copy to the device still reads the host chunks
+        if p.offloaded:
+            self.wait_for_host_step()
+        p.load_full_value(full)
 
     def _before_host_read(self) -> None:
         if self.copies is not None:
@@ -294,6 +308,7 @@ class ShardedParameters(ParameterResidency):
             ParameterAtRest.names.pop(id(p.param), None)
             ParameterAtRest.adopters.pop(id(p.param), None)
             ParameterAtRest.readers.pop(id(p.param), None)
+            ParameterAtRest.writers.pop(id(p.param), None)
 
 
 def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callable[[Tensor], bool]:
@@ -305,9 +320,8 @@ def _adopter_at_rest(residency: ShardedParameters, param: ShardedParam) -> Calla
         residency, param = residency_ref(), param_ref()
         if residency is None or param is None:
             return False
-        if residency.copies is not None:
-            residency.copies.synchronize()  # no copy to the device still reads the host chunks
-        param.adopt_at_rest(value)
+        param.check_adoptable(value)
+        residency.write_full_value(param, value)
         return True
 
     return adopt
@@ -325,3 +339,25 @@ def _reader_at_rest(residency: ShardedParameters, param: ShardedParam) -> Callab
         return residency.reads.full_value(param)
 
     return read
+
+
+class _WriterAtRest:
+    """How a write at rest reaches ``param``'s chunk (``at_rest.Writer``; see [Note: writes at rest]
+    in ``shards/at_rest.py``). Weak references, as ``_adopter_at_rest``'s."""
+
+    def __init__(self, residency: ShardedParameters, param: ShardedParam) -> None:
+        self._residency, self._param = weakref.ref(residency), weakref.ref(param)
+
+    def _held(self) -> tuple[ShardedParameters, ShardedParam]:
+        residency, param = self._residency(), self._param()
+        if residency is None or param is None:
+            raise RuntimeError("The lightning-zero engine that held this parameter is gone; a write would reach nothing.")
+        return residency, param
+
+    def start(self, keep_values: bool) -> Tensor:
+        residency, param = self._held()
+        return residency.reads.value_to_write(param, keep_values)
+
+    def finish(self, full: Tensor) -> None:
+        residency, param = self._held()
+        residency.write_full_value(param, full)

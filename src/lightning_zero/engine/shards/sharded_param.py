@@ -223,10 +223,11 @@ class ShardedParam:
             self.shard.copy_(new.reshape(-1)[start:end].reshape(self.shard.shape))
         self.refresh_device_chunk()
 
-    def adopt_at_rest(self, value: Tensor) -> None:
+    def check_adoptable(self, value: Tensor) -> None:
         """Stage 3, ``param.data = value`` while the parameter is at rest (outside its unit's use,
-        e.g. pretrained weights loaded between steps): ``value`` becomes the parameter's value, this
-        rank keeping its chunk of it, as at stages 1-2; the parameter stays at rest."""
+        e.g. pretrained weights loaded between steps): raises unless ``value`` has the parameter's
+        shape and dtype. It then becomes the parameter's value, this rank keeping its chunk of it
+        (``ShardedParameters.write_full_value``), as at stages 1-2; the parameter stays at rest."""
         dtype = self._placeholder.dtype
         if (value.shape, value.dtype) != (self.shape, dtype):
             raise RuntimeError(
@@ -236,7 +237,6 @@ class ShardedParam:
                 " shape and dtype is adopted (each rank keeps its chunk of it, as under DDP); change"
                 " shapes or dtypes before `trainer.fit` (or in `configure_model`)."
             )
-        self.load_full_value(value)
 
     def check_data_not_assigned(self) -> None:
         """Stages 1-2, right before the all-gather after an optimizer step: ``param.data`` assigned
