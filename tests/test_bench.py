@@ -437,11 +437,11 @@ def _timed(name: str, step_s: float) -> VariantResult:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_step_time_targets_are_judged_on_a_gpu_only(device: str) -> None:
-    """zero2 at 1.30x and zero3 at 1.40x DDP's step: MISSED on a GPU; on the CPU (gloo) the ratios
-    are noted beside the GPU targets, unjudged, and nothing is reported missed."""
+    """zero2 at 1.30x and zero3 at 1.40x DDP's step: MISSED on a GPU; on several CPU ranks (gloo)
+    the ratios are noted beside the GPU targets, unjudged, and nothing is reported missed."""
     from lightning_zero.bench import targets
 
-    options = BenchOptions(**{**TINY, "device": device}, variants=("ddp", "zero2", "zero3"))
+    options = BenchOptions(**{**TINY, "device": device, "devices": 2}, variants=("ddp", "zero2", "zero3"))
     results = [_timed("ddp", 1.0), _timed("zero2", 1.3), _timed("zero3", 1.4)]
     judged, run_notes = targets.judge(results, options)
     by_name = {r.name: r for r in judged}
@@ -459,3 +459,16 @@ def test_step_time_targets_are_judged_on_a_gpu_only(device: str) -> None:
             ), result.notes
     missed = [note for note in run_notes if note.startswith("Ours missing")]
     assert missed == (["Ours missing at least one target: zero2, zero3 (see their notes)."] if device == "cuda" else [])
+
+
+def test_step_time_targets_are_judged_at_one_cpu_rank() -> None:
+    """At one CPU rank nothing is communicated and the step is host work (the launch-bound stand-in
+    for a fast GPU): the targets are judged there."""
+    from lightning_zero.bench import targets
+
+    options = BenchOptions(**{**TINY, "device": "cpu", "devices": 1}, variants=("ddp", "zero2", "zero3"))
+    judged, _ = targets.judge([_timed("ddp", 1.0), _timed("zero2", 1.02), _timed("zero3", 1.4)], options)
+    by_name = {r.name: r for r in judged}
+    assert by_name["zero2"].targets["step_time"] is True and by_name["zero2"].notes == ()
+    assert by_name["zero3"].targets["step_time"] is False
+    assert "MISSED target: step time 1.40x DDP (target ≤ 1.15x)" in by_name["zero3"].notes

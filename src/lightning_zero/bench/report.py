@@ -55,7 +55,8 @@ DEFINITIONS = """\
   as a whole-tensor optimizer's (Muon, Adafactor, LAMB, ...) is. Its floors hold the busiest owner's
   full-shape moments and add the all-to-alls (`theory.owner_exchange_bytes`); no speed target.
 - **missed**: issue 8's targets this variant misses (see the notes); speed targets are ours only.
-  Step time against DDP's (≤ 1.03× / 1.15×) is a GPU target: a CPU run notes the ratio, unjudged.
+  Step time against DDP's (≤ 1.03× / 1.15×) is a GPU target: a CPU run of several ranks notes the
+  ratio, unjudged (gloo); at one CPU rank the step is host work, the GPU's stand-in, and it is judged.
   `zero3_offload_nvme`'s step-time target is issue 28's: ≤ 1.5× `zero3_offload`'s in the same run.
 - **NVMe** (`zero3_offload_nvme`): per step of the worst rank, over the timed steps. read/write GB/s
   are bytes over the seconds the engine's I/O threads spent in `preadv`/`pwritev`, summed over the
