@@ -103,6 +103,11 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The entries of ``a`` and ``b`` that differ, with their largest difference (for the failure's message)."""
+    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in a.keys() & b.keys() if not torch.equal(a[k], b[k])}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_module_saved_and_copied_inside_fit_is_ddps(results: GroupResults, variant: str) -> None:
     for rank, runs in enumerate(results["saved_in_fit"]):
@@ -110,7 +115,7 @@ def test_the_module_saved_and_copied_inside_fit_is_ddps(results: GroupResults, v
         # the file: DDP's weights at that step, bitwise, loaded in this process; a plain module
         assert b"lightning_zero" not in _pickle_of(ours["path"]), f"rank {rank}: the pickle names lightning-zero"
         loaded, expected = torch.load(ours["path"], weights_only=False), torch.load(ddp["path"], weights_only=False)
-        assert _equal(loaded.state_dict(), expected.state_dict()), f"rank {rank}"
+        assert _equal(loaded.state_dict(), expected.state_dict()), f"rank {rank}: {_differences(loaded.state_dict(), expected.state_dict())}"
         assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in loaded.modules()) == 0
         assert {type(p) for p in loaded.parameters()} == {torch.nn.Parameter}
         assert not any("__getstate__" in vars(m) for m in loaded.modules())

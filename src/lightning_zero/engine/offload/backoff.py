@@ -9,13 +9,18 @@ a step taken ahead and kept (and worth it) ends the back-off.
 
 from __future__ import annotations
 
+import os
+
 from lightning_zero.engine.offload.host_step_report import HostStepTiming
 
 MAX_BACKOFF = 64
 """The most steps taken after backward in a row after redone (or costly) steps."""
 BACKOFF_REASON = "a recent step taken during backward was redone (clipping applied, or an edit)"
 COSTLY_REASON = "stepping during backward exposed more than stepping after it would (the verdict's content check)"
-WORTH_JUDGING_S = 0.02
+JUDGED_FROM_ENV = "LIGHTNING_ZERO_JUDGE_HOST_STEPS_FROM_S"
+"""Overrides ``WORTH_JUDGING_S`` (seconds; ``inf``: never judge, so stepping ahead never backs off
+for cost, which makes the modes independent of timing: the test suite sets it)."""
+WORTH_JUDGING_S = float(os.environ.get(JUDGED_FROM_ENV, "0.02"))
 """Host steps shorter than this are never judged by what stepping ahead hid (timings of a few
 milliseconds say more about the machine's load than about the step)."""
 
