@@ -93,6 +93,25 @@ def full_weights(module: L.LightningModule, strategy: Any = None) -> dict[str, t
         return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def named_strategy(name: str) -> Any:
+    """DDP (``"ddp"``) or ours by variant name (``"zero1"`` ... ``"zero3"``, ``"zero2_offload"``,
+    ``"zero3_offload"``: stage 3 offloads its parameters too), with a 60 s timeout, so that a hang
+    becomes an error. Offload keeps AdamW's own kernel on the host (the default), as DDP's."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeroStrategy
+
+    timeout = timedelta(seconds=60)
+    if name == "ddp":
+        return DDPStrategy(timeout=timeout)
+    stage = int(name[len("zero")])
+    if name.endswith("_offload"):
+        return ZeroStrategy(stage=stage, offload_optimizer=True, offload_params=stage == 3, timeout=timeout)
+    return ZeroStrategy(stage=stage, timeout=timeout)
+
+
 def make_trainer(strategy: Any, max_steps: int, callbacks: Optional[list] = None, **kwargs: Any) -> L.Trainer:
     options = dict(
         accelerator="cpu",

@@ -21,26 +21,11 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from lightning_helpers import RegressionModule, make_trainer, regression_data
+from lightning_helpers import RegressionModule, make_trainer, named_strategy, regression_data
 
 VARIANTS = ["zero1", "zero2", "zero3", "zero3_offload"]
 STEPS = 3
 GROUP = CaseGroup(world_size=2, timeout=300)
-
-
-def _strategy(name: str) -> Any:
-    from datetime import timedelta
-
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_zero import ZeroStrategy
-
-    timeout = timedelta(seconds=60)  # a hang becomes an error
-    if name == "ddp":
-        return DDPStrategy(timeout=timeout)
-    if name == "zero3_offload":  # AdamW's own kernel on the host, as DDP's (see test_grad_views.py)
-        return ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, fused_host_step=False, timeout=timeout)
-    return ZeroStrategy(stage=int(name[-1]), timeout=timeout)
 
 
 def _grad_reads(module: torch.nn.Module) -> dict[str, Any]:
@@ -89,7 +74,7 @@ def grads_after_the_step(ctx: RankContext, set_to_none: bool) -> dict[str, Any]:
     for variant in ["ddp", *VARIANTS]:
         L.seed_everything(0, verbose=False)
         module = GradsAfterTheStep(set_to_none)
-        make_trainer(_strategy(variant), STEPS).fit(module, regression_data(64))
+        make_trainer(named_strategy(variant), STEPS).fit(module, regression_data(64))
         results[variant] = {"after_step": module.after_step, "after_zero_grad": module.after_zero_grad}
     return results
 
@@ -150,7 +135,7 @@ def _reads_after_fit(ctx: RankContext, variant: str) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = RegressionModule(optimizer="adamw")
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
-    make_trainer(_strategy(variant), STEPS).fit(module, regression_data(64))
+    make_trainer(named_strategy(variant), STEPS).fit(module, regression_data(64))
     after = {name: p.clone().detach() for name, p in module.named_parameters()}  # one read per parameter
     path = os.path.join(ctx.tmpdir, f"model_{variant}_{ctx.rank}.pt")
     torch.save(module.model, path)  # pickles every parameter: one read each
@@ -295,7 +280,7 @@ def _swa_by_class_name(ctx: RankContext, variant: str) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = RegressionModule(optimizer="sgd_momentum")
     swa = CountingSWA(swa_lrs=1e-2, swa_epoch_start=2, annealing_epochs=1)
-    trainer = make_trainer(_strategy(variant), -1, callbacks=[swa], max_epochs=3, limit_train_batches=3)
+    trainer = make_trainer(named_strategy(variant), -1, callbacks=[swa], max_epochs=3, limit_train_batches=3)
     trainer.fit(module, regression_data(64))
     return {"weights": full_weights(module, trainer.strategy), "calls": (swa.update_calls, swa.transfer_calls)}
 

@@ -17,27 +17,12 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning_helpers import named_strategy
 
 VARIANTS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 STEPS = 4
 SAVED_AFTER_STEP = 2
 GROUP = CaseGroup(world_size=2, timeout=300)
-
-
-def _strategy(name: str) -> Any:
-    from datetime import timedelta
-
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_zero import ZeroStrategy
-
-    timeout = timedelta(seconds=60)  # a hang becomes an error
-    if name == "ddp":
-        return DDPStrategy(timeout=timeout)
-    if name.endswith("_offload"):  # AdamW's own kernel on the host, as DDP's (see test_grad_views.py)
-        stage = int(name[len("zero")])
-        return ZeroStrategy(stage=stage, offload_optimizer=True, offload_params=stage == 3, fused_host_step=False, timeout=timeout)
-    return ZeroStrategy(stage=int(name[-1]), timeout=timeout)
 
 
 def _plainness(module: torch.nn.Module) -> dict[str, Any]:
@@ -79,7 +64,7 @@ def _saved_in_fit(ctx: RankContext, variant: str) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     module = SequentialRegression()
     recorder = WeightRecorder()
-    make_trainer(_strategy(variant), STEPS, callbacks=[SavesTheModule(), recorder]).fit(module, regression_data(64))
+    make_trainer(named_strategy(variant), STEPS, callbacks=[SavesTheModule(), recorder]).fit(module, regression_data(64))
     return {**seen, "path": path, "history": recorder.history}
 
 

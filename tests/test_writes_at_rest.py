@@ -18,25 +18,11 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
+from lightning_helpers import named_strategy
 
 VARIANTS = ["zero3", "zero3_offload"]
 STEPS = 3
 GROUP = CaseGroup(world_size=2, timeout=300)
-
-
-def _strategy(name: str) -> Any:
-    from datetime import timedelta
-
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_zero import ZeroStrategy
-
-    timeout = timedelta(seconds=60)  # a hang becomes an error
-    if name == "ddp":
-        return DDPStrategy(timeout=timeout)
-    if name == "zero3_offload":  # AdamW's own kernel on the host, as DDP's (see test_grad_views.py)
-        return ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, fused_host_step=False, timeout=timeout)
-    return ZeroStrategy(stage=3, timeout=timeout)
 
 
 def _write_everything(module: torch.nn.Module) -> None:
@@ -75,7 +61,7 @@ def _writes_after_fit(ctx: RankContext, variant: str) -> dict[str, Any]:
 
     L.seed_everything(0, verbose=False)
     module = RegressionModule()
-    trainer = make_trainer(_strategy(variant), STEPS)
+    trainer = make_trainer(named_strategy(variant), STEPS)
     trainer.fit(module, regression_data(64))
     strategy = trainer.strategy
     out: dict[str, Any] = {"fitted": full_weights(module, strategy)}
@@ -100,7 +86,7 @@ def _writes_after_fit(ctx: RankContext, variant: str) -> dict[str, Any]:
 
     L.seed_everything(1, verbose=False)
     recorder = WeightRecorder()
-    make_trainer(_strategy(variant), STEPS, callbacks=[_writes_in_fit(), recorder]).fit(module, regression_data(64))
+    make_trainer(named_strategy(variant), STEPS, callbacks=[_writes_in_fit(), recorder]).fit(module, regression_data(64))
     out["second_fit"] = recorder.history
     return out
 
