@@ -289,6 +289,27 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     return _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue))
 
 
+# ---- collectives user code runs on tensors that answer them without communicating ---------------
+ALL_REDUCE_OP = torch.ops.c10d.allreduce_.default
+"""What ``torch.distributed.all_reduce`` dispatches to (a tensor subclass sees it in ``__torch_dispatch__``)."""
+
+
+def dispatched_all_reduce(process_group: Any, reduce_op: Any) -> tuple[int, str]:
+    """The size of the group and the name of the operation ("SUM", "AVG", ...) of an ``ALL_REDUCE_OP``
+    call as ``__torch_dispatch__`` receives it (both arguments are TorchScript objects there)."""
+    size = dist.ProcessGroup.unbox(process_group).size()
+    code = reduce_op.op()
+    return size, next(name for name, value in dist.ReduceOp.RedOpType.__members__.items() if int(value) == code)
+
+
+def finished_work(tensors: list[Tensor]) -> Any:
+    """A completed ``Work`` for a collective answered without communicating, in the form an operator
+    returns it to ``torch.distributed`` (which waits on it, or hands it to the caller)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(tensors)
+    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+
 def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (a collective; just ``[obj]`` without peers)."""
     if world_size(group) == 1:
