@@ -294,12 +294,19 @@ ALL_REDUCE_OP = torch.ops.c10d.allreduce_.default
 """What ``torch.distributed.all_reduce`` dispatches to (a tensor subclass sees it in ``__torch_dispatch__``)."""
 
 
-def dispatched_all_reduce(process_group: Any, reduce_op: Any) -> tuple[int, str]:
-    """The size of the group and the name of the operation ("SUM", "AVG", ...) of an ``ALL_REDUCE_OP``
-    call as ``__torch_dispatch__`` receives it (both arguments are TorchScript objects there)."""
-    size = dist.ProcessGroup.unbox(process_group).size()
-    code = reduce_op.op()
-    return size, next(name for name, value in dist.ReduceOp.RedOpType.__members__.items() if int(value) == code)
+def all_reduce_factor(args: tuple, kwargs: dict, device: torch.device) -> Optional[float]:
+    """What an ``ALL_REDUCE_OP`` call, as ``__torch_dispatch__`` receives it (``args[0]`` its tensors), does
+    to equal copies of a tensor on every rank of its group: multiply them by the factor returned (the
+    group's size for ``SUM``, 1.0 for ``AVG``, ``MAX`` and ``MIN``), or None where the result is no
+    multiple of them (``PRODUCT``). A collective, as the call is: the same operation over the same
+    group, on a probe of two elements (its group and operation arrive as TorchScript objects, which
+    torch releases before 2.7 give no way to read)."""
+    probe = torch.tensor([1.0, 2.0], dtype=torch.float64, device=device)
+    COLLECTIVE_STATS.record("all_reduce", probe)
+    _, work = ALL_REDUCE_OP([probe], *args[1:], **kwargs)
+    work.wait()
+    one, two = probe.tolist()
+    return one if two == 2 * one else None
 
 
 def finished_work(tensors: list[Tensor]) -> Any:

@@ -21,10 +21,11 @@ chunks are of the flattened parameter, which DTensor's ``Shard(0)`` cannot descr
 - ``torch.equal`` compares the chunks and all-reduces the verdict, a collective too;
 - ``torch.distributed.all_reduce`` on gradients (manual optimization written for DDP that syncs
   them itself, as Lightning's GAN tests do): every rank's ``.grad`` is the same full gradient, so
-  the all-reduce of its copies is known without communicating: ``SUM`` multiplies by the group's
-  size, ``AVG``, ``MAX`` and ``MIN`` leave it. That is DDP's result, where every rank holds the
-  same reduced gradient too (exactly for two ranks; beyond, DDP's own sum rounds in its ring's
-  order). Other operations, and a gradient among plain tensors, fail;
+  the all-reduce of its copies multiplies each chunk by a factor: the group's size for ``SUM``, 1
+  for ``AVG``, ``MAX`` and ``MIN`` (the same operation over the same group on a two-element probe
+  tells it). That is DDP's result, where every rank holds the same reduced gradient too (exactly
+  for two ranks; beyond, DDP's own sum rounds in its ring's order). Other operations, and a
+  gradient among plain tensors, fail;
 - anything else (indexing, views, reductions along a dimension, copies to another device) would
   need the whole tensor and fails, naming the parameter and ``summon_full_params(with_grads=True)``.
 
@@ -140,7 +141,7 @@ class ShardedGradient(torch.Tensor):
         if func in _ALIASES:
             return first._alias()
         if func is collectives.ALL_REDUCE_OP:
-            return _all_reduce_copies(args)
+            return _all_reduce_copies(args, kwargs)
         if func is aten.equal.default:
             return _equal(first, args)
         name = func.overloadpacket.__name__
@@ -250,23 +251,19 @@ def _chunk_of(a: Any, like: ShardedGradient, local: Tensor) -> Any:
 
 
 # ---- collectives and comparisons ---------------------------------------------------------------
-_COPIES_REDUCED = ("SUM", "AVG", "MAX", "MIN")
-"""The ``all_reduce`` operations whose result over equal copies is known (see the module's note)."""
-
-
-def _all_reduce_copies(args: tuple) -> tuple[list[Tensor], Any]:
+def _all_reduce_copies(args: tuple, kwargs: dict) -> tuple[list[Tensor], Any]:
     """``torch.distributed.all_reduce`` of gradients, answered from this rank's chunks (see the
     module's note): every rank's ``.grad`` is the same full gradient."""
-    tensors, process_group, reduce_op = args[0], args[1], args[2]
-    ranks, op = collectives.dispatched_all_reduce(process_group, reduce_op)
+    tensors = args[0]
     sharded = [t for t in tensors if isinstance(t, ShardedGradient)]
     if len(sharded) != len(tensors):
         raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with plain tensors"))
-    if op not in _COPIES_REDUCED:
-        raise RuntimeError(unsupported_message(sharded[0]._name, f"all_reduce(op={op})"))
-    if op == "SUM" and ranks != 1:  # N copies of the same gradient; AVG, MAX, MIN leave it as it is
+    factor = collectives.all_reduce_factor(args, kwargs, sharded[0].device)
+    if factor is None:
+        raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with an operation other than sum, avg, max or min"))
+    if factor != 1.0:  # SUM: the group's size times the gradient; AVG, MAX, MIN leave it as it is
         for grad in sharded:
-            grad._local().mul_(ranks)
+            grad._local().mul_(factor)
             if grad._edited is not None:
                 grad._edited()
     return tensors, collectives.finished_work(tensors)
