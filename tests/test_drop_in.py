@@ -237,6 +237,41 @@ def pickled_after_fit(ctx: RankContext) -> dict:
     return sizes
 
 
+# ---- Lightning's Strategy.backward: what a patch of it sees ------------------------------------------
+@GROUP.case
+def backward_through_lightning(ctx: RankContext) -> dict:
+    """Lightning's own tests count backwards through a patch of ``Strategy.backward`` (the SWA
+    tests); the strategy keeps Lightning's and does its part in the precision plugin's hooks. A
+    plugin subclass whose ``post_backward`` skips ours fails on every rank, naming the fix."""
+    from unittest import mock
+
+    import lightning as L
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import Strategy
+    from lightning_helpers import RegressionModule, make_trainer, regression_data
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.lightning import ZeroPrecision
+
+    out: dict[str, Any] = {}
+    for name in ("ddp", *(f"zero{s}" for s in STAGES)):
+        L.seed_everything(0, verbose=False)
+        trainer = make_trainer(_strategy(name), STEPS, accumulate_grad_batches=2)
+        with mock.patch.object(Strategy, "backward", wraps=trainer.strategy.backward) as backward:
+            trainer.fit(RegressionModule(), regression_data())
+        out[name] = backward.call_count
+
+    class SkipsOurs(ZeroPrecision):
+        def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+            return Precision.post_backward(self, tensor, module)
+
+    try:
+        make_trainer(ZeroStrategy(stage=2, precision_plugin=SkipsOurs()), STEPS).fit(RegressionModule(), regression_data())
+    except RuntimeError as err:
+        out["skips_ours"] = str(err)
+    return out
+
+
 # ---- Lightning's checkpoint flows with the default sharded directories -------------------------------
 @GROUP.case
 def checkpoint_flows(ctx: RankContext) -> dict:
@@ -444,6 +479,13 @@ def test_the_trainer_pickles_after_fit(results):
     for sizes in results["pickled_after_fit"]:
         assert sizes.pop("zero3 at rest") is True
         assert all(size > 0 for size in sizes.values())
+
+
+def test_a_patch_of_lightnings_strategy_backward_counts_every_backward_as_under_ddp(results):
+    for counts in results["backward_through_lightning"]:
+        message = counts.pop("skips_ours", "")
+        assert counts == {name: 2 * STEPS for name in ("ddp", "zero1", "zero2", "zero3")}  # two micro-batches a step
+        assert "SkipsOurs.post_backward did not call lightning-zero's" in message and "HINT" in message
 
 
 def test_lightning_checkpoint_flows_work_with_sharded_directories(results):

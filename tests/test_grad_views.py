@@ -54,6 +54,33 @@ class RawClipping(RegressionModule):
         self.seen.append(seen)
 
 
+class ManualSync(RegressionModule):
+    """Manual optimization written for DDP that syncs gradients itself, as Lightning's GAN tests
+    (``test_step_with_optimizer_closure_with_different_frequencies_ddp*``): after the backward an
+    all-reduce of each `.grad.data`, a division by the world size and `torch.equal` with the
+    gradient before. One backward per step: DDP rounds the sum of several backwards in another
+    order than ZeRO (``raw_clipping`` runs two), and this case compares bitwise."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd_momentum")
+        self.automatic_optimization = False
+        self.seen: list[list[bool]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        equal = []
+        for p in self.parameters():
+            before = p.grad.clone()
+            torch.distributed.all_reduce(p.grad.data)
+            p.grad /= self.trainer.world_size
+            equal.append(torch.equal(p.grad, before))
+        opt.step()
+        opt.zero_grad()
+        self.seen.append(equal)
+
+
 class GradientEdits(RegressionModule):
     """Automatic optimization with the gradient edits and logging Lightning users write."""
 
@@ -84,6 +111,11 @@ class GradientEdits(RegressionModule):
 @GROUP.case
 def raw_clipping(ctx: RankContext) -> dict[str, Any]:
     return {variant: _fit_module(variant, RawClipping) for variant in ["ddp", *VARIANTS]}
+
+
+@GROUP.case
+def manual_sync(ctx: RankContext) -> dict[str, Any]:
+    return {variant: _fit_module(variant, ManualSync) for variant in ["ddp", *VARIANTS]}
 
 
 @GROUP.case
@@ -158,6 +190,16 @@ def test_raw_clipping_and_a_nan_check_train_like_ddp(results: Any, variant: str)
         # the clip coefficient differs from DDP's in the last bit at most (the norm is summed in another order)
         assert len(zero["history"]) == len(ddp["history"]) == STEPS + 1
         assert [max_abs_diff(a, b) <= 1e-6 for a, b in zip(zero["history"], ddp["history"])] == [True] * (STEPS + 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_all_reduce_of_the_gradients_gives_ddps_result(results: Any, variant: str) -> None:
+    for per_rank in results["manual_sync"]:
+        ddp, zero = per_rank["ddp"], per_rank[variant]
+        # `torch.equal` after the all-reduce and the division, as under DDP
+        assert zero["seen"] == ddp["seen"] and len(ddp["seen"]) == STEPS and all(e and all(e) for e in ddp["seen"])
+        assert len(zero["history"]) == len(ddp["history"]) == STEPS
+        assert [max_abs_diff(a, b) for a, b in zip(zero["history"], ddp["history"])] == [0.0] * STEPS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,5 +1,8 @@
 """Harness conftest (ours): the fixtures Lightning's tests use, a tmp_path that every rank of a popen
-launch agrees on, and the strategy swap selected by LZ_SWAP (ddp | zero1 | zero2 | zero3)."""
+launch agrees on, the strategy swap selected by LZ_SWAP (ddp | zero1 | zero2 | zero3), and a record of
+each launch of ranks (``launches.jsonl`` in LZ_RUN_DIR: launcher, processes, accelerator, strategy, and
+whether the swap reached it). With LZ_PROBE=1 every test stops at its first launch, once recorded: how
+``derive_ids.py`` finds the tests that start ranks without running them."""
 import json
 import os
 import re
@@ -28,6 +31,13 @@ DDP_NAMES = {"ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_pa
 SWAPPED = []
 
 
+def _reached(strategy) -> bool:
+    """Whether the swap replaces ``strategy`` (a DDP name, or a plain ``DDPStrategy``, not a subclass)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return (isinstance(strategy, str) and strategy in DDP_NAMES) or type(strategy) is DDPStrategy
+
+
 def _swap_strategy(strategy):
     from lightning.pytorch.strategies import DDPStrategy
     from lightning_zero import ZeroStrategy
@@ -45,15 +55,59 @@ def _swap_strategy(strategy):
     return strategy
 
 
-if SWAP != "ddp":
-    _original_init = lightning.pytorch.Trainer.__init__
+_original_init = lightning.pytorch.Trainer.__init__
 
-    def _init(self, *args, **kwargs):
-        if "strategy" in kwargs:
-            kwargs["strategy"] = _swap_strategy(kwargs["strategy"])
-        return _original_init(self, *args, **kwargs)
 
-    lightning.pytorch.Trainer.__init__ = _init
+def _init(self, *args, **kwargs):
+    reached = _reached(kwargs.get("strategy"))
+    if reached and SWAP != "ddp":
+        kwargs["strategy"] = _swap_strategy(kwargs["strategy"])
+    _original_init(self, *args, **kwargs)
+    self._lz_reached = reached  # read by the launch record
+
+
+lightning.pytorch.Trainer.__init__ = _init
+
+
+CURRENT_TEST = {"id": ""}
+"""The running test's id (a test may clear ``os.environ``, and ``PYTEST_CURRENT_TEST`` with it)."""
+
+
+def pytest_runtest_setup(item):
+    CURRENT_TEST["id"] = item.nodeid
+
+
+class ProbeStop(BaseException):
+    """Ends a probed test at its first launch (a BaseException: ``pytest.raises(Exception)`` lets it by)."""
+
+
+def _recorded(launch):
+    def record(self, function, *args, trainer=None, **kwargs):
+        if RUN_DIR is not None and not IS_CHILD:
+            strategy = getattr(self, "_strategy", None) or getattr(trainer, "strategy", None)
+            processes = getattr(self, "num_processes", None) or getattr(strategy, "num_processes", 1)
+            nodes = getattr(self, "num_nodes", None) or getattr(strategy, "num_nodes", 1)
+            entry = {"id": CURRENT_TEST["id"],
+                     "launcher": type(self).__name__, "ranks": processes * nodes,
+                     "accelerator": type(getattr(trainer, "accelerator", None)).__name__,
+                     "strategy": type(strategy).__name__, "reached": getattr(trainer, "_lz_reached", None)}
+            with open(os.path.join(RUN_DIR, "launches.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+            if os.environ.get("LZ_PROBE"):
+                raise ProbeStop(entry)
+        return launch(self, function, *args, trainer=trainer, **kwargs)
+
+    return record
+
+
+def _record_launches():
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    for cls in (_MultiProcessingLauncher, _SubprocessScriptLauncher):
+        cls.launch = _recorded(cls.launch)
+
+
+_record_launches()
 
 
 def pytest_runtest_logreport(report):
@@ -163,6 +217,36 @@ def mps_count_0(monkeypatch):
 @pytest.fixture
 def mps_count_1(monkeypatch):
     mock_mps_count(monkeypatch, 1)
+
+
+def mock_xla_available(monkeypatch, value=True):
+    """Every module that reads ``_XLA_AVAILABLE`` at call time sees ``value``."""
+    import importlib
+
+    for name in ("pytorch.strategies.xla", "pytorch.strategies.single_xla", "pytorch.plugins.precision.xla",
+                 "pytorch.strategies.launchers.xla", "fabric.accelerators.xla", "fabric.plugins.environments.xla",
+                 "fabric.plugins.io.xla", "fabric.strategies.launchers.xla"):
+        monkeypatch.setattr(importlib.import_module(f"lightning.{name}"), "_XLA_AVAILABLE", value)
+
+
+def mock_tpu_available(monkeypatch, value=True):
+    """An XLA device (8 of them) seen as present, with ``torch_xla`` stood in by mocks."""
+    mock_xla_available(monkeypatch, value)
+    for accelerator in (lightning.pytorch.accelerators.xla.XLAAccelerator, lightning.fabric.accelerators.xla.XLAAccelerator):
+        monkeypatch.setattr(accelerator, "is_available", lambda: value)
+        monkeypatch.setattr(accelerator, "auto_device_count", lambda *_: 8)
+    for name in ("torch_xla", "torch_xla.core.xla_model", "torch_xla.experimental"):
+        monkeypatch.setitem(sys.modules, name, Mock())
+
+
+@pytest.fixture
+def xla_available(monkeypatch):
+    mock_xla_available(monkeypatch)
+
+
+@pytest.fixture
+def tpu_available(monkeypatch):
+    mock_tpu_available(monkeypatch)
 
 
 @pytest.fixture

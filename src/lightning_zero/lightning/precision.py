@@ -8,26 +8,52 @@ gradient *shards*. Two decisions there must be global rather than per shard:
 - loss scaling (``16-mixed``) must skip a step when *any* rank's shard overflowed, or the ranks
   diverge: :class:`ZeroGradScaler` all-reduces the found-inf flag.
 
-The strategy swaps Lightning's plugins for these subclasses (see ``ZeroStrategy.precision_plugin``),
+They also run the engine's part of each backward (see [Note: the engine's part of a backward]), and
+the strategy swaps Lightning's plugins for these subclasses (see ``ZeroStrategy.precision_plugin``),
 so users pass ``Trainer(precision=...)`` as usual.
+
+[Note: the engine's part of a backward]
+Lightning's ``Strategy.backward`` runs, in order: the strategy's ``pre_backward``, the plugin's
+``pre_backward`` (which calls ``on_before_backward``), the plugin's ``backward``, the plugin's
+``post_backward`` (which calls ``on_after_backward``), the strategy's ``post_backward``. The engine
+has two things to do around the backward itself, and each has a place in that order:
+
+- ``before_backward``: ``param.grad`` stops showing the last backward's reduced gradients, so that
+  autograd accumulates into what it should. ``on_before_backward`` must still see them (as under
+  DDP, where they are there until ``zero_grad``), so this runs after it: in the plugin's
+  ``pre_backward``, not the strategy's, which runs before it;
+- ``finish_backward`` (the gradients reduced; stage 3 frees the root unit with ``end_step`` when the
+  step has no further backward): ``on_after_backward`` must see the reduced gradients, as under DDP,
+  so this runs before it: in the plugin's ``post_backward``, not the strategy's, which runs after it.
+
+So the strategy keeps Lightning's ``backward`` (what a patch of ``Strategy.backward`` sees, as
+Lightning's own tests patch it to count backwards), and its ``pre_backward``/``post_backward`` have
+nothing to do. Every plugin the strategy trains with is one of these (``check_precision_supported``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
 from lightning_zero.compat.lightning_api import without_weight_cache
+from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.comm.collectives import ProcessGroup
 from lightning_zero.engine.gradients.grad_scaler import ZeroGradScaler
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 
 
+def _engine_of(module: Any) -> Optional[ZeroEngine]:
+    """The engine of the Trainer ``module`` is attached to (None: none, or not a ``ZeroStrategy``'s)."""
+    return getattr(getattr(getattr(module, "_trainer", None), "strategy", None), "engine", None)
+
+
 class _ShardedNormClipping:
-    """Mixin: ``clip_grad_by_norm`` over the global norm of the sharded gradients."""
+    """Mixin: ``clip_grad_by_norm`` over the global norm of the sharded gradients, and the engine's
+    part of each backward (see [Note: the engine's part of a backward])."""
 
     norm_group: ProcessGroup = None
     """The ranks whose shards together make each gradient whole (the strategy sets it: with hybrid
@@ -40,11 +66,32 @@ class _ShardedNormClipping:
         parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
         clip_grads_by_global_norm_(parameters, clip_val, self.norm_device, group=self.norm_group)
 
+    backward_unfinished: bool = False
+    """Between the engine's ``before_backward`` and ``finish_backward``: the strategy's
+    ``post_backward`` checks it (see ``check_backward_finished``)."""
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        tensor = super().pre_backward(tensor, module)  # type: ignore[misc]  # `on_before_backward` still sees `.grad`
+        engine = _engine_of(module)
+        if engine is not None:
+            engine.before_backward()
+            self.backward_unfinished = True
+        return tensor
+
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        engine = _engine_of(module)
+        if engine is not None:  # `on_after_backward` sees the reduced gradients, as under DDP
+            engine.finish_backward()
+            self.backward_unfinished = False
+            if module.automatic_optimization:  # manual optimization: after `training_step` (step_hooks.py)
+                engine.end_step()
+        return super().post_backward(tensor, module)  # type: ignore[misc]
+
     def _clip_gradients(self, model: Any, *args: Any, **kwargs: Any) -> None:
         # Lightning runs this right after `on_before_optimizer_step`, inside the optimizer's closure:
         # gradients assigned to `param.grad` there reach the shards before they are clipped and
         # stepped (see engine/gradients/grad_window.py)
-        engine = getattr(getattr(getattr(model, "_trainer", None), "strategy", None), "engine", None)
+        engine = _engine_of(model)
         if engine is not None:
             engine.gradients.take_assignments()
         super()._clip_gradients(model, *args, **kwargs)  # type: ignore[misc]
@@ -87,6 +134,18 @@ def to_zero_precision(plugin: Precision) -> Precision:
         converted.precision = plugin.precision
         return converted
     return plugin
+
+
+def check_backward_finished(plugin: Precision) -> None:
+    """After a backward (the strategy's ``post_backward``): raise where a subclass of ours overrode
+    ``post_backward`` without calling ours, which would leave the gradients unreduced."""
+    if getattr(plugin, "backward_unfinished", False):
+        plugin.backward_unfinished = False  # type: ignore[attr-defined]
+        raise RuntimeError(
+            f"{type(plugin).__name__}.post_backward did not call lightning-zero's, so this backward's gradients"
+            " were never reduced across ranks. HINT: call `super().post_backward(tensor, module)` in it (and"
+            " `super().pre_backward(tensor, module)` in `pre_backward`)."
+        )
 
 
 def check_precision_supported(plugin: Precision) -> None:

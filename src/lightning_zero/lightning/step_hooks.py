@@ -2,7 +2,8 @@
 evaluation and optimizer step, which tell the engine where its steps begin and end:
 
 - ``training_step``: rank 0's buffers broadcast (as DDP does), then the engine's step begins;
-- ``backward``: the gradients are reduced before ``on_after_backward`` sees them;
+- ``backward`` is Lightning's: the precision plugin reduces the gradients before ``on_after_backward``
+  sees them (see [Note: the engine's part of a backward] in ``precision.py``);
 - ``block_backward_sync``: micro-batches accumulate without reducing;
 - ``optimizer_step``: after the step, the updated shards are all-gathered into the parameters;
 - the validation, test and predict steps: inside the engine's evaluation steps.
@@ -27,6 +28,7 @@ from typing_extensions import override
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.lightning.checkpointing import unwrap_optimizer
+from lightning_zero.lightning.precision import check_backward_finished
 
 
 class ZeroStepHooks(DDPStrategy):
@@ -86,27 +88,14 @@ class ZeroStepHooks(DDPStrategy):
             engine.sync_gradients = True
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """As Lightning's, but the gradients are reduced before ``on_after_backward`` runs (in the
-        precision plugin's ``post_backward``), so that hook sees them whole, as under DDP."""
-        engine, module = self._engine, self.lightning_module
-        if engine is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # `on_before_backward` still sees `.grad`
-        engine.before_backward()
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        engine.finish_backward()
-        if module.automatic_optimization:
-            engine.end_step()
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # no DDP reducer to prepare
+        pass  # no DDP reducer to prepare; the engine's part runs in the precision plugin's `pre_backward`
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        pass  # the engine finished the backward before `on_after_backward` (see `backward`)
+        # the precision plugin finished the backward before `on_after_backward`, unless a subclass
+        # of it skipped ours
+        check_backward_finished(self.precision_plugin)
 
     @override
     def optimizer_step(

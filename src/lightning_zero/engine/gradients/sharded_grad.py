@@ -18,6 +18,14 @@ chunks are of the flattened parameter, which DTensor's ``Shard(0)`` cannot descr
   ``count_nonzero``, vector norms, ``_foreach_norm``) reduce the chunks and all-reduce the partial
   results, so they give DDP's answer on every rank. They are collectives: every rank must run
   them, as every rank runs ``clip_grad_norm_``;
+- ``torch.equal`` compares the chunks and all-reduces the verdict, a collective too;
+- ``torch.distributed.all_reduce`` on gradients (manual optimization written for DDP that syncs
+  them itself, as Lightning's GAN tests do): every rank's ``.grad`` is the same full gradient, so
+  the all-reduce of its copies multiplies each chunk by a factor: the group's size for ``SUM``, 1
+  for ``AVG``, ``MAX`` and ``MIN`` (the same operation over the same group on a two-element probe
+  tells it). That is DDP's result, where every rank holds the same reduced gradient too (exactly
+  for two ranks; beyond, DDP's own sum rounds in its ring's order). Other operations, and a
+  gradient among plain tensors, fail;
 - anything else (indexing, views, reductions along a dimension, copies to another device) would
   need the whole tensor and fails, naming the parameter and ``summon_full_params(with_grads=True)``.
 
@@ -132,6 +140,10 @@ class ShardedGradient(torch.Tensor):
             return _accumulate_in_backward(func, first, args)
         if func in _ALIASES:
             return first._alias()
+        if func is collectives.ALL_REDUCE_OP:
+            return _all_reduce_copies(args, kwargs)
+        if func is aten.equal.default:
+            return _equal(first, args)
         name = func.overloadpacket.__name__
         if name.startswith("_foreach_"):
             return _foreach(func, name[len("_foreach_"):], args, kwargs)
@@ -169,7 +181,8 @@ def unsupported_message(name: str, operation: str) -> str:
         f"`{operation}` on the gradient of parameter {name!r}: lightning-zero holds only this rank's chunk"
         " of it (ZeRO shards gradients), and this operation needs the whole tensor. Element-wise operations"
         " (in place or not, also with full-size tensors such as masks) and whole-tensor reductions (sum, mean,"
-        " max, min, all, any, count_nonzero, norms) give DDP's answers; the reductions communicate, so run"
+        " max, min, all, any, count_nonzero, norms), `torch.equal` and `torch.distributed.all_reduce` (sum, avg, max,"
+        " min) give DDP's answers; the reductions communicate, so run"
         " them on every rank. HINT: for anything else, read the full gradients inside"
         " `with trainer.strategy.summon_full_params(with_grads=True):` (entered on every rank)."
     )
@@ -235,6 +248,39 @@ def _chunk_of(a: Any, like: ShardedGradient, local: Tensor) -> Any:
     if isinstance(a, torch.device):
         return local.device
     return a
+
+
+# ---- collectives and comparisons ---------------------------------------------------------------
+def _all_reduce_copies(args: tuple, kwargs: dict) -> tuple[list[Tensor], Any]:
+    """``torch.distributed.all_reduce`` of gradients, answered from this rank's chunks (see the
+    module's note): every rank's ``.grad`` is the same full gradient."""
+    tensors = args[0]
+    sharded = [t for t in tensors if isinstance(t, ShardedGradient)]
+    if len(sharded) != len(tensors):
+        raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with plain tensors"))
+    factor = collectives.all_reduce_factor(args, kwargs, sharded[0].device)
+    if factor is None:
+        raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with an operation other than sum, avg, max or min"))
+    if factor != 1.0:  # SUM: the group's size times the gradient; AVG, MAX, MIN leave it as it is
+        for grad in sharded:
+            grad._local().mul_(factor)
+            if grad._edited is not None:
+                grad._edited()
+    return tensors, collectives.finished_work(tensors)
+
+
+def _equal(first: ShardedGradient, args: tuple) -> bool:
+    """``torch.equal`` with a gradient: the same verdict on every rank (a collective)."""
+    a, b = args[0], args[1]
+    for other in (a, b):
+        if isinstance(other, ShardedGradient) and (other._range != first._range or other._group is not first._group):
+            raise RuntimeError(unsupported_message(first._name, f"equal with the gradient of {other._name!r}"))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False  # every rank sees the same shapes and dtypes
+    local = first._local()
+    same = torch.equal(_chunk_of(a, first, local), _chunk_of(b, first, local))
+    verdict = torch.tensor([int(same)], device=first.device)
+    return bool(collectives.all_reduce(verdict, first._group, op="min").item())
 
 
 # ---- reductions --------------------------------------------------------------------------------
