@@ -102,6 +102,10 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
         LOCAL_WORLD_SIZE=str(world_size),
+        # one intra-op thread, as set below, for the offloaded host step too (which reads this): a
+        # value an earlier test's in-process Trainer left in the parent (Lightning sets it where unset)
+        # would give ours another thread count than DDP's run in the same rank, and 1-ulp differences
+        OMP_NUM_THREADS="1",
     )
     try:
         import rank_imports  # noqa: F401 - imported already, unless the server could not import it
