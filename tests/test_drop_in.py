@@ -1,7 +1,7 @@
 """Things DDP allows that Lightning code does, at every stage, compared with DDP doing the same:
 ``param.data = new_tensor`` during training (kept, as under DDP; a new shape fails naming both), a
-parameter stepped by two optimizers, a distributed optimizer refused at setup, and a Trainer that
-pickles after ``fit``."""
+parameter stepped by two optimizers, a distributed optimizer refused at setup, a Trainer that
+pickles after ``fit``, and a patch of Lightning's ``Strategy.backward`` that counts every backward."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def pytest_runtest_logreport(report):
     outcome = "skipped" if report.skipped else report.outcome
     with open(os.path.join(RUN_DIR, name), "a") as f:
         f.write(json.dumps({"id": report.nodeid, "outcome": outcome, "swapped": list(SWAPPED),
-                            "error": (report.longreprtext[-3000:] if report.failed else "")}) + "\n")
+                            "error": ("" if report.passed or report.skipped else report.longreprtext[-3000:])}) + "\n")
     SWAPPED.clear()
 
 
