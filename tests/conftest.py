@@ -47,6 +47,8 @@ LONGEST_FIRST = (
     "test_start_methods.py",
     "test_example_gpt.py",
     "test_bench.py",
+    "test_lightning_suite.py",  # Lightning's own tests in a process of their own: ~30 s, started early
+    "test_preemption.py",
     "test_drop_in.py",
     "test_after_fit.py",
     "test_reliability.py",
