@@ -289,34 +289,6 @@ def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     return _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue))
 
 
-# ---- collectives user code runs on tensors that answer them without communicating ---------------
-ALL_REDUCE_OP = torch.ops.c10d.allreduce_.default
-"""What ``torch.distributed.all_reduce`` dispatches to (a tensor subclass sees it in ``__torch_dispatch__``)."""
-
-
-def all_reduce_factor(args: tuple, kwargs: dict, device: torch.device) -> Optional[float]:
-    """What an ``ALL_REDUCE_OP`` call, as ``__torch_dispatch__`` receives it (``args[0]`` its tensors), does
-    to equal copies of a tensor on every rank of its group: multiply them by the factor returned (the
-    group's size for ``SUM``, 1.0 for ``AVG``, ``MAX`` and ``MIN``), or None where the result is no
-    multiple of them (``PRODUCT``). A collective, as the call is: the same operation over the same
-    group, on a probe of two elements (its group and operation arrive as TorchScript objects, which
-    torch releases before 2.7 give no way to read)."""
-    probe = torch.tensor([1.0, 2.0], dtype=torch.float64, device=device)
-    COLLECTIVE_STATS.record("all_reduce", probe)
-    _, work = ALL_REDUCE_OP([probe], *args[1:], **kwargs)
-    work.wait()
-    one, two = probe.tolist()
-    return one if two == 2 * one else None
-
-
-def finished_work(tensors: list[Tensor]) -> Any:
-    """A completed ``Work`` for a collective answered without communicating, in the form an operator
-    returns it to ``torch.distributed`` (which waits on it, or hands it to the caller)."""
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(tensors)
-    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
-
-
 def gather_objects(obj: Any, group: ProcessGroup = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order (a collective; just ``[obj]`` without peers)."""
     if world_size(group) == 1:

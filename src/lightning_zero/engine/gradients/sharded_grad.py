@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import answered_collectives, collectives
 
 aten = torch.ops.aten
 
@@ -140,7 +140,7 @@ class ShardedGradient(torch.Tensor):
             return _accumulate_in_backward(func, first, args)
         if func in _ALIASES:
             return first._alias()
-        if func is collectives.ALL_REDUCE_OP:
+        if func is answered_collectives.ALL_REDUCE_OP:
             return _all_reduce_copies(args, kwargs)
         if func is aten.equal.default:
             return _equal(first, args)
@@ -258,7 +258,7 @@ def _all_reduce_copies(args: tuple, kwargs: dict) -> tuple[list[Tensor], Any]:
     sharded = [t for t in tensors if isinstance(t, ShardedGradient)]
     if len(sharded) != len(tensors):
         raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with plain tensors"))
-    factor = collectives.all_reduce_factor(args, kwargs, sharded[0].device)
+    factor = answered_collectives.all_reduce_factor(args, kwargs, sharded[0].device)
     if factor is None:
         raise RuntimeError(unsupported_message(sharded[0]._name, "all_reduce with an operation other than sum, avg, max or min"))
     if factor != 1.0:  # SUM: the group's size times the gradient; AVG, MAX, MIN leave it as it is
@@ -266,7 +266,7 @@ def _all_reduce_copies(args: tuple, kwargs: dict) -> tuple[list[Tensor], Any]:
             grad._local().mul_(factor)
             if grad._edited is not None:
                 grad._edited()
-    return tensors, collectives.finished_work(tensors)
+    return tensors, answered_collectives.finished_work(tensors)
 
 
 def _equal(first: ShardedGradient, args: tuple) -> bool:
