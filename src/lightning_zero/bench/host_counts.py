@@ -16,6 +16,7 @@ run does the same work after warm-up, so one counted step stands for all.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -24,8 +25,9 @@ from lightning_zero.bench.python_calls import count_python_calls
 from lightning_zero.bench.wrappers import Wrapped
 from lightning_zero.engine.host_work import HOST_WORK
 
-TOP_FUNCTIONS = 25
-"""How many of the most called functions the JSON keeps per rank (to see where the calls go)."""
+TOP_FUNCTIONS = int(os.environ.get("LIGHTNING_ZERO_BENCH_TOP_FUNCTIONS", "25"))
+"""How many of the most called functions the JSON keeps per rank (to see where the calls go; the
+environment variable keeps more, to read a variant's whole host work)."""
 
 
 @dataclass(frozen=True)
