@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import module_link
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
-from lightning_zero.engine.comm.stop_vote import StopVote
+from lightning_zero.engine.comm.stop_vote import StopReason, StopVote
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.full_weights import FullWeights
 from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
@@ -280,6 +280,8 @@ class ZeroEngine:
         self.residency.adopt_assigned_data()  # `param.data = ...` in this step, before the optimizer steps
         self._unstepped_gradients = True
         self._read_from_device()  # the backward's one host sync: see [Note: deferred verdicts]
+        if StopReason.LATE_GRADIENT in self.stop_vote.agreed:
+            self.grad_sync.late_gradients_agreed()  # raises on every rank: see [Note: readiness per unit]
         if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
             # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
             self.gradients.open(reduced=self.sync_gradients)

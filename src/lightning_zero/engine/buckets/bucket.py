@@ -103,6 +103,10 @@ class Bucket:
         """F: the columns after the gradient chunks in a reduce-scatter: used flags, then stop votes."""
         self.state = ReductionState.COLLECTING
         self._ready: set[int] = set()
+        self._every_param = frozenset(id(p) for p in self.params)
+        self.ready = False
+        """Every parameter's gradient for this backward has been accumulated (or will contribute
+        zeros): a plain attribute, read per bucket where gradients arrive."""
         self.gathered: Optional[GatheredStorage] = None
         """Stage 3: the parameters' full values, gathered into and freed (see [Note: stage-3 storage]
         in ``gathered_storage.py``)."""
@@ -144,16 +148,25 @@ class Bucket:
                 " parameter may not receive gradients from two separate `backward()` calls between"
                 " optimizer synchronisations (use one backward over the summed losses)."
             )
-        ready, size = self._ready, len(self.params)
-        if len(ready) == size:
+        if self.ready:
             return False
-        ready.add(id(param))
-        return len(ready) == size
+        self._ready.add(id(param))
+        self.ready = len(self._ready) == len(self.params)
+        return self.ready
+
+    def mark_all_ready(self) -> bool:
+        """Stage 3, a unit's backward over (see [Note: readiness per unit] in ``unit_readiness.py``):
+        every parameter's gradient is in, or will contribute zeros; True if that made it ready."""
+        if self.ready:
+            return False
+        self._ready.update(self._every_param)
+        self.ready = True
+        return True
 
     @property
     def is_ready(self) -> bool:
         """Every parameter's gradient for this backward has been accumulated."""
-        return len(self._ready) == len(self.params)
+        return self.ready
 
     def start_gradient_reduction(
         self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH, stream: Optional[ReduceStream] = None, bounded: bool = False
@@ -242,6 +255,7 @@ class Bucket:
             pieces = torch.split_with_sizes(received, [*self._row_sizes, self.flag_count])
             accumulate_grads(self.params, [pieces[2 * i] if used_anywhere[i] > 0 else None for i in range(len(self.params))])
         self._ready.clear()
+        self.ready = False
         self.state = ReductionState.COLLECTING
 
     # ---- parameters ------------------------------------------------------------------------

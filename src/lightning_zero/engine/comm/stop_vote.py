@@ -33,6 +33,9 @@ class StopReason(enum.IntEnum):
     """Stop after the step (e.g. SIGTERM: the job is ending)."""
     REQUEUE = 1
     """Stop after the step, and have the job requeued (e.g. SLURM's requeue signal)."""
+    LATE_GRADIENT = 2
+    """Not a user's request: a gradient came after its bucket was reduced (see [Note: readiness per
+    unit] in ``unit_readiness.py``); every rank raises the same error at once, before any steps."""
 
 
 class StopVote:
@@ -52,6 +55,11 @@ class StopVote:
     def ballot(self) -> tuple[bool, ...]:
         """This rank's flags now, one per reason, for the next reduction to carry."""
         return tuple(self._requested)
+
+    def withdraw(self, reason: StopReason) -> None:
+        """Drop ``reason`` from this rank's flags and from what was agreed (it has been acted on)."""
+        self._requested[reason] = False
+        self._agreed.discard(reason)
 
     def count(self, sums: Sequence[float]) -> None:
         """A reduction's summed flags (any positive scale): keep the reasons some rank voted for."""

@@ -41,17 +41,18 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from typing import Collection, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Collection, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lightning_zero.engine.buckets.bucket import Bucket, PendingGradientReduction, hand_out_gradients
+from lightning_zero.engine.buckets.bucket import Bucket, PendingGradientReduction, ReductionState, hand_out_gradients
 from lightning_zero.engine.buckets.pipelining import finish_pipelined
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
-from lightning_zero.engine.comm.stop_vote import StopVote
+from lightning_zero.engine.comm.stop_vote import StopReason, StopVote
+from lightning_zero.engine.gradients.unit_readiness import UnitReadiness
 from lightning_zero.engine.gradients.unreached import UnreachedParameters
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -63,11 +64,18 @@ enough to overlap one with the next one's copy-in."""
 
 class GradientListener(Protocol):
     """What hears of each parameter's accumulated gradient in backward (stage 3's gather schedule,
-    for units whose inputs need no gradient: their last parameter gradient ends their backward)."""
+    for units whose inputs need no gradient: their last parameter gradient ends their backward), and
+    tells of each unit's end of backward (see [Note: readiness per unit] in ``unit_readiness.py``)."""
 
     awaiting: Collection
     """Not empty while some unit waits on its parameters' gradients: only then is it called (an
     attribute, so the usual backward, where none waits, makes no call per parameter for it)."""
+
+    root_unit: int
+    """The index of the unit whose buckets no unit end launches (the root's: gathered for the step)."""
+
+    unit_backward_ended: Optional[Callable[[int], None]]
+    """Set by the gradient sync: called with a unit's index once its backward is over."""
 
     def grad_accumulated(self, param: ShardedParam) -> None: ...
 
@@ -122,6 +130,9 @@ class GradientSync(abc.ABC):
         reduce stream]); 0 where work is synchronous or gradients are reduced after backward."""
         return 0
 
+    def late_gradients_agreed(self) -> None:
+        """The ranks agreed a gradient came late (stage 3 only, see [Note: readiness per unit])."""
+
     def open(self) -> None:
         """Register what ``close`` removed (nothing to register by default)."""
 
@@ -167,7 +178,9 @@ class ReduceDuringBackward(GradientSync):
 
     This class registers the one post-accumulate-grad hook per parameter; ``listener`` (stage 3's
     gather schedule) hears of the parameter from it before the bucket is told, while its
-    ``awaiting`` is not empty.
+    ``awaiting`` is not empty. At stage 3 the listener also tells of each unit's end of backward,
+    and once those are found to mark the buckets ready as exactly, they do and the hooks go (see
+    [Note: readiness per unit] in ``unit_readiness.py``).
     """
 
     def __init__(
@@ -195,6 +208,10 @@ class ReduceDuringBackward(GradientSync):
         self._marking = 0  # backwards ended: a check left by an earlier one does nothing
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
+        self._per_unit: Optional[UnitReadiness] = None
+        if listener is not None and self.buckets:
+            self._per_unit = UnitReadiness(self.buckets, listener.root_unit)
+            listener.unit_backward_ended = self._unit_backward_ended
         self.open()
 
     @property
@@ -207,11 +224,19 @@ class ReduceDuringBackward(GradientSync):
 
     def open(self) -> None:
         """Register the hooks (at construction, and again when a module kept sharded after ``fit``
-        trains again; a no-op while they are registered)."""
+        trains again, or a late gradient was found; a no-op while they are registered). Stage 3 then
+        learns again whether the unit ends can replace them (see [Note: readiness per unit])."""
         if not self._handles:
             self._handles = [
                 p.param.register_post_accumulate_grad_hook(self._hook_for(p)) for bucket in self.buckets for p in bucket.params
             ]
+            if self._per_unit is not None:
+                self._per_unit.forget()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def _hook_for(self, param: ShardedParam):
         # runs once per parameter per backward: what it does for a parameter that does not complete
@@ -234,6 +259,28 @@ class ReduceDuringBackward(GradientSync):
                 self._note_waiting()
 
         return on_grad_accumulated
+
+    def _unit_backward_ended(self, unit: int) -> None:
+        """Stage 3: unit ``unit``'s backward is over. Trusted, its buckets are ready now (see [Note:
+        readiness per unit] in ``unit_readiness.py``); learning, only noted."""
+        per_unit = self._per_unit
+        assert per_unit is not None
+        if not per_unit.trusted:
+            per_unit.note_end(unit)
+            return
+        task = torch._C._current_graph_task_id()
+        became_ready = False
+        if task != self._unreached.task:  # this backward's first unit end (or a nested backward's)
+            became_ready = self._mark_ready(self._unreached.seen_task(task, per_unit.reached_param(unit)))
+        for bucket in per_unit.buckets_of(unit):
+            if bucket.state is ReductionState.COLLECTING:
+                became_ready = bucket.mark_all_ready() or became_ready
+        if became_ready or self._found_no_room:
+            self._launch_ready_buckets()
+        elif self.finish_early and self._unfinished:
+            self._finish_done()
+        if became_ready:
+            self._note_waiting()
 
     def _mark_ready(self, unreached: Sequence[ShardedParam]) -> bool:
         """Parameters this backward will not reach are ready now (see [Note: unreached parameters]
@@ -286,11 +333,14 @@ class ReduceDuringBackward(GradientSync):
 
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
-        (after backward): every bucket left, waiting for room."""
+        (after backward): every bucket left, waiting for room. Trusting the unit ends, the last
+        bucket is left for the flush (it carries the late-gradient vote, see [Note: readiness per
+        unit])."""
         self._found_no_room = False
-        while self._next_to_launch < len(self.buckets):
+        last = len(self.buckets) - (0 if flush or self._per_unit is None or not self._per_unit.trusted else 1)
+        while self._next_to_launch < last:
             bucket = self.buckets[self._next_to_launch]
-            if not (flush or bucket.is_ready):
+            if not (flush or bucket.ready):
                 return
             if not self._make_room(wait=flush or not self._waits_block_host):
                 self._found_no_room = True  # polled again at the next gradient hook
@@ -310,8 +360,8 @@ class ReduceDuringBackward(GradientSync):
 
     def _note_waiting(self) -> None:
         """Raise this backward's peak to the full gradients that ready buckets not yet launched hold now."""
-        later = range(self._next_to_launch, len(self.buckets))
-        waiting = sum(self._full_bytes[i] for i in later if self.buckets[i].is_ready)
+        buckets, full_bytes = self.buckets, self._full_bytes
+        waiting = sum([full_bytes[i] for i in range(self._next_to_launch, len(buckets)) if buckets[i].ready])
         self._waiting_peak = max(self._waiting_peak, waiting)
 
     def _make_room(self, wait: bool) -> bool:
@@ -328,6 +378,7 @@ class ReduceDuringBackward(GradientSync):
         self._unreached.backward_ended()
         self._marking += 1
         self._stop_checking()
+        self._settle_unit_readiness()
         self._launch_ready_buckets(flush=True)
         while self._unfinished:
             self._unfinished.popleft().finish()
@@ -336,10 +387,41 @@ class ReduceDuringBackward(GradientSync):
         self._next_to_launch = 0
         self._last_waiting_peak, self._waiting_peak = self._waiting_peak, 0
 
+    def _settle_unit_readiness(self) -> None:
+        """Stage 3, at the flush: learning, whether the unit ends are trusted from the next backward
+        on (the hooks then go); trusted, whether a gradient came after its bucket's launch, which
+        the flushed buckets carry as every rank's vote (see [Note: readiness per unit])."""
+        per_unit = self._per_unit
+        if per_unit is None:
+            return
+        if per_unit.trusted:
+            if per_unit.find_late(self._next_to_launch) and self.votes is not None:
+                self.votes.request(StopReason.LATE_GRADIENT)
+        elif self._handles and per_unit.learn(self._next_to_launch):
+            self._remove_hooks()
+
+    def late_gradients_agreed(self) -> None:
+        """Every rank learned that some rank found a gradient after its bucket's launch (see [Note:
+        readiness per unit]): raise the same error everywhere, and learn again from the next backward."""
+        assert self.votes is not None
+        self.votes.withdraw(StopReason.LATE_GRADIENT)
+        late = self._per_unit.late if self._per_unit is not None else []
+        if self._per_unit is not None:
+            self._per_unit.late = []
+        self.open()
+        here = f"on this rank: {late[:5]}{' ...' if len(late) > 5 else ''}" if late else "on another rank"
+        raise RuntimeError(
+            "A gradient reached a ZeRO-3 parameter after its bucket had been reduce-scattered in this backward"
+            f" ({here}). lightning-zero reduces a unit's gradients when the unit's backward ends; a parameter that"
+            " some module uses before its unit in the forward (a weight read by an earlier module) gets its"
+            " gradient later, and past backwards did not show such a use. This step's gradients are incomplete, so"
+            " no rank steps with them. The engine counts gradients per parameter again from the next backward."
+            " HINT: give such a parameter to a unit that covers both uses (`unit_classes`, or leave it to the root"
+            " unit), or keep the use the same in every step."
+        )
+
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._remove_hooks()
         self._stop_checking()
 
 

@@ -50,7 +50,7 @@ exact (``ReduceDuringBackward._reached_after_all``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -72,10 +72,14 @@ class UnreachedParameters:
         self._nested = False  # this backward's hooks ran in more than one graph task
         self._trusted = False  # the last backward's did not (and there was one)
 
-    def seen_task(self, task: int, hooked: ShardedParam) -> list[ShardedParam]:
+    def seen_task(self, task: int, hooked: Optional[ShardedParam]) -> list[ShardedParam]:
         """A gradient hook (of ``hooked``) ran in graph ``task``, not ``self.task``: at a backward's
         first hook, the parameters that backward will not reach (none where nesting was seen);
-        later, a nested one."""
+        later, a nested one. ``hooked`` may also be a parameter whose gradient this backward
+        accumulated before a unit's end (see [Note: readiness per unit] in ``unit_readiness.py``):
+        where its node is not in the backward running that end, a nested backward accumulated it
+        (reentrant checkpointing), and nothing is marked. None (no gradient came yet): nothing is
+        marked, and nothing learned."""
         if self.task != -1:
             self._nested = True
             return []
@@ -83,8 +87,15 @@ class UnreachedParameters:
         if not self._trusted:
             return []
         will_run = torch._C._will_engine_execute_node
-        if self._swaps_seen != data_swaps() or not will_run(self._nodes[self._position[id(hooked)]]):
-            return self._take_nodes_again()
+        if hooked is None:
+            return []
+        position = self._position[id(hooked)]
+        if self._swaps_seen != data_swaps() or not will_run(self._nodes[position]):
+            unreached = self._take_nodes_again()
+            if not will_run(self._nodes[position]):  # its gradient came from a backward nested in this one
+                self._nested = True
+                return []
+            return unreached
         return [p for p, node in zip(self._params, self._nodes) if not will_run(node)]
 
     def _take_nodes_again(self) -> list[ShardedParam]:

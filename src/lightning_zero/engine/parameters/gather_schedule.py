@@ -151,6 +151,10 @@ class GatherSchedule:
         self._unit_of: dict[int, Unit] = {id(p): unit for unit in self.units[1:] for p in unit.params}
         self._ref = weakref.ref(self)
         self._inputs_with_grad: list[bool] = []  # per unit call in progress (nested calls stack)
+        self.root_unit = self.root.index  # the gradient sync's GradientListener
+        self.unit_backward_ended: Optional[Callable[[int], None]] = None
+        """Set by the gradient sync: told of each unit's end of backward (see [Note: readiness per
+        unit] in ``gradients/unit_readiness.py``)."""
         self.open()
 
     def open(self) -> None:
@@ -259,6 +263,8 @@ class GatherSchedule:
         remaining = self._backward_calls_pending.get(unit.index, 1) - 1
         self._backward_calls_pending[unit.index] = remaining
         if remaining <= 0 and not self._grads_pending.get(unit.index):
+            if self.unit_backward_ended is not None:
+                self.unit_backward_ended(unit.index)  # its gradients are in: its buckets may launch
             unit.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
