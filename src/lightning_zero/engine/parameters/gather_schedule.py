@@ -15,7 +15,11 @@ its parameters may be used anywhere in the step):
   again (see [Note: backward gather order]);
 - if no input of U needs a gradient, U's backward ends with the last of its trainable parameters'
   gradient accumulation, which then frees it (``grad_accumulated``, called from the one
-  post-accumulate-grad hook per parameter that the gradient sync registers);
+  post-accumulate-grad hook per parameter that the gradient sync registers while it learns; once
+  it trusts the unit ends, those hooks are gone and such a unit is freed when backward ends, see
+  [Note: readiness per unit] in ``gradients/unit_readiness.py``);
+- the end of U's backward is also told to the gradient sync (``unit_backward_ended``): U's
+  gradient buckets may be reduced from then on;
 - anything still gathered when backward ends is freed there.
 
 With ``offload_params="nvme"`` each gather's chunks are read from disk first: the unit after those
@@ -76,14 +80,19 @@ class _UnitBoundary(torch.autograd.Function):
     once their gradients are computed: the call's backward is over). The schedule is held weakly."""
 
     @staticmethod
-    def forward(ctx: Any, ref: "weakref.ref[GatherSchedule]", index: int, on_backward: Callable, *tensors: torch.Tensor) -> Any:
-        ctx.ref, ctx.index, ctx.on_backward = ref, index, on_backward
+    def forward(ctx: Any, target: "_Target", *tensors: torch.Tensor) -> Any:
+        ctx.target = target
         return _aliases(ctx, tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        _call(ctx.ref, ctx.on_backward, ctx.index)
-        return (None, None, None, *grads)
+        _call(*ctx.target)
+        return (None, *grads)
+
+
+_Target = tuple
+"""``(weakref to the schedule, method, unit index)``: what a boundary's backward calls, one tuple per
+unit and method, made once (``Function.apply`` costs a Python call per argument it is given)."""
 
 
 def _aliases(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
@@ -106,15 +115,15 @@ def _call(ref: "weakref.ref[GatherSchedule]", method: Callable[["GatherSchedule"
 _LEAVES = (torch.Tensor, int, float, bool, str)
 
 
-def _through(on_backward: Callable, ref: Any, index: int, tree: Any) -> tuple[Any, bool]:
+def _through(target: _Target, tree: Any) -> tuple[Any, bool]:
     """``tree`` with its tensors that need a gradient passed through a :class:`_UnitBoundary` calling
-    ``on_backward`` (one node for all of them), and whether there were any. A tensor, or a tuple or list of tensors and other values,
+    ``target`` (one node for all of them), and whether there were any. A tensor, or a tuple or list of tensors and other values,
     is handled as it is; anything else (dicts, nested structures) is flattened."""
     if isinstance(tree, torch.Tensor):
         if not tree.requires_grad:
             return tree, False
-        return _UnitBoundary.apply(ref, index, on_backward, tree), True
-    if isinstance(tree, (tuple, list)) and all(v is None or isinstance(v, _LEAVES) for v in tree):
+        return _UnitBoundary.apply(target, tree), True
+    if isinstance(tree, (tuple, list)) and all([v is None or isinstance(v, _LEAVES) for v in tree]):
         leaves, rebuild = list(tree), lambda new: type(tree)(new) if type(tree) in (tuple, list) else type(tree)(*new)
     else:
         leaves, spec = tree_flatten(tree)
@@ -122,7 +131,7 @@ def _through(on_backward: Callable, ref: Any, index: int, tree: Any) -> tuple[An
     positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
     if not positions:
         return tree, False
-    passed = _UnitBoundary.apply(ref, index, on_backward, *(leaves[i] for i in positions))
+    passed = _UnitBoundary.apply(target, *[leaves[i] for i in positions])
     for i, t in zip(positions, passed if len(positions) > 1 else (passed,)):
         leaves[i] = t
     return rebuild(leaves), True
@@ -225,15 +234,17 @@ class GatherSchedule:
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
+        ends: _Target = (self._ref, GatherSchedule._call_backward_ended, unit.index)
+
         def eager(module: Any, args: Any, kwargs: Any) -> Any:
             unit.unshard()
             self._forward_order.append(unit.index)
             self._prefetch_after(unit.index, len(self._forward_order) - 1)
             if not torch.is_grad_enabled():
                 return None
-            args, with_grad = _through(GatherSchedule._call_backward_ended, self._ref, unit.index, args)
+            args, with_grad = _through(ends, args)
             if kwargs:
-                kwargs, kwargs_with_grad = _through(GatherSchedule._call_backward_ended, self._ref, unit.index, kwargs)
+                kwargs, kwargs_with_grad = _through(ends, kwargs)
                 with_grad = with_grad or kwargs_with_grad
             self._inputs_with_grad.append(with_grad)  # read by this call's post-hook
             if not with_grad:
@@ -244,12 +255,14 @@ class GatherSchedule:
         return torch._dynamo.disable(eager)  # see [Note: gathers under torch.compile]
 
     def _post_forward(self, unit: Unit):
+        begins: _Target = (self._ref, GatherSchedule._pre_backward, unit.index)
+
         def eager(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
             unit.reshard()
             if not torch.is_grad_enabled():
                 return None
             inputs_with_grad = self._inputs_with_grad.pop() if self._inputs_with_grad else False
-            output, with_grad = _through(GatherSchedule._pre_backward, self._ref, unit.index, output)
+            output, with_grad = _through(begins, output)
             if not with_grad:
                 return None
             self._called_with_grad.append(unit.index)

@@ -66,7 +66,8 @@ runs on a gathered copy; under grad mode, for a parameter that requires a gradie
 handed to the operation through :class:`_ReadAtRest`, an identity from the parameter itself to the
 copy. Its backward returns the gradient to the parameter's own ``AccumulateGrad``, which autograd
 runs once per backward with every contribution summed — the unit's forward's and the read's — as
-DDP's does; its post-accumulate hook then reduces the sum with the bucket, as any gradient. The
+DDP's does; its bucket then reduces the sum, as any gradient (the read comes after the unit's call
+in the forward, so its backward runs before the unit's ends: see [Note: readiness per unit]). The
 read costs what any read does, and autograd keeps what the operation saves (``p ** 2`` keeps the
 copy) until the backward: a penalty over every parameter holds the whole model until then, as DDP
 holds it anyway. (A second ``backward()`` reaching a parameter whose bucket the first one reduced
