@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.buckets.assignment import assign_buckets
+from lightning_zero.engine.shards.full_targets import FullTargets
 from lightning_zero.engine.shards.partition import (
     ChunkLayout,
     copy_flat_into_rows,
@@ -137,6 +138,36 @@ def test_assigned_data_becomes_the_storage_the_shard_aliases_as_under_ddp():
     with torch.no_grad():
         sp.shard.add_(1.0)  # the optimizer's update reaches the parameter and whoever holds `new`
     assert torch.equal(new[: sp.owned_numel], torch.arange(1.0, 1.0 + sp.owned_numel))
+
+
+def test_full_targets_answer_as_each_parameter_would_and_follow_an_adopted_storage():
+    """A bucket's check and write-back targets (``FullTargets``, no Python call per parameter) agree
+    with the per-parameter ones, before and after an assignment is adopted."""
+    params = [nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(4, dtype=torch.bfloat16))]
+    sharded = _sharded(params)
+    targets = FullTargets(sharded)
+
+    def expected():
+        return [sp.gather_target() for sp in sharded], [sp.gather_target().view(2, -1) if sp.layout.numel % 2 == 0 else None for sp in sharded]
+
+    def same(got, want):
+        return len(got) == len(want) and all(a is b if a is None or b is None else (a.data_ptr(), a.shape) == (b.data_ptr(), b.shape) for a, b in zip(got, want))
+
+    assert not targets.assigned()
+    flats, rows = targets.targets()
+    assert same(flats, expected()[0]) and same(rows, expected()[1])
+    targets.check_not_assigned()
+    new = torch.arange(5.0)
+    params[1].data = new
+    assert targets.assigned() and sharded[1].data_was_assigned()
+    with pytest.raises(RuntimeError, match="'p1' was assigned a new `.data` between the backward and the optimizer step"):
+        targets.check_not_assigned()
+    sharded[1].adopt_assigned_data()
+    assert not targets.assigned()
+    flats, rows = targets.targets()
+    assert flats[1].data_ptr() == new.data_ptr() and same(flats, expected()[0]) and same(rows, expected()[1])
+    params[0].data = params[0].data.clone()  # the same shape, dtype and device: only the storage differs
+    assert targets.assigned() and [sp.data_was_assigned() for sp in sharded] == [True, False, False]
 
 
 @pytest.mark.parametrize("assigned", [torch.zeros(3), torch.zeros(6, dtype=torch.float64)])
