@@ -147,15 +147,16 @@ def test_full_targets_answer_as_each_parameter_would_and_follow_an_adopted_stora
     sharded = _sharded(params)
     targets = FullTargets(sharded)
 
-    def expected():
-        return [sp.gather_target() for sp in sharded], [sp.gather_target().view(2, -1) if sp.layout.numel % 2 == 0 else None for sp in sharded]
+    def places(tensors):
+        return [None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors]
 
-    def same(got, want):
-        return len(got) == len(want) and all(a is b if a is None or b is None else (a.data_ptr(), a.shape) == (b.data_ptr(), b.shape) for a, b in zip(got, want))
+    def per_parameter():  # the parameters fill whole rows where numel is even (2 ranks)
+        flats = [sp.gather_target() for sp in sharded]
+        return places(flats), places([f.view(2, -1) if f.numel() % 2 == 0 else None for f in flats])
 
     assert not targets.assigned()
     flats, rows = targets.targets()
-    assert same(flats, expected()[0]) and same(rows, expected()[1])
+    assert (places(flats), places(rows)) == per_parameter()
     targets.check_not_assigned()
     new = torch.arange(5.0)
     params[1].data = new
@@ -165,9 +166,35 @@ def test_full_targets_answer_as_each_parameter_would_and_follow_an_adopted_stora
     sharded[1].adopt_assigned_data()
     assert not targets.assigned()
     flats, rows = targets.targets()
-    assert flats[1].data_ptr() == new.data_ptr() and same(flats, expected()[0]) and same(rows, expected()[1])
+    assert flats[1].data_ptr() == new.data_ptr() and (places(flats), places(rows)) == per_parameter()
     params[0].data = params[0].data.clone()  # the same shape, dtype and device: only the storage differs
     assert targets.assigned() and [sp.data_was_assigned() for sp in sharded] == [True, False, False]
+
+
+def test_an_assignment_before_the_write_back_fails_naming_it_and_an_adopted_one_is_written_into():
+    """Stages 1-2 at one rank (``group=None``), bf16 parameters (fp32 masters, copied back after a
+    step): the per-bucket check finds the assignment and names the parameter; once adopted, the
+    write-back's cached targets follow the new storage."""
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.parameters.replicated_parameters import ReplicatedParameters
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    residency = ReplicatedParameters(model, {id(p): 0 for p in model.parameters()}, ZeroConfig(stage=1), None)
+    residency.after_optimizer_step(optimizer, residency.params)  # the cached targets are made
+    assert not residency.holds_assigned_data()
+    new = torch.zeros(2, 4, dtype=torch.bfloat16)
+    model[1].weight.data = new
+    assert residency.holds_assigned_data()
+    with pytest.raises(RuntimeError, match="'1.weight' was assigned a new `.data` between the backward and the optimizer step"):
+        residency.after_optimizer_step(optimizer, residency.params)
+    residency.adopt_assigned_data()
+    assert not residency.holds_assigned_data()
+    (master,) = [p.shard for p in residency.params if p.name == "1.weight"]
+    with torch.no_grad():
+        master.fill_(0.5)  # as an optimizer step would update it
+    residency.after_optimizer_step(optimizer, residency.params)
+    assert model[1].weight.data_ptr() == new.data_ptr() and torch.equal(new, torch.full((2, 4), 0.5, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("assigned", [torch.zeros(3), torch.zeros(6, dtype=torch.float64)])
