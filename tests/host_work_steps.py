@@ -4,11 +4,14 @@ the helpers of ``test_host_work.py`` (CPU) and ``test_cuda_host_work.py`` (the G
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+import lightning_zero.engine
 from lightning_zero.bench.python_calls import count_python_calls
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.host_work import HOST_WORK
@@ -17,9 +20,9 @@ from lightning_zero.models.gpt import GPT, GPTConfig
 LAUNCH_BOUND = GPTConfig(n_layer=12, n_embd=64, n_head=4, block_size=32)
 
 
-def stepper(stage: int, device: torch.device, precision: str) -> tuple[Callable[[], None], object]:
+def stepper(stage: int, device: torch.device, precision: str, shape: GPTConfig = LAUNCH_BOUND) -> tuple[Callable[[], None], object]:
     torch.manual_seed(0)
-    model = GPT(LAUNCH_BOUND).to(device)
+    model = GPT(shape).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, 256, (1, 32), device=device)
     targets = torch.randint(0, 256, (1, 32), device=device)
@@ -69,3 +72,22 @@ def count_one_step(stage: int, device: torch.device = torch.device("cpu"), preci
         out["bucket_gathers"] = sum(len(u.buckets) for u in units[1:]) * 2 + (len(units[0].buckets) if units else 0)
         engine.close()
     return out
+
+
+ENGINE = str(Path(lightning_zero.engine.__file__).parent)
+
+
+def count_engine_calls(stage: int, n_layer: int) -> tuple[int, int]:
+    """After 3 warm-up steps, one step of the engine at ``stage`` (1-2) on the launch-bound GPT with
+    ``n_layer`` blocks, all its parameters in one bucket: the buckets, and the Python calls the
+    engine makes itself (``count_python_calls(by=...)``: neither the model's nor the optimizer's),
+    leaving out those within the gradient hooks, one per parameter by torch's design (stage 2)."""
+    step, engine = stepper(stage, torch.device("cpu"), "fp32", dataclasses.replace(LAUNCH_BOUND, n_layer=n_layer))
+    for _ in range(3):
+        step()
+    hooks = {hook.__code__ for p in engine.params for hook in (p.param._post_accumulate_grad_hooks or {}).values()}
+    with count_python_calls(by=ENGINE, outside=hooks) as calls:
+        step()
+    buckets = len(engine.buckets)
+    engine.close()
+    return buckets, calls.total

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.buckets.assignment import assign_buckets
+from lightning_zero.engine.shards.full_targets import FullTargets
 from lightning_zero.engine.shards.partition import (
     ChunkLayout,
     copy_flat_into_rows,
@@ -137,6 +138,63 @@ def test_assigned_data_becomes_the_storage_the_shard_aliases_as_under_ddp():
     with torch.no_grad():
         sp.shard.add_(1.0)  # the optimizer's update reaches the parameter and whoever holds `new`
     assert torch.equal(new[: sp.owned_numel], torch.arange(1.0, 1.0 + sp.owned_numel))
+
+
+def test_full_targets_answer_as_each_parameter_would_and_follow_an_adopted_storage():
+    """A bucket's check and write-back targets (``FullTargets``, no Python call per parameter) agree
+    with the per-parameter ones, before and after an assignment is adopted."""
+    params = [nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(4, dtype=torch.bfloat16))]
+    sharded = _sharded(params)
+    targets = FullTargets(sharded)
+
+    def places(tensors):
+        return [None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors]
+
+    def per_parameter():  # the parameters fill whole rows where numel is even (2 ranks)
+        flats = [sp.gather_target() for sp in sharded]
+        return places(flats), places([f.view(2, -1) if f.numel() % 2 == 0 else None for f in flats])
+
+    assert not targets.assigned()
+    flats, rows = targets.targets()
+    assert (places(flats), places(rows)) == per_parameter()
+    targets.check_not_assigned()
+    new = torch.arange(5.0)
+    params[1].data = new
+    assert targets.assigned() and sharded[1].data_was_assigned()
+    with pytest.raises(RuntimeError, match="'p1' was assigned a new `.data` between the backward and the optimizer step"):
+        targets.check_not_assigned()
+    sharded[1].adopt_assigned_data()
+    assert not targets.assigned()
+    flats, rows = targets.targets()
+    assert flats[1].data_ptr() == new.data_ptr() and (places(flats), places(rows)) == per_parameter()
+    params[0].data = params[0].data.clone()  # the same shape, dtype and device: only the storage differs
+    assert targets.assigned() and [sp.data_was_assigned() for sp in sharded] == [True, False, False]
+
+
+def test_an_assignment_before_the_write_back_fails_naming_it_and_an_adopted_one_is_written_into():
+    """Stages 1-2 at one rank (``group=None``), bf16 parameters (fp32 masters, copied back after a
+    step): the per-bucket check finds the assignment and names the parameter; once adopted, the
+    write-back's cached targets follow the new storage."""
+    from lightning_zero.engine.config import ZeroConfig
+    from lightning_zero.engine.parameters.replicated_parameters import ReplicatedParameters
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    residency = ReplicatedParameters(model, {id(p): 0 for p in model.parameters()}, ZeroConfig(stage=1), None)
+    residency.after_optimizer_step(optimizer, residency.params)  # the cached targets are made
+    assert not residency.holds_assigned_data()
+    new = torch.zeros(2, 4, dtype=torch.bfloat16)
+    model[1].weight.data = new
+    assert residency.holds_assigned_data()
+    with pytest.raises(RuntimeError, match="'1.weight' was assigned a new `.data` between the backward and the optimizer step"):
+        residency.after_optimizer_step(optimizer, residency.params)
+    residency.adopt_assigned_data()
+    assert not residency.holds_assigned_data()
+    (master,) = [p.shard for p in residency.params if p.name == "1.weight"]
+    with torch.no_grad():
+        master.fill_(0.5)  # as an optimizer step would update it
+    residency.after_optimizer_step(optimizer, residency.params)
+    assert model[1].weight.data_ptr() == new.data_ptr() and torch.equal(new, torch.full((2, 4), 0.5, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("assigned", [torch.zeros(3), torch.zeros(6, dtype=torch.float64)])

@@ -23,21 +23,27 @@ import sys
 import threading
 from collections import Counter
 from types import CodeType, FrameType
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 
 class PythonCalls:
     """A context manager counting Python calls, and what it counted (see [Note: counting Python calls])."""
 
-    def __init__(self) -> None:
+    def __init__(self, by: Optional[str] = None, outside: Collection[CodeType] = ()) -> None:
         self.total = 0
         """Python function calls made inside the block (set when it ends)."""
         self.by_code: Counter[CodeType] = Counter()
         """The same calls by function (code object); `by_function()` names them."""
         self._previous: tuple[Any, Any] = (None, None)
+        self._by = by
+        self._outside = frozenset(outside)
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
+            if self._by is not None and not _made_by(frame, self._by):
+                return
+            if self._outside and _within(frame, self._outside):
+                return
             self.by_code[frame.f_code] += 1
 
     def __enter__(self) -> "PythonCalls":
@@ -68,8 +74,28 @@ def _name(code: CodeType) -> str:
     return f"{module}.{getattr(code, 'co_qualname', code.co_name)}:{code.co_firstlineno}"
 
 
-def count_python_calls() -> PythonCalls:
+def count_python_calls(by: Optional[str] = None, outside: Collection[CodeType] = ()) -> PythonCalls:
     """``with count_python_calls() as calls: step()`` — then ``calls.total`` is the number of Python
     function calls the step made. Restores whatever profiler was installed before (one counter at a
-    time: a nested one takes over until it ends, and the outer one misses those calls)."""
-    return PythonCalls()
+    time: a nested one takes over until it ends, and the outer one misses those calls).
+
+    ``by``, a folder: only the calls a piece of code makes itself (say, the engine's, without the
+    model's and the optimizer's), those of functions defined in files under ``by`` and those such
+    functions make directly (a ``torch.no_grad()`` in a loop of theirs counts). ``outside``: calls
+    made within these functions (themselves included) are not counted (say, a per-parameter hook
+    torch requires)."""
+    return PythonCalls(by, outside)
+
+
+def _made_by(frame: FrameType, folder: str) -> bool:
+    """``frame``'s function, or the one that called it, is defined under ``folder``."""
+    caller = frame.f_back
+    return frame.f_code.co_filename.startswith(folder) or (caller is not None and caller.f_code.co_filename.startswith(folder))
+
+
+def _within(frame: Optional[FrameType], codes: frozenset[CodeType]) -> bool:
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False

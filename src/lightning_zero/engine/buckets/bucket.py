@@ -35,6 +35,7 @@ from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.shards.full_targets import FullTargets
 from lightning_zero.engine.shards.gathered_storage import GatheredStorage
 from lightning_zero.engine.shards.partition import interleaved_sizes, pack_rows, unpack_rows
 from lightning_zero.engine.shards.sharded_param import ShardedParam, accumulate_grads
@@ -114,6 +115,8 @@ class Bucket:
             self.gathered = GatheredStorage(
                 [p.layout for p in self.params], [p.shape for p in self.params], self.dtype, self.device
             )
+        self.full_targets: Optional[FullTargets] = FullTargets(self.params) if self.params[0].keeps_full else None
+        """Stages 1-2: the full parameters, checked for assigned ``.data`` and written back into as one."""
         self.host: Optional[HostChunks] = None
         if copies is not None and self.params[0].offloaded:
             self.host = HostChunks(
@@ -300,11 +303,10 @@ class Bucket:
         with torch.no_grad():
             if self.host is not None:  # one copy of the bucket to the device, then into the parameters
                 row = self.host.copies.to_device(self.host.master)
-                unpack_rows(row.view(1, -1), [p.gather_target() for p in self.params], self._widths)
+                flats, flat_rows = self.full_targets.targets()
+                unpack_rows(row.view(1, -1), flats, self._widths, flat_rows)
             else:
-                for p in self.params:
-                    if not p.aliases_param:
-                        p.write_chunk_to(p.gather_target())
+                self.full_targets.copy_whole_chunks()
         return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
 
     def _finish_param_gather(self, gathered: Optional[Tensor], tags: Optional["GatherTags"]) -> None:
@@ -319,7 +321,8 @@ class Bucket:
             self.gathered.grow()
             unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
         else:
-            unpack_rows(rows, [p.gather_target() for p in self.params], self._widths, [p.gather_target_rows() for p in self.params])
+            flats, flat_rows = self.full_targets.targets()
+            unpack_rows(rows, flats, self._widths, flat_rows)
 """Runs a reduction on whatever stream is current (no stream given: one-process tests)."""
 
 

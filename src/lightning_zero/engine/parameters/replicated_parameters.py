@@ -17,6 +17,7 @@ from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopies, ParameterResidency
+from lightning_zero.engine.shards.full_targets import FullTargets
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -56,13 +57,24 @@ class ReplicatedParameters(ParameterResidency):
         )
         regular = [b.buffer_bytes for b in self.grad_buckets if b.param_bytes <= config.bucket_bytes]
         self.pool.capacity_bytes = max(regular, default=0)
+        self._all = FullTargets(self.params)  # frozen ones too: asked after each backward
+
+    def holds_assigned_data(self) -> bool:
+        return self._all.assigned()  # asked after each backward: one check, no call per parameter
+
+    def adopt_assigned_data(self) -> None:
+        """As ``ParameterResidency.adopt_assigned_data``, each parameter looked at only when one of
+        them was assigned (rare)."""
+        if self._all.assigned():
+            super().adopt_assigned_data()
 
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam], max_in_flight: int = IN_FLIGHT) -> None:
         """All-gather the buckets of ``optimizer``'s parameters, at most ``max_in_flight`` at once."""
-        mine = {id(p) for p in optimizer_params}
-        buckets = [b for b in self.grad_buckets if any(id(p) in mine for p in b.params)]
-        for p in (p for bucket in buckets for p in bucket.params):
-            p.check_data_not_assigned()
+        mine = set(map(id, optimizer_params))
+        # a parameter two optimizers step sits in one bucket, beside parameters of only one of them
+        buckets = [b for b in self.grad_buckets if not mine.isdisjoint(map(id, b.params))]  # no call per parameter
+        for bucket in buckets:
+            bucket.full_targets.check_not_assigned()
         finish_pipelined((bucket.start_param_gather() for bucket in buckets), max_in_flight)
 
     def full_values(self, device: torch.device) -> Iterator[tuple[ShardedParam, Tensor]]:

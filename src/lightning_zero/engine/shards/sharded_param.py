@@ -69,11 +69,17 @@ class ShardedParam:
         # after each step (so casts stay on the device; see [Note: offloaded bucket])
         keep_device_chunk = keep_device_chunk or (self.offloaded and not keep_full and self.holds_master_copy)
         self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
-        self._storage_ptr = param.data_ptr()
-        # stages 1-2: the flat view all-gathers write into, made once (``data_was_assigned`` tells
-        # when it stopped being the parameter's storage)
-        self._full_flat = param.detach().view(-1) if keep_full else None
-        self._target_rows: Optional[Tensor] = None  # the gather target as (N, c), where it fills whole rows
+        self.placed_ptr = param.data_ptr()
+        """Where the storage the engine placed in the parameter starts (``data_was_assigned`` tells
+        when ``param.data`` stopped being it)."""
+        self.full_flat: Optional[Tensor] = None
+        """Stages 1-2: the flat view of the parameter all-gathers write into, made once (again when
+        an assigned tensor is adopted); ``full_rows``: the same as the (N, c) block an all-gather
+        delivers, where the parameter fills whole rows (numel = N * c), else None. Both are read
+        for a whole bucket at once (``full_targets.py``)."""
+        self.full_rows: Optional[Tensor] = None
+        if keep_full:
+            self._place_full(param.detach())
         # made once, not per step (see [Note: batched copies] in partition.py): the alias of the
         # shard the all-gather sends (the optimizer updates it in place), and stage 3's placeholder
         self._shard_data = self.shard.detach()
@@ -157,9 +163,10 @@ class ShardedParam:
     # the engine's storage and the chunk the optimizer steps, and points the parameter back at that
     # storage; a new shape, dtype or device cannot be adopted and fails, naming both.
     def data_was_assigned(self) -> bool:
-        """``param.data`` is a tensor the engine did not place (at stage 3: while gathered)."""
+        """``param.data`` is a tensor the engine did not place (at stage 3: while gathered). At
+        stages 1-2 a bucket asks this of all its parameters at once (``FullTargets.assigned``)."""
         if self.keeps_full:
-            return self.param.data_ptr() != self._storage_ptr
+            return self.param.data_ptr() != self.placed_ptr
         if self.gathered is None:
             return False
         with torch._C.DisableTorchFunctionSubclass():
@@ -171,7 +178,7 @@ class ShardedParam:
         may become the storage the gathers fill, as at stages 1-2."""
         with torch._C.DisableTorchFunctionSubclass():
             new = self.param.data
-        placed = self._full_flat if self.keeps_full else self.gathered.flat
+        placed = self.full_flat if self.keeps_full else self.gathered.flat
         if (new.shape, new.dtype, new.device) != (self.shape, placed.dtype, placed.device):
             raise RuntimeError(
                 f"Parameter {self.name!r} was assigned a tensor of shape {tuple(new.shape)} ({new.dtype},"
@@ -201,15 +208,20 @@ class ShardedParam:
         """Stages 1-2: the assigned tensor becomes the parameter's storage for good, as under DDP,
         where whoever else holds it sees the updates that follow (Lightning's ModelPruning relies on
         that); all-gathers then write into it and, without a master copy, the shard is a view of it."""
-        self._full_flat = new.view(-1)
-        self._storage_ptr = new.data_ptr()
-        self._target_rows = None
+        self._place_full(new)
         if self.aliases_param:
             self.shard.data = self._owned_chunk()
             self._shard_data = self.shard.detach()
             self.send_source = self.chunk_to_send()
         else:
             self.sync_master_from_param()
+
+    def _place_full(self, full: Tensor) -> None:
+        """Stages 1-2: ``full`` (the parameter's data, contiguous) is the storage all-gathers write into."""
+        self.full_flat = full.view(-1)
+        self.placed_ptr = full.data_ptr()
+        n, c = self.layout.world_size, self.layout.padded_chunk_numel
+        self.full_rows = self.full_flat.view(n, c) if self.layout.numel == n * c and c > 0 else None
 
     def _gather_into(self, new: Tensor) -> None:
         """Stage 3, between steps: the assigned tensor becomes the parameter's gathered storage, so
@@ -269,23 +281,12 @@ class ShardedParam:
             self.param.data = self.gathered.views[self._gathered_index]
 
     def gather_target(self) -> Tensor:
-        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2, its
-        view of the bucket's storage at stage 3 (grown first, if freed)."""
+        """The flat full tensor an all-gather copies into: the parameter itself at stages 1-2
+        (``full_flat``), its view of the bucket's storage at stage 3 (grown first, if freed)."""
         if self.keeps_full:
-            return self._full_flat
+            return self.full_flat
         self.gathered.grow()
         return self.gathered.flats[self._gathered_index]
-
-    def gather_target_rows(self) -> Optional[Tensor]:
-        """``gather_target()`` viewed as the (N, c) block an all-gather delivers, when the parameter
-        fills whole rows (numel = N * c) and so can be copied into in one piece; else None. Made
-        once; at stage 3 it stays valid across the storage's resizes."""
-        n, c = self.layout.world_size, self.padded_chunk_numel
-        if self.gathered is not None:
-            return self.gathered.rows[self._gathered_index]
-        if self._target_rows is None and self.layout.numel == n * c and c > 0:
-            self._target_rows = self.gather_target().view(n, c)
-        return self._target_rows
 
     def rest_until_attached(self) -> None:
         """Stage 3 setup, once this rank's chunk is taken: the full values go; until the bucket
