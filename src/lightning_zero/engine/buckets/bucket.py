@@ -323,7 +323,6 @@ class Bucket:
         else:
             flats, flat_rows = self.full_targets.targets()
             unpack_rows(rows, flats, self._widths, flat_rows)
-"""Runs a reduction on whatever stream is current (no stream given: one-process tests)."""
 
 
 def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:

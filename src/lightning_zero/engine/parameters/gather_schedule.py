@@ -281,15 +281,15 @@ class GatherSchedule:
             unit.reshard()
 
     def _pre_backward(self, unit: Unit) -> None:
-        position = self._position_in_queue(unit)
+        queue = self._queue()
+        position = self._queue_position.get(unit.index)
         freed_after_its_turn = position is not None and position < self._issued and unit.state is UnitState.SHARDED
         if position is None or freed_after_its_turn:  # not queued, or reached again: on demand
             unit.unshard()
             return
-        self._issue_through(position)
+        self._issue_through(queue, position)
         unit.unshard()
-        self._issue_through(position + self.prefetch_units)
-        queue = self._queue()
+        self._issue_through(queue, position + self.prefetch_units)
         if position + self.prefetch_units + 1 < len(queue):
             queue[position + self.prefetch_units + 1].read_ahead()
 
@@ -302,12 +302,8 @@ class GatherSchedule:
             self._queue_position = {index: position for position, index in enumerate(order)}
         return self._backward_queue
 
-    def _position_in_queue(self, unit: Unit) -> Optional[int]:
-        self._queue()
-        return self._queue_position.get(unit.index)
-
-    def _issue_through(self, position: int) -> None:
-        queue = self._queue()
+    def _issue_through(self, queue: list[Unit], position: int) -> None:
+        """Issue the gathers of ``queue`` (this backward's) up to ``position``."""
         while self._issued <= min(position, len(queue) - 1):
             queue[self._issued].start_unshard()
             self._issued += 1
