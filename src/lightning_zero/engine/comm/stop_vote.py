@@ -38,6 +38,9 @@ class StopReason(enum.IntEnum):
     unit] in ``unit_readiness.py``); every rank raises the same error at once, before any steps."""
 
 
+_REASONS = tuple(StopReason)  # iterating the enum itself costs a Python call per member
+
+
 class StopVote:
     """This rank's stop requests and what the ranks agreed on (see [Note: stop votes])."""
 
@@ -63,7 +66,8 @@ class StopVote:
 
     def count(self, sums: Sequence[float]) -> None:
         """A reduction's summed flags (any positive scale): keep the reasons some rank voted for."""
-        self._agreed.update(reason for reason, total in zip(StopReason, sums) if total > 0)
+        if any(sums):  # usually none: one C-level test per reduction
+            self._agreed.update([reason for reason, total in zip(_REASONS, sums) if total > 0])
 
     @property
     def agreed(self) -> frozenset[StopReason]:
