@@ -49,6 +49,9 @@ class BufferPool:
         self.slots = slots
         self._free: dict[tuple[torch.device, int], list[tuple[Tensor, Event]]] = {}  # by (device, stream): byte buffer, event to wait for
         self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
+        self._devices: dict[torch.device, tuple[Optional[DeviceStreams], Hashable]] = {}
+        """Per device asked for: its streams (``streams_of``, asked once, as ``ReduceStream`` does) and,
+        without streams, the key of its one free list (no key made per buffer lent)."""
         self.allocations = 0
         """Byte buffers the pool has allocated: flat after the first step."""
         self.oversized = 0
@@ -60,8 +63,10 @@ class BufferPool:
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
-        streams = streams_of(device)
-        free = self._free.setdefault(_stream_key(torch.device(device), streams), [])
+        streams, key = self._devices.get(device) or self._device(device)
+        if streams is not None:
+            key = streams.stream_key(streams.current_stream())  # see [Note: a free list per stream]
+        free = self._free.setdefault(key, [])
         if free:
             base, copy = free.pop()
             if copy is not None:
@@ -81,8 +86,10 @@ class BufferPool:
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
-        streams = streams_of(base.device)
-        free = self._free.setdefault(_stream_key(base.device, streams), [])  # see [Note: a free list per stream]
+        streams, key = self._devices.get(base.device) or self._device(base.device)
+        if streams is not None:
+            key = streams.stream_key(streams.current_stream())  # see [Note: a free list per stream]
+        free = self._free.setdefault(key, [])
         if len(free) < self.slots:
             if after is None and streams is not None:
                 after = streams.record_event(streams.current_stream())
@@ -96,12 +103,10 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
+        self._devices.clear()
 
-
-
-def _stream_key(device: torch.device, streams: Optional[DeviceStreams]) -> Hashable:
-    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on a
-    device with streams (see [Note: a free list per stream]), the device's elsewhere."""
-    if streams is None:
-        return device, 0
-    return streams.stream_key(streams.current_stream())
+    def _device(self, device: torch.device) -> tuple[Optional[DeviceStreams], Hashable]:
+        """``device``'s streams, and the key of its free list where it has none (on a device with
+        streams, each stream has its own: see [Note: a free list per stream])."""
+        known = self._devices[device] = (streams_of(device), (torch.device(device), 0))
+        return known
