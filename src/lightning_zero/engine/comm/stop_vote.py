@@ -55,7 +55,8 @@ class StopVote:
 
     def count(self, sums: Sequence[float]) -> None:
         """A reduction's summed flags (any positive scale): keep the reasons some rank voted for."""
-        self._agreed.update(reason for reason, total in zip(StopReason, sums) if total > 0)
+        if any(sums):  # usually none voted: one C-level test per reduction, no iteration of the enum
+            self._agreed.update(reason for reason, total in zip(StopReason, sums) if total > 0)
 
     @property
     def agreed(self) -> frozenset[StopReason]:
