@@ -26,7 +26,6 @@ from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: 
     NO_STREAM,
     PendingGradientReduction,
     PendingParamGather,
-    give_back,
     hand_out_gradients,
 )
 from lightning_zero.engine.comm import collectives
@@ -204,7 +203,8 @@ class Bucket:
             else:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
-        stream.keep_alive([grad for grad in local if grad is not None])
+        if stream.stream is not None:  # the reduce stream reads them (none: read here, at once)
+            stream.keep_alive([grad for grad in local if grad is not None])
         _mark_ballot(flags[:, len(self.params) :], ballot)
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats

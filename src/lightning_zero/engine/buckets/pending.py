@@ -11,8 +11,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.comm.buffers import BufferPool
-from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
@@ -70,7 +68,9 @@ class PendingGradientReduction:
         if host is not None and self.received is not None:
             self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
             self.received, copy = host.receive(self.received, self.bucket.pool)
-        give_back(self.bucket.pool, self.lent, copy)
+        for buffer in self.lent:  # given back here, not through a helper: once per reduction
+            self.bucket.pool.give_back(buffer, copy)
+        self.lent.clear()
 
     def start_across_replicas(self) -> Optional[collectives.PendingCollective]:
         """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
@@ -127,12 +127,6 @@ class PendingParamGather:
         """Wait for the all-gather and copy every rank's chunk into the full parameters."""
         self.work.wait()
         self.bucket._finish_param_gather(self.gathered, self.tags)
-        for buffer in self.lent:  # ``give_back``'s loop, without its call: one gather per unit use
+        for buffer in self.lent:  # given back here, not through a helper: once per gather
             self.bucket.pool.give_back(buffer)
         self.lent.clear()
-
-
-def give_back(pool: BufferPool, lent: list[Tensor], copy: Event = None) -> None:
-    for buffer in lent:
-        pool.give_back(buffer, copy)
-    lent.clear()
