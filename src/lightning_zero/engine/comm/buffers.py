@@ -71,6 +71,9 @@ class BufferPool:
             base, copy = free.pop()
             if copy is not None:
                 streams.wait_event(streams.current_stream(), copy)
+            storage = base.untyped_storage()
+            if storage.nbytes() == 0:  # its memory was handed back (``release_idle``)
+                storage.resize_(self.capacity_bytes)
         else:
             self.allocations += 1
             base = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
@@ -95,10 +98,31 @@ class BufferPool:
                 after = streams.record_event(streams.current_stream())
             free.append((base, after))
 
+    def release_idle(self) -> None:
+        """Hand back the memory of every byte buffer not lent now; each keeps its size and takes
+        memory again when next lent (as a stage-3 storage is grown for each gather). Called where no
+        collective is in flight until the next pass (after backward), so that what comes between,
+        the optimizer step (a rank's peak), holds no idle communication buffer: FSDP2 frees its
+        gather and reduction buffers after each use, and a pool that kept them cost a ZeRO-3 rank
+        a block of a model at a given memory (issue 60). On a device with streams the memory goes
+        back to the allocator after the current stream waited for the buffer's last reader."""
+        for free in self._free.values():
+            for i, (base, event) in enumerate(free):
+                storage = base.untyped_storage()
+                if storage.nbytes() == 0:
+                    continue
+                if event is not None:  # a reader on another stream: the allocator reuses it after that
+                    streams = streams_of(base.device)
+                    streams.wait_event(streams.current_stream(), event)
+                    streams.keep_alive(base, streams.current_stream())
+                    free[i] = (base, None)
+                storage.resize_(0)
+
     @property
     def kept_bytes(self) -> int:
-        """Bytes of the byte buffers the pool keeps (free now or lent out)."""
-        return self.capacity_bytes * (sum(len(f) for f in self._free.values()) + len(self._lent))
+        """Bytes the pool's byte buffers hold now (free or lent out; a released one holds none)."""
+        bases = [base for f in self._free.values() for base, _ in f] + list(self._lent.values())
+        return sum(base.untyped_storage().nbytes() for base in bases)
 
     def clear(self) -> None:
         self._free.clear()
