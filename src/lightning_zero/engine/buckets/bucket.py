@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -25,7 +26,6 @@ from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: 
     NO_STREAM,
     PendingGradientReduction,
     PendingParamGather,
-    give_back,
     hand_out_gradients,
 )
 from lightning_zero.engine.comm import collectives
@@ -91,6 +91,9 @@ class Bucket:
         self.pool = pool if pool is not None else BufferPool(capacity_bytes=0, slots=0)
         self.world_size = collectives.world_size(group)
         self._gather_rank = collectives.rank(self.gather_group)  # the row of an all-gather this rank sends
+        # one rank, its shortcuts taken: asked once, as the groups' facts are read once (see ``collectives.resolved``)
+        self._reduces_alone = collectives.takes_one_rank_shortcuts(self.group)
+        self._gathers_alone = collectives.takes_one_rank_shortcuts(self.gather_group)
         self.replicate_group = replicate_group
         """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
         which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
@@ -183,7 +186,7 @@ class Bucket:
         its gradients count against the reduce stream's lag (``ReduceStream.launching``)."""
         if self.state is not ReductionState.COLLECTING:
             raise RuntimeError(f"{self} is already being reduced")
-        alone = collectives.takes_one_rank_shortcuts(self.group)  # one rank, its shortcuts taken
+        alone = self._reduces_alone
         if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         stream = stream if stream is not None else NO_STREAM
@@ -193,6 +196,8 @@ class Bucket:
             # its chunks become the gradient shards as they are, read on the compute stream after
             # ``finish_backward`` joined the reduce stream: allocated there, so never lent
             received = torch.empty(s + f, dtype=self.dtype, device=self.device)
+        if stream.stream is None:  # no stream to launch on: no context to enter (one per reduction)
+            return self._launch_reduction(ballot, stream, received, alone)
         with stream.launching(bounded):
             return self._launch_reduction(ballot, stream, received, alone)
 
@@ -214,7 +219,8 @@ class Bucket:
             else:
                 flats.append(torch.zeros(p.layout.numel, dtype=self.dtype, device=self.device))
                 flags[:, i] = 0
-        stream.keep_alive([grad for grad in local if grad is not None])
+        if stream.stream is not None:  # the reduce stream reads them (none: read here, at once)
+            stream.keep_alive([grad for grad in local if grad is not None])
         _mark_ballot(flags[:, len(self.params) :], ballot)
         pack_rows([*flats, flags.view(-1)], send, scale=1.0 / (n * self.replicas))  # see [Note: batched copies]
         del flats
@@ -268,7 +274,7 @@ class Bucket:
         With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
         finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
         """
-        if collectives.takes_one_rank_shortcuts(self.gather_group):
+        if self._gathers_alone:
             tags = None  # one rank cannot disagree with itself
             if self.params[0].keeps_full:
                 return self._write_back_locally()
@@ -278,23 +284,17 @@ class Bucket:
         # in place, as FSDP2 gathers: this rank's row of the output is the input, so the send row
         # costs no buffer of its own (on the host: no fresh pages every gather); padding is never read
         send = gathered[self._gather_rank * row : (self._gather_rank + 1) * row]  # (S [+ 1],): one slice op
-        if self._sends_from_host:
+        if self.host is not None and not self.host.device_chunks:  # the send row comes from the host chunks
             self.host.copy_master_to(send[:s])
         else:
             pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
             # the send sources are detached from the shards (the optimizer's parameters), so this
             # records no autograd history without a `torch.no_grad()` (5 Python calls a gather)
-            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), [p.send_source for p in self.params])
+            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), list(map(_SEND_SOURCE, self.params)))
         if tags is not None:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
-
-    @property
-    def _sends_from_host(self) -> bool:
-        """Whether the all-gather's send row comes from the host chunks (offloaded, and the device
-        keeps no copy of them)."""
-        return self.host is not None and not self.host.device_chunks
 
     def _write_back_locally(self) -> "PendingParamGather":
         """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the
@@ -318,11 +318,14 @@ class Bucket:
         # the targets are plain tensors (stage 3's storage views) or detached views of the
         # parameters (stages 1-2): no autograd history, without a `torch.no_grad()`
         if self.gathered is not None:
-            self.gathered.grow()
-            unpack_rows(rows, self.gathered.flats, self._widths, self.gathered.rows)
+            self.gathered.fill(rows)
         else:
             flats, flat_rows = self.full_targets.targets()
             unpack_rows(rows, flats, self._widths, flat_rows)
+
+
+_SEND_SOURCE = operator.attrgetter("send_source")
+"""Each parameter's send row source, read at C level (no comprehension frame per gather)."""
 
 
 def _mark_ballot(columns: Tensor, ballot: Sequence[bool]) -> None:

@@ -11,8 +11,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.comm.buffers import BufferPool
-from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
@@ -51,17 +49,28 @@ class PendingGradientReduction:
         """Make what runs next on the reduction's stream wait for the collectives (on gloo: the
         host waits), then give the buffers back; ``hand_out_gradients`` then gives out the chunks.
         An offloaded bucket's row starts its copy to the host here, during backward."""
-        with (self.stream or NO_STREAM).finishing():
-            self.work.wait()
+        stream = self.stream or NO_STREAM
+        if stream.stream is None:  # no stream to finish on: no context to enter (one per reduction)
+            self._finish_here()
+            return
+        with stream.finishing():
+            self._finish_here()
+
+    def _finish_here(self) -> None:
+        """``finish`` on the current stream."""
+        self.work.wait()
+        if self.bucket.replicate_group is not None:
             across = self.start_across_replicas()
             if across is not None:
                 across.wait()
-            copy = None
-            host = self.bucket.host
-            if host is not None and self.received is not None:
-                self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
-                self.received, copy = host.receive(self.received, self.bucket.pool)
-            give_back(self.bucket.pool, self.lent, copy)
+        copy = None
+        host = self.bucket.host
+        if host is not None and self.received is not None:
+            self._flags = self.received[self.bucket.shard_numel :].clone()  # the device row goes back to the pool
+            self.received, copy = host.receive(self.received, self.bucket.pool)
+        for buffer in self.lent:  # given back here, not through a helper: once per reduction
+            self.bucket.pool.give_back(buffer, copy)
+        self.lent.clear()
 
     def start_across_replicas(self) -> Optional[collectives.PendingCollective]:
         """Hybrid sharding: the all-reduce of the reduced chunks over the other shard groups' sums,
@@ -118,10 +127,6 @@ class PendingParamGather:
         """Wait for the all-gather and copy every rank's chunk into the full parameters."""
         self.work.wait()
         self.bucket._finish_param_gather(self.gathered, self.tags)
-        give_back(self.bucket.pool, self.lent)
-
-
-def give_back(pool: BufferPool, lent: list[Tensor], copy: Event = None) -> None:
-    for buffer in lent:
-        pool.give_back(buffer, copy)
-    lent.clear()
+        for buffer in self.lent:  # given back here, not through a helper: once per gather
+            self.bucket.pool.give_back(buffer)
+        self.lent.clear()

@@ -49,6 +49,9 @@ class BufferPool:
         self.slots = slots
         self._free: dict[tuple[torch.device, int], list[tuple[Tensor, Event]]] = {}  # by (device, stream): byte buffer, event to wait for
         self._lent: dict[int, Tensor] = {}  # data pointer of a lent view -> its byte buffer
+        self._devices: dict[torch.device, tuple[Optional[DeviceStreams], Hashable]] = {}
+        """Per device asked for: its streams (``streams_of``, asked once, as ``ReduceStream`` does) and,
+        without streams, the key of its one free list (no key made per buffer lent)."""
         self.allocations = 0
         """Byte buffers the pool has allocated: flat after the first step."""
         self.oversized = 0
@@ -60,12 +63,17 @@ class BufferPool:
         if nbytes > self.capacity_bytes:
             self.oversized += 1
             return torch.empty(numel, dtype=dtype, device=device)
-        streams = streams_of(device)
-        free = self._free.setdefault(_stream_key(torch.device(device), streams), [])
+        streams, key = self._devices.get(device) or self._device(device)
+        if streams is not None:
+            key = streams.stream_key(streams.current_stream())  # see [Note: a free list per stream]
+        free = self._free.setdefault(key, [])
         if free:
             base, copy = free.pop()
             if copy is not None:
                 streams.wait_event(streams.current_stream(), copy)
+            storage = base.untyped_storage()
+            if storage.nbytes() == 0:  # its memory was handed back (``release_idle``)
+                storage.resize_(self.capacity_bytes)
         else:
             self.allocations += 1
             base = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=device)
@@ -81,27 +89,48 @@ class BufferPool:
         base = self._lent.pop(buffer.data_ptr(), None)
         if base is None:
             return  # allocated for one oversized request: freed with its last reference
-        streams = streams_of(base.device)
-        free = self._free.setdefault(_stream_key(base.device, streams), [])  # see [Note: a free list per stream]
+        streams, key = self._devices.get(base.device) or self._device(base.device)
+        if streams is not None:
+            key = streams.stream_key(streams.current_stream())  # see [Note: a free list per stream]
+        free = self._free.setdefault(key, [])
         if len(free) < self.slots:
             if after is None and streams is not None:
                 after = streams.record_event(streams.current_stream())
             free.append((base, after))
 
+    def release_idle(self) -> None:
+        """Hand back the memory of every byte buffer not lent now; each keeps its size and takes
+        memory again when next lent (as a stage-3 storage is grown for each gather). Called where no
+        collective is in flight until the next pass (after backward), so that what comes between,
+        the optimizer step (a rank's peak), holds no idle communication buffer: FSDP2 frees its
+        gather and reduction buffers after each use, and a pool that kept them cost a ZeRO-3 rank
+        a block of a model at a given memory (issue 60). On a device with streams the memory goes
+        back to the allocator after the current stream waited for the buffer's last reader."""
+        for free in self._free.values():
+            for i, (base, event) in enumerate(free):
+                storage = base.untyped_storage()
+                if storage.nbytes() == 0:
+                    continue
+                if event is not None:  # a reader on another stream: the allocator reuses it after that
+                    streams = streams_of(base.device)
+                    streams.wait_event(streams.current_stream(), event)
+                    streams.keep_alive(base, streams.current_stream())
+                    free[i] = (base, None)
+                storage.resize_(0)
+
     @property
     def kept_bytes(self) -> int:
-        """Bytes of the byte buffers the pool keeps (free now or lent out)."""
-        return self.capacity_bytes * (sum(len(f) for f in self._free.values()) + len(self._lent))
+        """Bytes the pool's byte buffers hold now (free or lent out; a released one holds none)."""
+        bases = [base for f in self._free.values() for base, _ in f] + list(self._lent.values())
+        return sum(base.untyped_storage().nbytes() for base in bases)
 
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
+        self._devices.clear()
 
-
-
-def _stream_key(device: torch.device, streams: Optional[DeviceStreams]) -> Hashable:
-    """The free list a buffer on ``device`` is lent from or given back to: the current stream's on a
-    device with streams (see [Note: a free list per stream]), the device's elsewhere."""
-    if streams is None:
-        return device, 0
-    return streams.stream_key(streams.current_stream())
+    def _device(self, device: torch.device) -> tuple[Optional[DeviceStreams], Hashable]:
+        """``device``'s streams, and the key of its free list where it has none (on a device with
+        streams, each stream has its own: see [Note: a free list per stream])."""
+        known = self._devices[device] = (streams_of(device), (torch.device(device), 0))
+        return known

@@ -46,11 +46,17 @@ class CollectiveStats:
     """The same bytes by (kind, global ranks of the process group): where the traffic went, e.g.
     within a node or across nodes under hybrid sharding."""
 
-    def record(self, kind: str, tensor: Tensor, group: ProcessGroup = None) -> None:
+    def record(self, kind: str, tensor: Tensor, group: ProcessGroup = None) -> "_GroupFacts":
+        """Count a ``kind`` collective over ``group`` moving ``tensor``; returns the group's facts (the
+        first thing every collective does: one call for both)."""
+        facts = _FACTS.get(weakref.ref(group)) if group is not None else None  # see _described
+        if facts is None:
+            facts = _described(group)
         size = tensor.numel() * tensor.element_size()
         self.calls[kind] += 1
         self.bytes[kind] += size
-        self.bytes_by_group[(kind, _described(group).ranks)] += size
+        self.bytes_by_group[(kind, facts.ranks)] += size
+        return facts
 
     def reset(self) -> None:
         self.calls.clear()
@@ -64,7 +70,11 @@ COLLECTIVE_STATS = CollectiveStats()
 def resolved(group: ProcessGroup) -> ProcessGroup:
     """``group``, with None (the whole world) as the world's own group object where one exists: a
     collective then finds what it asks of its group without first asking torch which group is the
-    world (several Python calls each time)."""
+    world (several Python calls each time).
+
+    An engine resolves its group when built, and that is when ``COLLECTIVES_AT_ONE_RANK`` is read:
+    groups are described afresh from here, so the variable set before an engine is built applies."""
+    _FACTS.clear()
     return dist.group.WORLD if group is None and is_initialized() else group
 
 
@@ -75,18 +85,24 @@ def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _GroupFacts:
-    """What every collective asks of its group, read from ``torch.distributed`` once per group
-    (its Python wrappers cost a dozen calls per question; a stage-3 step issues one collective per
-    bucket and unit)."""
+    """What every collective asks of its group, read from ``torch.distributed`` and the environment
+    once per group (a dozen Python calls per question to torch, four per environment read; a
+    stage-3 step issues one collective per bucket and unit)."""
 
     ranks: tuple[int, ...]
     size: int
     rank: int
     gloo: bool
+    skips: bool
+    """``skips_collectives``: one rank, and ``COLLECTIVES_AT_ONE_RANK`` is not "1"."""
+    shortcuts: bool
+    """``takes_one_rank_shortcuts``: one rank, and ``COLLECTIVES_AT_ONE_RANK`` is neither "1" nor "path"."""
 
 
-_OUTSIDE = _GroupFacts(ranks=(), size=1, rank=0, gloo=False)
-_facts: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupFacts]" = weakref.WeakKeyDictionary()
+_OUTSIDE = _GroupFacts(ranks=(), size=1, rank=0, gloo=False, skips=True, shortcuts=True)
+_FACTS: "dict[weakref.ref, _GroupFacts]" = {}
+"""By a weak reference to the group, which hashes and compares as the group: a lookup makes no
+Python call. An entry goes with its group; ``resolved`` empties it (the environment is read again)."""
 
 
 def _described(group: ProcessGroup) -> _GroupFacts:
@@ -96,11 +112,14 @@ def _described(group: ProcessGroup) -> _GroupFacts:
         pg = dist.group.WORLD  # a new world after a re-init is a new key
     else:
         return _OUTSIDE
-    facts = _facts.get(pg)
+    facts = _FACTS.get(weakref.ref(pg))
     if facts is None:
         ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
-        facts = _GroupFacts(ranks, len(ranks), dist.get_rank(group), str(dist.get_backend(group)) == "gloo")
-        _facts[pg] = facts
+        at_one_rank = os.environ.get(COLLECTIVES_AT_ONE_RANK)
+        alone = len(ranks) == 1
+        skips, shortcuts = alone and at_one_rank != "1", alone and at_one_rank not in ("1", "path")
+        facts = _GroupFacts(ranks, len(ranks), dist.get_rank(group), str(dist.get_backend(group)) == "gloo", skips, shortcuts)
+        _FACTS[weakref.ref(pg, lambda key: _FACTS.pop(key, None))] = facts
     return facts
 
 
@@ -125,6 +144,10 @@ class PendingCollective:
         make nothing wait (neither the host nor a stream). Never blocks: on NCCL a query of the
         collective's CUDA event. See [Note: no waiting in backward] in ``grad_sync.py``."""
         return self._work is None or self._work.is_completed()
+
+
+FINISHED = PendingCollective()
+"""What a skipped collective returns: finished, with nothing to wait for (shared: it never changes)."""
 
 
 def _pending(work: Any) -> PendingCollective:
@@ -152,21 +175,20 @@ collectives return early. "1": collectives are issued through torch anyway (and 
 through them), so a one-rank NCCL group runs NCCL's kernels and streams as a larger one would.
 "path": the engine takes the sharded path of N >= 2 ranks (buffers, packing, tags, the reduction's
 bookkeeping), each collective a local copy: the benchmark's CPU stand-in for a fast GPU, whose host
-work it measures without gloo's per-call latency (a GPU's NCCL launch is asynchronous)."""
+work it measures without gloo's per-call latency (a GPU's NCCL launch is asynchronous). Read when
+a group is first described after ``resolved`` (an engine's construction), not by each collective."""
 
 
 def skips_collectives(group: ProcessGroup) -> bool:
     """Whether collectives over ``group`` return early because it has one rank (no process group
-    counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` is "1"."""
-    facts = _described(group)
-    return facts.size == 1 and not (facts is not _OUTSIDE and os.environ.get(COLLECTIVES_AT_ONE_RANK) == "1")
+    counts as one), unless ``COLLECTIVES_AT_ONE_RANK`` is "1" (read as ``resolved`` says)."""
+    return _described(group).skips
 
 
 def takes_one_rank_shortcuts(group: ProcessGroup) -> bool:
     """Whether the engine skips the sharded path's work for ``group`` of one rank, unless
-    ``COLLECTIVES_AT_ONE_RANK`` is "1" or "path"."""
-    facts = _described(group)
-    return facts.size == 1 and not (facts is not _OUTSIDE and os.environ.get(COLLECTIVES_AT_ONE_RANK) in ("1", "path"))
+    ``COLLECTIVES_AT_ONE_RANK`` is "1" or "path" (read as ``resolved`` says)."""
+    return _described(group).shortcuts
 
 
 def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
@@ -189,11 +211,11 @@ def waits_block_host(group: ProcessGroup, device: torch.device) -> bool:
 
 def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> PendingCollective:
     """Gather every rank's equal-sized ``shard`` into ``output`` (rank-major, 1D)."""
-    COLLECTIVE_STATS.record("all_gather", output, group)
+    facts = COLLECTIVE_STATS.record("all_gather", output, group)
     check_compute_tensors("all-gather", (output, shard))
-    if skips_collectives(group):
+    if facts.skips:
         output.copy_(shard)
-        return PendingCollective()
+        return FINISHED
     issue = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
     return _pending(streams.issue_collective("all_gather", group, (shard,), (output,), issue))
 
@@ -201,14 +223,13 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
     """Sum ``inputs`` (rank-major, 1D) over ranks; rank r receives its slice in ``output``. On gloo
     ``inputs`` is overwritten (``_reduce_scatter_gloo``): hand it a buffer nothing reads after."""
-    COLLECTIVE_STATS.record("reduce_scatter", inputs, group)
+    facts = COLLECTIVE_STATS.record("reduce_scatter", inputs, group)
     check_compute_tensors("reduce-scatter", (output, inputs))
-    n = world_size(group)
-    if skips_collectives(group):
+    if facts.skips:
         output.copy_(inputs)
-        return PendingCollective()
-    if _described(group).gloo:
-        issue = lambda: _reduce_scatter_gloo(output, inputs.view(n, -1), group)  # noqa: E731
+        return FINISHED
+    if facts.gloo:
+        issue = lambda: _reduce_scatter_gloo(output, inputs.view(facts.size, -1), group)  # noqa: E731
     else:
         issue = lambda: _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
     return _pending(streams.issue_collective("reduce_scatter", group, (inputs,), (output,), issue))
@@ -222,9 +243,9 @@ def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_s
     afterwards see ``output``; a host read of it syncs). Every rank must pass splits that match its
     peers' (``input_splits[r']`` here is ``output_splits[r]`` on rank r'): NCCL does not check them,
     and mismatched splits hang or corrupt, so callers derive them from values every rank agrees on."""
-    COLLECTIVE_STATS.record("all_to_all", inputs, group)
+    facts = COLLECTIVE_STATS.record("all_to_all", inputs, group)
     check_compute_tensors("all-to-all", (output, inputs))
-    if skips_collectives(group):
+    if facts.skips:
         output.copy_(inputs)
         return output
     issue = lambda: dist.all_to_all_single(output, inputs, output_splits, input_splits, group=group, async_op=True)  # noqa: E731
@@ -270,9 +291,9 @@ def _reduce_scatter_gloo(output: Tensor, rows: Tensor, group: ProcessGroup) -> P
 
 def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
     """In-place all-reduce (``op`` is "sum", "max" or "min"); returns ``tensor``."""
-    COLLECTIVE_STATS.record("all_reduce", tensor, group)
+    facts = COLLECTIVE_STATS.record("all_reduce", tensor, group)
     check_compute_tensors("all-reduce", (tensor,))
-    if not skips_collectives(group):
+    if not facts.skips:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         issue = lambda: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)  # noqa: E731
         _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue)).wait()
@@ -281,10 +302,10 @@ def all_reduce(tensor: Tensor, group: ProcessGroup, op: str = "sum") -> Tensor:
 
 def start_all_reduce(tensor: Tensor, group: ProcessGroup) -> PendingCollective:
     """Start summing ``tensor`` in place over ``group``; it holds the sum once the result is waited on."""
-    COLLECTIVE_STATS.record("all_reduce", tensor, group)
+    facts = COLLECTIVE_STATS.record("all_reduce", tensor, group)
     check_compute_tensors("all-reduce", (tensor,))
-    if skips_collectives(group):
-        return PendingCollective()
+    if facts.skips:
+        return FINISHED
     issue = lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
     return _pending(streams.issue_collective("all_reduce", group, (tensor,), (tensor,), issue))
 
@@ -327,9 +348,9 @@ def default_store() -> Any:
 
 
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> Tensor:
-    COLLECTIVE_STATS.record("broadcast", tensor, group)
+    facts = COLLECTIVE_STATS.record("broadcast", tensor, group)
     check_compute_tensors("broadcast", (tensor,))
-    if not skips_collectives(group):
+    if not facts.skips:
         issue = lambda: dist.broadcast(tensor, src=dist.get_global_rank(group, src) if group else src, group=group, async_op=True)  # noqa: E731
         _pending(streams.issue_collective("broadcast", group, (tensor,), (tensor,), issue)).wait()
     return tensor

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -62,7 +62,9 @@ class ReduceStream:
         self.max_lag = max_lag
         """Bounded launches the reduce stream may have left to copy in when the compute stream goes on."""
         self._streams = streams_of(self.device)
-        self._stream: Optional[Stream] = self._streams.new_stream("reduce") if self._streams is not None else None
+        self.stream: Optional[Stream] = self._streams.new_stream("reduce") if self._streams is not None else None
+        """The reduce stream (None: none, the reductions run where they are called); an attribute,
+        read once per reduction."""
         self._launched = False  # a reduction ran on the stream since the compute stream last joined it
         self._current: Optional[_Launch] = None  # the launch being issued
         self._launches: list[_Launch] = []  # since the compute stream last joined, the ones not yet let go
@@ -71,39 +73,27 @@ class ReduceStream:
         """The most bytes of full gradients launched and not yet seen copied in (events queried at each
         launch) since the compute stream last joined: the reduce stream's lag, as it was."""
 
-    @property
-    def stream(self) -> Optional[Stream]:
-        return self._stream
-
-    @contextlib.contextmanager
-    def launching(self, bounded: bool = False) -> Iterator[None]:
+    def launching(self, bounded: bool = False) -> contextlib.AbstractContextManager:
         """Run the body (a reduction's copy-in and collective) on the reduce stream, after every
         kernel the compute stream has queued so far (the gradients it reads were produced there).
-        ``bounded``: the gradients read count against the lag's bound (see "its lag" above)."""
-        if self._stream is None:
-            yield
-            return
-        streams = self._streams
-        streams.wait_stream(self._stream, streams.current_stream())
-        self._launched = True
-        launch = self._current = _Launch(bounded)
-        try:
-            with streams.use(self._stream):
-                yield
-        finally:
-            self._current = None
-        launch.packed = streams.record_event(self._stream)
-        self._launched_one(launch)
+        ``bounded``: the gradients read count against the lag's bound (see "its lag" above).
+        (Contexts of small classes, not generators: one per reduction, see ``_Launching``.)"""
+        return _Launching(self, bounded) if self.stream is not None else _NOTHING
 
-    @contextlib.contextmanager
-    def finishing(self) -> Iterator[None]:
+    def finishing(self) -> contextlib.AbstractContextManager:
         """Run the body (a reduction's wait and what follows it) on the reduce stream, without
         waiting for the compute stream: a wait there holds back only later reductions."""
-        if self._stream is None:
-            yield
-            return
-        with self._streams.use(self._stream):
-            yield
+        return self._streams.use(self.stream) if self.stream is not None else _NOTHING
+
+    def _begin_launch(self, bounded: bool) -> "_Launch":
+        self._streams.wait_stream(self.stream, self._streams.current_stream())
+        self._launched = True
+        launch = self._current = _Launch(bounded)
+        return launch
+
+    def _end_launch(self, launch: "_Launch") -> None:
+        launch.packed = self._streams.record_event(self.stream)
+        self._launched_one(launch)
 
     def _launched_one(self, launch: "_Launch") -> None:
         """After a launch: bound the lag (the compute stream waits for the copy-in of the bounded
@@ -126,7 +116,7 @@ class ReduceStream:
         """The reduce stream reads ``tensors`` (produced on the compute stream): their memory is not
         handed out again before it did, however soon the host drops them (inside a bounded launch:
         the host holds them until the compute stream waited for their copy-in)."""
-        if self._stream is None:
+        if self.stream is None:
             return
         launch = self._current
         if launch is not None:
@@ -135,16 +125,44 @@ class ReduceStream:
                 launch.held.extend(tensors)
                 return
         for tensor in tensors:
-            self._streams.keep_alive(tensor, self._stream)
+            self._streams.keep_alive(tensor, self.stream)
 
     def join(self) -> None:
         """The compute stream waits for every reduction issued so far (on the device; the host
         goes on): from here kernels on it may read the reduced gradients."""
-        if self._stream is not None and self._launched:
-            self._streams.wait_stream(self._streams.current_stream(), self._stream)
+        if self.stream is not None and self._launched:
+            self._streams.wait_stream(self._streams.current_stream(), self.stream)
             self._launched = False
             self._launches.clear()  # what they held is freed in the compute stream's order, after the join
             self.last_peak, self._peak = self._peak, 0
+
+
+_NOTHING = contextlib.nullcontext()
+"""The context of a reduction without a stream: the body runs where it is called."""
+
+
+class _Launching:
+    """``ReduceStream.launching``'s context on a device with streams: the launch begins (the reduce
+    stream waits for the compute stream) on entry, the body runs on the reduce stream, and a body
+    that returned ends it (its event recorded, the lag bounded)."""
+
+    def __init__(self, reduce: ReduceStream, bounded: bool) -> None:
+        self._reduce, self._bounded = reduce, bounded
+
+    def __enter__(self) -> None:
+        reduce = self._reduce
+        self._launch = reduce._begin_launch(self._bounded)
+        self._on_stream = reduce._streams.use(reduce.stream)
+        self._on_stream.__enter__()
+
+    def __exit__(self, *exc: object) -> bool:
+        try:
+            self._on_stream.__exit__(*exc)
+        finally:
+            self._reduce._current = None
+        if exc[0] is None:
+            self._reduce._end_launch(self._launch)
+        return False
 
 
 @dataclass

@@ -192,6 +192,7 @@ class ShardedParameters(ParameterResidency):
 
     def end_backward(self) -> None:
         self.schedule.end_backward()
+        self.pool.release_idle()  # every gather and reduction of the backward is finished
 
     def end_step(self) -> None:
         self.schedule.end_step()

@@ -78,7 +78,7 @@ class UnitTags:
             self._comm.verdicts.read()
 
     def _verify(self, tags: list[float]) -> None:
-        if any(t != self.tag for t in tags):
+        if tags.count(self.tag) != len(tags):  # every rank's is ours (one C-level count, no generator)
             raise RuntimeError(
                 "The ranks gathered different ZeRO-3 units at the same point (unit tags by rank:"
                 f" {[int(t) for t in tags]}): the forward took different modules, or a different number"
@@ -119,6 +119,7 @@ class Unit:
         for bucket in self.buckets:
             for position, p in enumerate(bucket.params):
                 p.attach_gathered(bucket.gathered, position)
+        self._bucket_params = [[p.param for p in bucket.params] for bucket in self.buckets]
         self._guarded = [p.param for p in self.params if type(p.param) is ParameterAtRest]
         # a parameter of the user's own subclass keeps its class: at rest it shows an empty placeholder
         self._unguarded = [p for p in self.params if type(p.param) is not ParameterAtRest]
@@ -148,12 +149,15 @@ class Unit:
     def start_unshard(self) -> None:
         """Issue the all-gather (asynchronously); a no-op unless at rest."""
         if self.state is UnitState.SHARDED:
-            self._pending = [bucket.start_param_gather(self.tags) for bucket in self.buckets]
+            pending = self._pending = []  # a loop, not a comprehension: no frame of its own (Python 3.11)
+            for bucket in self.buckets:
+                pending.append(bucket.start_param_gather(self.tags))
             self.state = UnitState.GATHERING
 
     def unshard(self) -> None:
         """Make every parameter its full tensor (waiting for a prefetched gather if one is running)."""
-        self.start_unshard()
+        if self.state is UnitState.SHARDED:  # not prefetched
+            self.start_unshard()
         if self.state is UnitState.GATHERING:
             for pending in self._pending:
                 pending.finish()
@@ -169,10 +173,11 @@ class Unit:
         if self.state is UnitState.GATHERING:
             self.unshard()  # a collective in flight must complete on every rank
         if self.state is UnitState.UNSHARDED:
-            # `param.data = tensor` while gathered (a callback, a forward): its values are kept
-            assigned = [p for b in self.buckets for p, flat in zip(b.params, b.gathered.flats) if p.param.data_ptr() != flat.data_ptr()]
-            for p in assigned:
-                p.adopt_assigned_data()
+            # `param.data = tensor` while gathered (a callback, a forward): its values are kept;
+            # found by one C-level comparison per bucket of where the parameters and the views point
+            for bucket, params in zip(self.buckets, self._bucket_params):
+                if list(map(Tensor.data_ptr, params)) != list(map(Tensor.data_ptr, bucket.gathered.flats)):
+                    _adopt_assigned(bucket)
             for param in self._guarded:
                 param.__class__ = ParameterAtRest
             for p in self._unguarded:
@@ -184,3 +189,10 @@ class Unit:
                         if type(p.param) is ParameterAtRest:
                             p.point_at_storage()
             self.state = UnitState.SHARDED
+
+
+def _adopt_assigned(bucket: Bucket) -> None:
+    """Each parameter of ``bucket`` whose ``.data`` was assigned while gathered keeps the assigned values."""
+    assigned = [p for p, flat in zip(bucket.params, bucket.gathered.flats) if p.param.data_ptr() != flat.data_ptr()]
+    for p in assigned:
+        p.adopt_assigned_data()

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.host_work import HOST_WORK
-from lightning_zero.engine.shards.partition import ChunkLayout
+from lightning_zero.engine.shards.partition import ChunkLayout, unpack_rows
 
 
 class GatheredStorage:
@@ -40,6 +40,7 @@ class GatheredStorage:
 
     def __init__(self, layouts: Sequence[ChunkLayout], shapes: Sequence[torch.Size], dtype: torch.dtype, device: torch.device) -> None:
         self._layouts = list(layouts)
+        self._widths = [layout.padded_chunk_numel for layout in self._layouts]  # each one's block of a row, c_i
         self._shapes = list(shapes)
         self.dtype, self.device = dtype, device
         self.views: list[Tensor] = []
@@ -57,6 +58,7 @@ class GatheredStorage:
         self.flat = torch.empty(sum(numels), dtype=self.dtype, device=self.device)  # (sum numel_i,)
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self._storages = [self.flat.untyped_storage()]
+        self._nbytes = [self.nbytes]  # each of ``_storages``' size when grown
         self.views, self.flats, self.rows = [], [], []
         offset = 0
         for layout, shape, numel in zip(self._layouts, self._shapes, numels):
@@ -65,6 +67,7 @@ class GatheredStorage:
             self._place(flat, flat.view(shape), layout)
         for index, tensor in self._owned.items():
             self._own(index, tensor)
+        self._rows_changed()
         self.free()
 
     def _place(self, flat: Tensor, view: Tensor, layout: ChunkLayout, index: Optional[int] = None) -> None:
@@ -77,6 +80,14 @@ class GatheredStorage:
         else:
             self.views[index], self.flats[index], self.rows[index] = view, flat, rows
 
+    def fill(self, rows: Tensor) -> None:
+        """Grow, then copy an all-gather's ``rows`` (N, S [+ columns after the chunks, e.g. a tag], of
+        ``dtype`` on ``device``) into every parameter's view: one ``split_with_sizes_copy`` where
+        each fills whole rows (decided here once, not per gather: see [Note: batched copies] in
+        ``partition.py``)."""
+        self.grow()
+        unpack_rows(rows, self.flats, self._widths, self.rows, all_exact=self._whole_rows)
+
     @property
     def is_grown(self) -> bool:
         return self._storages[0].nbytes() != 0 or self.nbytes == 0
@@ -85,7 +96,7 @@ class GatheredStorage:
         """Allocate the storage again (a no-op while allocated); its values are undefined until a
         gather fills them."""
         if self._storages[0].nbytes() == 0 and self.nbytes:
-            for storage, nbytes in zip(self._storages, self._sizes()):
+            for storage, nbytes in zip(self._storages, self._nbytes):
                 storage.resize_(nbytes)
                 HOST_WORK.storage_resizes += 1
 
@@ -94,15 +105,12 @@ class GatheredStorage:
         not be shrunk (held outside torch); the caller then ``renew``s before the next use."""
         if self._storages[0].nbytes() == 0:
             return True
-        if not all(storage.resizable() for storage in self._storages):
+        if not all(map(torch.UntypedStorage.resizable, self._storages)):  # no Python frame per gather
             return False
         for storage in self._storages:
             storage.resize_(0)
             HOST_WORK.storage_resizes += 1
         return True
-
-    def _sizes(self) -> list[int]:
-        return [self.nbytes] + [t.numel() * t.element_size() for t in self._owned.values()]
 
     def renew(self) -> None:
         """A new flat tensor (freed), the old one left to whoever holds it; the caller points the
@@ -119,3 +127,9 @@ class GatheredStorage:
     def _own(self, index: int, tensor: Tensor) -> None:
         self._place(tensor.view(-1), tensor, self._layouts[index], index)
         self._storages = [self.flat.untyped_storage()] + [t.untyped_storage() for t in self._owned.values()]
+        self._nbytes = [self.nbytes] + [t.numel() * t.element_size() for t in self._owned.values()]
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        flat = self.flat  # the rows an all-gather delivers are its dtype and device
+        self._whole_rows = all(r is not None and r.dtype == flat.dtype and r.device == flat.device for r in self.rows)

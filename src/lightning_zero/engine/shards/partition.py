@@ -144,13 +144,19 @@ def unpack_rows(
     targets: Sequence[Tensor],
     widths: Sequence[int],
     target_rows: Optional[Sequence[Optional[Tensor]]] = None,
+    all_exact: bool = False,
 ) -> None:
     """Copy-out for a whole bucket: ``copy_rows_into_flat`` of each column block of ``rows`` (N, S')
     into its 1D target. ``widths`` are the blocks' widths, side by side from column 0; columns past
     them (e.g. a tag) are ignored. ``target_rows``: each target already viewed as (N, width) where
-    it fills whole rows (None elsewhere), so that no view is made per call."""
+    it fills whole rows (None elsewhere), so that no view is made per call. ``all_exact``: the
+    caller knows every target row is given, in ``rows``' dtype and device (stage 3's storage,
+    decided at setup), so nothing is checked per parameter and call."""
     n = rows.shape[0]
     extra = rows.shape[1] - sum(widths)
+    if all_exact and _SPLIT_COPY is not None:
+        _SPLIT_COPY(rows, [*widths, extra], dim=1, out=[*target_rows, torch.empty(n, extra, dtype=rows.dtype, device=rows.device)])
+        return
     if target_rows is None:
         target_rows = [t.view(n, w) if t.numel() == n * w else None for t, w in zip(targets, widths)]
     exact = [r is not None and r.dtype == rows.dtype and r.device == rows.device for r in target_rows]
