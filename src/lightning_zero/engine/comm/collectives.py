@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 from torch import Tensor
 
 from lightning_zero.engine.comm import streams
@@ -32,6 +33,19 @@ ProcessGroup = Optional[dist.ProcessGroup]
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# [Note: collectives issued on the group]
+# The hot collectives (a bucket's all-gather and reduce-scatter, gloo's all-reduces of a
+# reduce-scatter) are issued on the process group itself: the C++ call torch's Python functions
+# above make in the end (``all_gather_single``, from torch 2.13; ``_allgather_base`` before), after
+# checks that hold here by construction (plain dense tensors, this rank in the group, no coalescing
+# manager) and a logging decorator: ~8 Python calls a collective, a tenth of stage 3's host work at
+# the launch-bound shape (issue 60). Same op, same dispatch, same work object. Without a group object
+# (``None``: the default group, outside an engine) the Python functions are used.
+_group_all_gather = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
+_group_reduce_scatter = getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
+_GATHER_OPTIONS = _c10d.AllgatherOptions()  # asynchronous, the default timeout
+_SUM_OPTIONS = _c10d.ReduceScatterOptions()  # a sum (the default op), asynchronous
+_ALL_REDUCE_SUM = _c10d.AllreduceOptions()  # a sum (the default op), asynchronous where torch says so
 
 
 @dataclass
@@ -216,8 +230,12 @@ def start_all_gather(output: Tensor, shard: Tensor, group: ProcessGroup) -> Pend
     if facts.skips:
         output.copy_(shard)
         return FINISHED
-    issue = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
-    return _pending(streams.issue_collective("all_gather", group, (shard,), (output,), issue))
+    if group is None:
+        issue = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
+        return _pending(streams.issue_collective("all_gather", group, (shard,), (output,), issue))
+    # see [Note: collectives issued on the group]
+    work = streams.issue_collective("all_gather", group, (shard,), (output,), _group_all_gather, group, output, shard, _GATHER_OPTIONS)
+    return work if isinstance(work, PendingCollective) else PendingCollective(work)  # `_pending`, inline
 
 
 def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
@@ -230,8 +248,11 @@ def start_reduce_scatter(output: Tensor, inputs: Tensor, group: ProcessGroup) ->
         return FINISHED
     if facts.gloo:
         issue = lambda: _reduce_scatter_gloo(output, inputs.view(facts.size, -1), group)  # noqa: E731
-    else:
+    elif group is None:
         issue = lambda: _reduce_scatter_flat(output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True)  # noqa: E731
+    else:  # see [Note: collectives issued on the group]
+        work = streams.issue_collective("reduce_scatter", group, (inputs,), (output,), _group_reduce_scatter, group, output, inputs, _SUM_OPTIONS)
+        return work if isinstance(work, PendingCollective) else PendingCollective(work)  # `_pending`, inline
     return _pending(streams.issue_collective("reduce_scatter", group, (inputs,), (output,), issue))
 
 
@@ -285,7 +306,10 @@ def _reduce_scatter_gloo(output: Tensor, rows: Tensor, group: ProcessGroup) -> P
     parts = []
     for r in range(rows.shape[0]):
         target = output if r == me else rows[r]
-        parts.append(PendingCollective(dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group, async_op=True)))
+        if group is None:
+            parts.append(PendingCollective(dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group, async_op=True)))
+        else:  # see [Note: collectives issued on the group]
+            parts.append(PendingCollective(group.allreduce([target], _ALL_REDUCE_SUM)))
     return _AllOf(parts)
 
 

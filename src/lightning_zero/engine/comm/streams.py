@@ -27,6 +27,8 @@ those tests.
 
 from __future__ import annotations
 
+import functools
+
 import abc
 import contextlib
 from typing import Any, Callable, Hashable, Iterator, Optional, Protocol, Union
@@ -165,14 +167,16 @@ def streams_of(device: Union[torch.device, str]) -> Optional[DeviceStreams]:
     return streams
 
 
-def issue_collective(kind: str, group: Any, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...], issue: Callable[[], Any]) -> Any:
+def issue_collective(
+    kind: str, group: Any, reads: tuple[Tensor, ...], writes: tuple[Tensor, ...], issue: Callable[..., Any], *args: Any
+) -> Any:
     """Issue a collective over ``group`` that reads ``reads`` and fills ``writes`` on behalf of the
-    current stream: ``issue()`` is torch's call, and what it returns (a work whose ``wait()`` makes the
+    current stream: ``issue(*args)`` is torch's call, and what it returns (a work whose ``wait()`` makes the
     current stream wait for it, or a value) is returned. On CUDA, ProcessGroupNCCL places the kernel on
     its own stream, which waits for the current one at issue; a simulated device records that."""
     if _SIMULATION is not None:
-        return _SIMULATION.collective(kind, group, reads, writes, issue)
-    return issue()
+        return _SIMULATION.collective(kind, group, reads, writes, functools.partial(issue, *args))
+    return issue(*args)
 
 
 def waits_order_streams() -> bool:

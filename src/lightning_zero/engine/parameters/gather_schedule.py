@@ -81,35 +81,39 @@ class _UnitBoundary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, target: "_Target", *tensors: torch.Tensor) -> Any:
-        ctx.target = target
-        return _aliases(ctx, tensors)
+        # ``detach()``ed aliases, not views, so that code may still modify them in place (a custom
+        # Function's view outputs refuse that), with the version counter shared as without the node;
+        # gradients of unused ones stay None rather than zeros (``set_materialize_grads(False)``)
+        ctx.target, ctx.materialize_grads = target, False
+        return tensors[0].detach() if len(tensors) == 1 else tuple([t.detach() for t in tensors])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        _call(*ctx.target)
+        # the autograd graph, which outlives a step when a user keeps a loss, holds the schedule
+        # weakly, so it never keeps the engine, the module and the Trainer alive
+        ref, method, index = ctx.target
+        schedule = ref()
+        if schedule is not None:
+            method(schedule, schedule.units[index])
         return (None, *grads)
+
+
+_apply_in_cpp = torch._C._FunctionBase.__dict__["apply"].__get__(None, _UnitBoundary)
+"""``_UnitBoundary.apply`` without ``Function.apply``'s Python layer, which binds default arguments
+(the boundary has none and no ``setup_context``) and unwraps functorch's dead wrappers before
+calling this very C++ method: 6 Python calls a boundary, two boundaries a unit call (issue 60).
+Used while no functorch transform is active (``_boundary``), as ``Function.apply`` itself does."""
+
+
+def _boundary(target: "_Target", *tensors: torch.Tensor) -> Any:
+    if torch._C._are_functorch_transforms_active():
+        return _UnitBoundary.apply(target, *tensors)
+    return _apply_in_cpp(target, *tensors)
 
 
 _Target = tuple
 """``(weakref to the schedule, method, unit index)``: what a boundary's backward calls, one tuple per
 unit and method, made once (``Function.apply`` costs a Python call per argument it is given)."""
-
-
-def _aliases(ctx: Any, tensors: tuple[torch.Tensor, ...]) -> Any:
-    """The identity's outputs: ``detach()``ed aliases, not views, so that code may still modify
-    them in place (a custom Function's view outputs refuse that), with the version counter shared
-    as without the node; gradients of unused ones stay None rather than zeros."""
-    ctx.set_materialize_grads(False)
-    return tensors[0].detach() if len(tensors) == 1 else tuple(t.detach() for t in tensors)
-
-
-def _call(ref: "weakref.ref[GatherSchedule]", method: Callable[["GatherSchedule", Unit], None], index: int) -> None:
-    """``method(schedule, unit)``, if the schedule is alive: the autograd graph, which outlives a
-    step when a user keeps a loss, holds the schedule weakly, so it never keeps the engine, the
-    module and the Trainer alive."""
-    schedule = ref()
-    if schedule is not None:
-        method(schedule, schedule.units[index])
 
 
 _LEAVES = (torch.Tensor, int, float, bool, str)
@@ -122,7 +126,7 @@ def _through(target: _Target, tree: Any) -> tuple[Any, bool]:
     if isinstance(tree, torch.Tensor):
         if not tree.requires_grad:
             return tree, False
-        return _UnitBoundary.apply(target, tree), True
+        return _boundary(target, tree), True
     if isinstance(tree, (tuple, list)) and all([v is None or isinstance(v, _LEAVES) for v in tree]):
         leaves, rebuild = list(tree), lambda new: type(tree)(new) if type(tree) in (tuple, list) else type(tree)(*new)
     else:
@@ -131,7 +135,7 @@ def _through(target: _Target, tree: Any) -> tuple[Any, bool]:
     positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.requires_grad]
     if not positions:
         return tree, False
-    passed = _UnitBoundary.apply(target, *[leaves[i] for i in positions])
+    passed = _boundary(target, *[leaves[i] for i in positions])
     for i, t in zip(positions, passed if len(positions) > 1 else (passed,)):
         leaves[i] = t
     return rebuild(leaves), True
