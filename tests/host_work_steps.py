@@ -14,7 +14,7 @@ from torch import nn
 import lightning_zero.engine
 from lightning_zero.bench.python_calls import count_python_calls
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.host_work import HOST_WORK
+from lightning_zero.engine.shards.host_work import HOST_WORK
 from lightning_zero.models.gpt import GPT, GPTConfig
 
 LAUNCH_BOUND = GPTConfig(n_layer=12, n_embd=64, n_head=4, block_size=32)

@@ -1,5 +1,5 @@
 """After ``fit`` a stage-3 module stays sharded at rest (see [Note: after fit] in
-``engine/module_link.py``): what users do next — validate, predict, save, look at the weights, fit
+``engine/parameters/module_link.py``): what users do next — validate, predict, save, look at the weights, fit
 again — gives DDP's answers, and no phase of the lifecycle brings the full model onto a rank that
 did not ask for it.
 

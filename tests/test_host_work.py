@@ -2,7 +2,7 @@
 
 At world size 1 in one process (its collectives issued all the same), the launch-bound GPT (12 blocks, width 64, batch 1 x 32), after
 warm-up: Python function calls per step against DDP's, and at stage 3 the hooks registered and the
-storages resized per step (see [Note: host work counts] in ``engine/host_work.py``). Counts are
+storages resized per step (see [Note: host work counts] in ``engine/shards/host_work.py``). Counts are
 deterministic; no time is measured.
 """
 

@@ -22,7 +22,7 @@ PACKAGE = "lightning_zero"
 ENGINE = f"{PACKAGE}.engine"
 ENGINE_LAYERS = [{"parameters", "gradients"}, {"buckets"}, {"offload"}, {"optimizer"}, {"comm"}, {"shards"}]
 """Top to bottom: a sub-package imports only those in a lower layer (and itself)."""
-ENGINE_BASE = {"config", "device_roles", "host_work", "module_hooks", "module_link"}
+ENGINE_BASE = {"config", "device_roles"}
 """Engine modules beside the sub-packages that any of them may import; they import nothing of the engine
 but each other."""
 FRAMEWORK_FREE = (f"{PACKAGE}.engine", f"{PACKAGE}.checkpoint")
@@ -214,7 +214,7 @@ def broken_tree(tmp_path: Path) -> Path:
         "engine/__init__.py": "from lightning_zero.engine.engine import ZeroEngine\n",
         "engine/engine.py": "from lightning_zero.engine.comm import collectives\nclass ZeroEngine: ...\n",
         "engine/config.py": "",
-        "engine/module_link.py": "",
+        "engine/parameters/module_link.py": "",
         "engine/comm/__init__.py": "",
         "engine/comm/collectives.py": "from lightning_zero.engine.shards import partition\n",
         "engine/comm/streams.py": "import torch\ns = torch.cuda.Stream()\n",

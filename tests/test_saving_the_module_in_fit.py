@@ -1,7 +1,7 @@
 """``torch.save(pl_module)`` and ``copy.deepcopy(pl_module)`` in a callback inside ``fit`` give what
 DDP's give, at every stage: a module with the full weights that loads with ``torch.load`` where
 lightning-zero is not imported (its pickle names nothing of it), a copy that is a plain module (no
-engine hooks: see [Note: engine entries are not copied] in ``engine/module_hooks.py``), and the fit
+engine hooks: see [Note: engine entries are not copied] in ``engine/parameters/module_hooks.py``), and the fit
 goes on as DDP's.
 
 One spawned group of 2 CPU ranks; every run is compared with DDP doing the same.

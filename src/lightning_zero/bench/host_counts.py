@@ -6,7 +6,7 @@ mode installed (the instrumented step's counters are Python themselves), in whic
 counted:
 - **Python calls**: every Python function call made by the step (`python_calls.py`, [Note: counting
   Python calls]): the model's forward, the implementation's hooks and bookkeeping, the optimizer;
-- **storage resizes** and **hook registrations** the engine made (`engine/host_work.py`, [Note: host
+- **storage resizes** and **hook registrations** the engine made (`engine/shards/host_work.py`, [Note: host
   work counts]); they are lightning-zero's own counts, so the baselines report 0 (DDP registers its
   hooks once in C++, FSDP2's are not counted).
 Counting slows the step several-fold, so it never shares a step with the timed ones; every step of a
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_zero.bench.python_calls import count_python_calls
 from lightning_zero.bench.wrappers import Wrapped
-from lightning_zero.engine.host_work import HOST_WORK
+from lightning_zero.engine.shards.host_work import HOST_WORK
 
 TOP_FUNCTIONS = int(os.environ.get("LIGHTNING_ZERO_BENCH_TOP_FUNCTIONS", "25"))
 """How many of the most called functions the JSON keeps per rank (to see where the calls go; the

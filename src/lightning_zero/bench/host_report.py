@@ -19,7 +19,7 @@ HOST_DEFINITIONS = """\
   the model's forward, the implementation's hooks and bookkeeping, the optimizer; C functions and
   torch operators are not counted; on CUDA autograd's backward thread is not seen, so compare CPU
   counts); **storage resizes** and **hook registrations**, what lightning-zero's engine counts
-  (`engine/host_work.py`; the baselines show 0, not counted); **collectives**, as in calls/step.
+  (`engine/shards/host_work.py`; the baselines show 0, not counted); **collectives**, as in calls/step.
 - **timed**: *paired*, stepped round-robin with the other paired variants in the same processes,
   one step of each in turn, the order rotated every round (`--paired`); *alone*, in processes of its
   own (without `--paired`, or where a variant cannot share a process: the reason is listed).

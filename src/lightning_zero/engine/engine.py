@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine import module_link
+from lightning_zero.engine.parameters import module_link
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.stop_vote import StopReason, StopVote

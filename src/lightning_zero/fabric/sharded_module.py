@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroStage
-from lightning_zero.engine.module_hooks import ModuleHooks
+from lightning_zero.engine.parameters.module_hooks import ModuleHooks
 
 
 class ShardedModule:

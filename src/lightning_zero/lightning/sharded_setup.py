@@ -1,7 +1,7 @@
 """The engine's start and end under ``ZeroStrategy``: at the Trainer's ``setup`` it is built
 (stage 3 shards the module where it is; stages 1-2 first give every replica rank 0's weights, as
 DDP does), or an earlier run's engine that kept the module sharded goes on; at ``teardown`` stage 3
-leaves the module sharded where its chunks are (see [Note: after fit] in ``engine/module_link.py``).
+leaves the module sharded where its chunks are (see [Note: after fit] in ``engine/parameters/module_link.py``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _engine_to_resume(
     strategy: DDPStrategy, config: ZeroConfig, shard_group_size: ShardGroupSize, shard_group: collectives.ProcessGroup
 ) -> Optional[ZeroEngine]:
     """The engine an earlier run left holding the module sharded (see [Note: after fit] in
-    ``engine/module_link.py``), if this run can go on with it: the same configuration over as
+    ``engine/parameters/module_link.py``), if this run can go on with it: the same configuration over as
     many ranks. Any other engine first gives the module its full weights back (on every rank)."""
     held = linked_engine(strategy.lightning_module)
     if held is None:

@@ -355,7 +355,7 @@ class ZeroStrategy(ZeroStepHooks):
 
     def _end_engine(self) -> None:
         """The run's engine becomes the finished one: stage 3 keeps the module sharded at rest (see
-        [Note: after fit] in ``engine/module_link.py``); stages 1-2 remove their hooks."""
+        [Note: after fit] in ``engine/parameters/module_link.py``); stages 1-2 remove their hooks."""
         if self._engine is not None:
             self._engine.end_training()
             self._finished, self._engine = self._engine, None

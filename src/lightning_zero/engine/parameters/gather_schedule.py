@@ -67,8 +67,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_zero.engine.host_work import HOST_WORK
-from lightning_zero.engine.module_hooks import ModuleHooks
+from lightning_zero.engine.shards.host_work import HOST_WORK
+from lightning_zero.engine.parameters.module_hooks import ModuleHooks
 from lightning_zero.engine.parameters.unit import Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.engine.host_work import HOST_WORK
+from lightning_zero.engine.shards.host_work import HOST_WORK
 from lightning_zero.engine.shards.partition import ChunkLayout, unpack_rows
 
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_zero.engine.module_hooks import keep_in_copies, leave_out_of_copies
+from lightning_zero.engine.parameters.module_hooks import keep_in_copies, leave_out_of_copies
 
 _ATTRIBUTE = "_lightning_zero_engine"
 
