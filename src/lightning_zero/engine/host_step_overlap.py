@@ -5,6 +5,7 @@ optimizers, the adapter's plan, and where the engine's step arms, settles and en
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -12,6 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gradients.grad_sync import GradientSync
 from lightning_zero.engine.offload.host_step_report import HostStepReport
@@ -110,10 +112,11 @@ class HostStepOverlap:
         buckets = [(b.index, b.host) for b in self._buckets() if b.host is not None and b.host.grads is not None]
         if not buckets:
             return None
-        plan = self.plan
+        plan, first = self.plan, self._buckets()[0]
         self.ahead = StepAhead(
-            optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents
-        )
+            optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents,
+            agree=functools.partial(_largest_over_ranks, first), rank_zero=collectives.rank() == 0,
+        )  # fmt: skip
         self.ahead.loss_scale = plan.loss_scale
         return self.ahead
 
@@ -159,3 +162,13 @@ class HostStepOverlap:
             self._grad_sync.finish_early = False
             self.ahead.close()
             self.ahead = None
+
+
+def _largest_over_ranks(bucket: Bucket, value: float) -> float:
+    """The largest of every rank's ``value`` (all of the engine's ranks: ``bucket``'s shard group, then
+    across its replicas), for a decision every rank must take alike (``offload/switch_off.py``)."""
+    largest = torch.tensor([value], dtype=torch.float64, device=bucket.device)
+    collectives.all_reduce(largest, bucket.group, op="max")
+    if bucket.replicate_group is not None:
+        collectives.all_reduce(largest, bucket.replicate_group, op="max")
+    return float(largest.item())

@@ -110,7 +110,7 @@ def _lane_sums(rows: Tensor, dtype: torch.dtype) -> Tensor:
 
 def same(a: Digest, b: Digest) -> bool:
     """Whether two digests are equal (bit for bit: a NaN sum equals itself)."""
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and [x.shape for x in a] == [y.shape for y in b] and all(map(torch.equal, a, b))
 
 
 @dataclass
@@ -138,7 +138,10 @@ class GradContents:
             return False
         if not same(digest(self.row), self.row_digest):
             return False
-        return all(same(digest(grads[i]), taken) for i, taken in self.others)
+        for i, taken in self.others:
+            if not same(digest(grads[i]), taken):
+                return False
+        return True
 
 
 def _places(grads: Sequence[Optional[Tensor]]) -> list[tuple[int, torch.Size]]:

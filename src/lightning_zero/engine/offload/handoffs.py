@@ -4,7 +4,8 @@
 The host step during backward (``step_ahead.py``) runs on a worker thread (:class:`WorkerThread`)
 beside the thread that runs backward. They share host memory (a bucket's landed row, its master
 chunks and optimizer state) and meet only at a few points: a bucket's step is queued (``submit``),
-the worker starts and ends a job, the worker has handed a row's gradients out (``signal`` of the
+the worker starts and ends a job, a bucket joins a job queued already (``hand_over``, ``take_over``),
+the worker has handed a row's gradients out (``signal`` of the
 job's ``accepted`` event, which the training thread may ``wait_for``), the verdict waits for every
 job (``join``), and a rollback restores what a job stepped (``point``).
 Everything here is plain ``threading`` in production.
@@ -87,7 +88,10 @@ class WorkerThread:
     def submit(self, job: Callable[..., None], *args: object) -> Future:
         """Queue ``job(*args)``; its future says when it ran and what it raised (set by the job's
         thread before it lets the others run, so a scheduler sees it done at its next point)."""
-        future: Future = Future()
+        return self.submit_as(Future(), job, *args)
+
+    def submit_as(self, future: Future, job: Callable[..., None], *args: object) -> Future:
+        """``submit``, with ``future`` made beforehand (a caller that hands it out before queueing)."""
         self._last = future
         self._pool.submit(self._run, future, job, *args)
         if self._scheduler is not None:
@@ -142,6 +146,23 @@ def wait_for(event: threading.Event, name: str) -> None:
     if _SCHEDULER is not None:
         _SCHEDULER.wait_until(event.is_set, name, event)
     event.wait()
+
+
+def hand_over(token: object, name: str) -> None:
+    """The calling thread hands ``token`` to a job queued already (under a lock of the caller's, not at
+    a handoff): nothing in production; a recorded trace orders it before ``take_over``."""
+    if _SCHEDULER is not None:
+        _SCHEDULER.signalled(token)
+
+
+def take_over(token: object, name: str) -> None:
+    """The worker takes what ``hand_over`` handed it (the two threads met under the caller's lock)."""
+    if _SCHEDULER is not None:
+        _SCHEDULER.wait_until(_always, name, token)
+
+
+def _always() -> bool:
+    return True
 
 
 def join(future: Future, name: str) -> Optional[BaseException]:

@@ -26,6 +26,7 @@ next to the shards; it is not pinned, since it never crosses the bus.
 
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Protocol, Sequence
 
@@ -40,6 +41,8 @@ from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+_SHARD_GRAD = operator.attrgetter("shard.grad")
 
 
 class Arrivals(Protocol):
@@ -155,7 +158,8 @@ class HostChunks:
         if reduced.dtype != self.dtype:  # half-precision gradients: cast on the device
             staged = pool.take(reduced.numel(), self.dtype, reduced.device)
             staged.copy_(reduced)
-        row = self.grads if all(p.shard.grad is None for p in self.params) else self._landing_row()
+        grads = list(map(_SHARD_GRAD, self.params))  # one C-level pass (this runs in backward, per bucket)
+        row = self.grads if grads.count(None) == len(grads) else self._landing_row()
         copy = self.copies.to_host(row, staged)
         if staged is not reduced:
             pool.give_back(staged, copy)

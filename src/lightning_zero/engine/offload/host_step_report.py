@@ -59,3 +59,7 @@ class HostStepReport:
     """Verdicts that compared the gradients' contents (user code may have run between backward and
     the step, so edits no version counter sees were looked for: see [Note: gradient digests] in
     ``grad_digest.py``)."""
+    switched_off: str = ""
+    """Why stepping during backward is off for the rest of the run, on every rank ("" where it is
+    not): the host step, timed after backward in the run's first steps, is too short to hide
+    anything (see ``offload/switch_off.py``). Those steps count as taken after backward."""

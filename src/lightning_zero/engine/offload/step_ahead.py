@@ -10,11 +10,12 @@ row has landed, while the device computes the earlier layers' gradients:
 
 - **when**: ``HostChunks.receive`` starts a row's copy to the host as the bucket's reduce-scatter
   finishes, during backward, and hands it to the ``StepAhead``, which queues the bucket for one
-  worker thread. The worker waits for the copy (its event, in its own thread: the host thread that
-  runs backward never waits), hands the gradients out (``HostChunks.accept``, with the used flags
-  read from the landed row) and steps the bucket with the optimizer's own update, on a view of the
-  optimizer whose param groups are narrowed to the bucket's shards. The user's optimizer object is
-  never narrowed: the main thread may read it meanwhile.
+  worker thread (``step_worker.py``). The worker, when it wakes, takes every bucket landed by then,
+  waits for their copies (their events, in its own thread: the host thread that runs backward never
+  waits), hands the gradients out (``HostChunks.accept``, with the used flags read from the landed
+  rows) and steps those buckets in one call of the optimizer's own update, on a view of the
+  optimizer whose param groups are narrowed to their shards. The user's optimizer object is never
+  narrowed: the main thread may read it meanwhile.
 - **the verdict**: whether that is the step stepping after backward would take is known only at
   ``optimizer.step()``. Clipping by norm needs every bucket's gradients, and user code between
   backward and the step (``on_before_optimizer_step``) may edit gradients or the learning rate.
@@ -51,6 +52,10 @@ row has landed, while the device computes the earlier layers' gradients:
   every gradient, after backward) and the worker's part after backward exposed more than the whole
   step after backward would have (on a machine whose host step is fast next to that pass);
   ``report()`` counts such steps with their reason (``COSTLY_REASON``).
+- **switching off**: where the host step is too short to hide anything (a few milliseconds: what
+  stepping ahead costs beside backward is more), the run's first steps, timed after backward, show
+  it, the ranks agree, and the rest of the run steps after backward (``switch_off.py``; ``report()``
+  says why, and rank zero warns).
 - **never committed**: a step ahead that no ``optimizer.step()`` follows (a loop that skips the step)
   is rolled back before anything reads the chunks again: the next step, ``zero_grad``, a gather of
   the chunks, a checkpoint.
@@ -76,15 +81,18 @@ from torch.optim import Optimizer
 from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.backoff import BACKOFF_REASON, COSTLY_REASON, BackOff, paid_off
-from lightning_zero.engine.offload.handoffs import WorkerThread
-from lightning_zero.engine.offload.bucket_step import CHUNKS_READ, WEIGHTS_WRITTEN, BucketStep, hyperparameters_of, weight_versions
-from lightning_zero.engine.offload.grad_digest import GradContents
+from lightning_zero.engine.offload.bucket_step import (
+    CHUNKS_READ, GRAD, GRADIENTS_CHANGED, HYPERPARAMETERS_CHANGED, WEIGHTS_WRITTEN, BucketStep, StepBatch, no_rollback_error,
+    weights_written_error,
+)  # fmt: skip
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
-from lightning_zero.engine.offload.rollback import RollbackCopy
+from lightning_zero.engine.offload.step_worker import StepWorker
+from lightning_zero.engine.offload.switch_off import Agree, SwitchOff
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
-from lightning_zero.engine.shards.precomputed_norms import remember_grad_norms
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+
+OUTSIDE_THE_BUCKETS = "gradients outside the buckets stepped ahead"
 
 
 class StepAhead:
@@ -92,11 +100,12 @@ class StepAhead:
     backward]). ``params``: the optimizer's sharded parameters; ``before_step()`` takes what was
     assigned to ``param.grad`` (the engine's, run before every step); ``keep_rollback``: keep copies
     to undo a step whose verdict fails; ``check_contents``: compare the gradients' contents at the
-    verdict (user code may run between backward and the step).
+    verdict (user code may run between backward and the step); ``agree``: the largest of the ranks'
+    values (for switching off, ``switch_off.py``; None: never switched off); ``rank_zero``: this
+    rank warns.
 
-    The worker's handoffs, each in one method: ``_submit`` (a bucket queued), ``_wait_for_copy``
-    (its row's copy awaited), ``_accept`` (its gradients handed out), ``_drain`` (the main thread
-    waits for the worker: the verdict, a settle) and ``_roll_back`` (a bucket's step undone)."""
+    The handoffs with the worker (``step_worker.py``): ``arrived`` (a bucket queued), ``_drain`` (the
+    main thread waits for the worker: the verdict, a settle) and ``_roll_back`` (a bucket's step undone)."""
 
     def __init__(
         self,
@@ -106,25 +115,30 @@ class StepAhead:
         before_step: Callable[[], None],
         keep_rollback: bool = True,
         check_contents: bool = True,
+        agree: Optional[Agree] = None,
+        rank_zero: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.keep_rollback = keep_rollback
         self.check_contents = check_contents
         self._before_step = before_step
-        self._unhooked = unhooked_step(optimizer)
+        self.unhooked = unhooked_step(optimizer)
         shards = {id(p.shard) for p in params}
         self._buckets = [(index, host) for index, host in buckets if any(id(p.shard) in shards for p in host.params)]
         self._index_of = {id(host): index for index, host in self._buckets}
         self._shards_of = {id(host): [p.shard for p in host.params if id(p.shard) in shards] for _, host in self._buckets}
         self._positions_of = {id(host): [i for i, p in enumerate(host.params) if id(p.shard) in shards] for _, host in self._buckets}
         """Per bucket: where each of its shards (``_shards_of``) sits among the bucket's parameters."""
-        self._all_shards = [p.shard for p in params]
-        self._rollbacks: dict[int, RollbackCopy] = {}
+        in_buckets = {id(s) for bucket in self._shards_of.values() for s in bucket}
+        self._outside = [p.shard for p in params if id(p.shard) not in in_buckets]
+        """The optimizer's shards in no bucket stepped ahead: a gradient there makes the step whole."""
+        self._steps = StepWorker(self)
         self._queued: list[BucketStep] = []
-        self._executor: Optional[WorkerThread] = None
         self._armed = False
         self._why_not = ""  # why the last backward was not armed
         self._backoff = BackOff()
+        self._switch_off = SwitchOff(agree)
+        self._rank_zero = rank_zero
         self._backward_end: Optional[float] = None
         self._counts: Counter = Counter()
         self._reasons: Counter = Counter()
@@ -133,24 +147,29 @@ class StepAhead:
         """With loss scaling (``16-mixed``): the scaler's scale now (None before its first use). Each
         bucket's gradients are then unscaled on the worker before its step, and the scaler takes
         their verdict instead of unscaling again (``unscaled_ahead``)."""
-        self._inv_scale: Optional[Tensor] = None
+        self.inv_scale: Optional[Tensor] = None
+        """This backward's reciprocal of the loss scale, on the host (the worker unscales by it)."""
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         optimizer.step = instance_step(optimizer, self._step_or_commit)  # type: ignore[method-assign]
         _STEPS_AHEAD[optimizer] = self
 
+    def positions_of(self, host: HostChunks) -> list[int]:
+        return self._positions_of[id(host)]
+
     # ---- during backward -------------------------------------------------------------------
     def arm(self, armed: bool, why_not: str = "") -> None:
         """Whether the next backward's buckets step as they arrive (its micro-batch steps); if not,
         ``why_not`` (counted if the step comes after it)."""
-        if armed and self._backoff.why_not():
-            armed, why_not = False, self._backoff.why_not()
-        if armed and self.loss_scale is not None and self._inv_scale is None:
+        off = self._switch_off.why_not() or self._backoff.why_not()
+        if armed and off:
+            armed, why_not = False, off
+        if armed and self.loss_scale is not None and self.inv_scale is None:
             scale = self.loss_scale()
             if scale is None:  # the scaler has not scaled a loss yet: nothing to unscale by
                 armed, why_not = False, "loss scale not known before the backward"
             else:  # a host sync before forward, once per step: the worker unscales on the host
-                self._inv_scale = scale.double().reciprocal().float().to("cpu")  # as GradScaler computes it
+                self.inv_scale = scale.double().reciprocal().float().to("cpu")  # as GradScaler computes it
         self._armed = armed
         self._why_not = "" if armed else why_not
         for _, host in self._buckets:
@@ -164,15 +183,10 @@ class StepAhead:
         """``host``'s reduced ``row`` is being copied to the host (``copy``): queue its step; the
         returned event is set once its gradients were handed out (``HostChunks.accept``). From now
         until the verdict, a read of the bucket's chunks undoes its step first (``_settle_bucket``)."""
-        job = BucketStep(host, self._index_of[id(host)])
+        job = BucketStep(host, self._index_of[id(host)], self._shards_of[id(host)])
         self._queued.append(job)
         host.unsettled = functools.partial(self._settle_bucket, job)
-        self._submit(job, row, copy)
-        return job.accepted
-
-    def _submit(self, job: BucketStep, row: Tensor, copy: Event) -> None:
-        """Handoff: ``job`` queued for the worker (the thread that runs backward goes on)."""
-        job.future = self._worker().submit(self._run, job, row, copy)
+        return self._steps.land(job, row, copy)
 
     def backward_ended(self) -> None:
         """Backward's gradients are all computed (``finish_backward`` begins): no more arrive ahead."""
@@ -184,86 +198,13 @@ class StepAhead:
         for _, host in self._buckets:
             host.arrivals = None
 
-    def _worker(self) -> WorkerThread:
-        if self._executor is None:
-            self._executor = WorkerThread("lightning-zero-host-step")
-        return self._executor
-
-    # ---- on the worker ------------------------------------------------------------------------
-    def _run(self, job: BucketStep, row: Tensor, copy: Event) -> None:
-        """On the worker thread: wait for the row, hand its gradients out, step the bucket. What the
-        step reads is recorded before it is read: the gradients' versions, then their digest, then
-        their norms (an edit racing the worker then shows in one of them at the verdict)."""
-        host = job.host
-        try:
-            self._wait_for_copy(host, copy)
-            self._accept(job, row)
-        finally:
-            handoffs.signal(job.accepted, "gradients handed out")
-        shards = self._shards_of[id(host)]
-        job.start = time.perf_counter()
-        grads = [s.grad for s in shards]
-        if all(g is None for g in grads):  # no rank used the bucket: its step would change nothing
-            job.end = time.perf_counter()
-            return
-        if self._inv_scale is not None:
-            job.found_inf = _unscale([g for g in grads if g is not None], self._inv_scale)
-            if job.found_inf:
-                job.end = time.perf_counter()
-                return  # the scaler skips this step on every rank: nothing to step, nothing to undo
-        job.grads = [(shard, grad, grad._version if grad is not None else 0) for shard, grad in zip(shards, grads)]
-        still_valid = None
-        if self.check_contents:
-            in_row = [host.holds_gradient(i, g) for i, g in zip(self._positions_of[id(host)], grads)]
-            job.contents = GradContents.take(host.gradient_row, grads, in_row)
-            still_valid = functools.partial(_contents_unchanged, job.contents, shards)
-        if self.keep_rollback:  # something may clip by norm: its norms are taken here, off the critical path
-            remember_grad_norms(shards, still_valid=still_valid)
-            rollback = self._rollbacks.get(id(host))
-            if rollback is None:
-                rollback = self._rollbacks[id(host)] = RollbackCopy(host.master, shards)
-            rollback.save(self.optimizer.state)
-            job.saved = True
-        job.hyperparameters = self._step_bucket(shards)
-        job.weights_after = weight_versions(host, shards)
-        job.stepped = True
-        job.end = time.perf_counter()
-
-    def _wait_for_copy(self, host: HostChunks, copy: Optional[Event]) -> None:
-        """Handoff (worker): wait for a row's copy to the host; backward goes on meanwhile."""
-        host.copies.wait_on_host(copy)
-
-    def _accept(self, job: BucketStep, row: Tensor) -> None:
-        """Handoff (worker): hand ``job``'s gradients out (``HostChunks.accept_now``); the thread
-        that finishes backward waits for ``job.accepted`` before it reads them."""
-        host = job.host
-        k = len(host.params)
-        host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
-
-    def _step_bucket(self, shards: Sequence[Tensor]) -> list[tuple[int, dict[str, Any]]]:
-        """The optimizer's own update of ``shards``, on a view of the optimizer whose param groups hold
-        only them; returns each group's hyperparameters as stepped, by group index (a snapshot taken
-        before the view reads them: a change racing the step shows at the verdict)."""
-        members = {id(s) for s in shards}
-        groups, narrowed, read = self.optimizer.param_groups, [], []
-        for i, group in enumerate(groups):
-            params = [p for p in group["params"] if id(p) in members]
-            if params:
-                read.append((i, hyperparameters_of(group, copy=True)))
-                narrowed.append({**group, "params": params})
-        view = object.__new__(type(self.optimizer))
-        view.__dict__.update(self.optimizer.__dict__)
-        view.param_groups = narrowed
-        self._unhooked(view)
-        return read
-
     def unscaled_ahead(self, inv_scale: Tensor) -> Optional[float]:
         """For the scaler's ``unscale_``: where this backward's gradients were unscaled on the worker
         (by ``inv_scale``), the inf/NaN they held (summed over the buckets); None where they were not."""
-        if self._inv_scale is None or not self._queued:
+        if self.inv_scale is None or not self._queued:
             return None
         self._drain()
-        if not torch.equal(inv_scale.to("cpu"), self._inv_scale):
+        if not torch.equal(inv_scale.to("cpu"), self.inv_scale):
             raise RuntimeError(
                 "The loss scale changed between backward and unscaling (`GradScaler.update()` ran in"
                 " between); the gradients were unscaled during backward by the scale before."
@@ -280,19 +221,22 @@ class StepAhead:
             start = time.perf_counter()
             settled = [job for job in self._queued if job.settled]
             if settled:  # the buckets read before the verdict step now; the others are kept
-                for job in settled:
-                    self._step_bucket(job.shards)
+                self._steps.step_shards([shard for job in settled for shard in job.shards])
             else:
-                self._unhooked(optimizer, **kwargs)
+                self._switch_off.host_step_starts()
+                self.unhooked(optimizer, **kwargs)
+                self._switch_off.host_step_ended()
             after_s = time.perf_counter() - start
         self._counts[mode] += 1
         self._last = self._timing(mode, after_s, verdict_s)
         paid = mode != "ahead" or paid_off(self._last)
         self._backoff.after_step(mode, paid, was_backing_off=self._why_not in (BACKOFF_REASON, COSTLY_REASON))
         self._clear()
+        if self._switch_off.after_step() and self._rank_zero:
+            self._switch_off.warn()
 
     def stop_backing_off(self) -> None:
-        """Step ahead from the next step on, whatever was redone lately."""
+        """Step ahead from the next step on, whatever was redone lately (not where switched off)."""
         self._backoff.stop()
 
     def _verdict(self, whole: bool = False) -> tuple[str, float]:
@@ -302,20 +246,20 @@ class StepAhead:
         the step takes arguments, so it is taken whole); "after_backward" when nothing was stepped
         ahead. And the seconds the comparisons took."""
         self._drain()
-        if not any(job.stepped for job in self._queued):
+        if not any([job.stepped for job in self._queued]):
             if not self._queued:
                 self._reasons[self._why_not or "no backward armed before the step"] += 1
             return "after_backward", 0.0
         start = time.perf_counter()
         self._before_step()
         handoffs.point("verdict")
-        if self.check_contents and any(job.contents is not None for job in self._queued):
+        if self.check_contents and any([job.contents is not None for job in self._queued]):
             self._counts["content_checks"] += 1
-        settled = any(job.settled for job in self._queued)
+        settled = any([job.settled for job in self._queued])
         changed = self._what_changed() or (CHUNKS_READ if settled and whole else "")
         if changed == WEIGHTS_WRITTEN:
             self._clear()
-            raise _weights_written_error()
+            raise weights_written_error()
         if not changed and settled:
             self._reasons[CHUNKS_READ] += 1
             return "redone", time.perf_counter() - start
@@ -329,34 +273,43 @@ class StepAhead:
 
     def _timing(self, mode: str, after_s: float, verdict_s: float) -> HostStepTiming:
         stepped = [job for job in self._queued if job.stepped] if mode != "after_backward" else []
-        buckets = tuple((job.index, job.start, job.end) for job in stepped)
-        host_step_s = sum(job.end - job.start for job in stepped) + after_s
+        buckets = tuple([(job.index, job.start, job.end) for job in stepped])
+        host_step_s = sum([job.end - job.start for job in stepped]) + after_s
         return HostStepTiming(mode, buckets, self._backward_end, host_step_s, verdict_s)
 
     def _what_changed(self) -> str:
         """Why the steps taken ahead are not the ones to take now ("" if they are): weights written
-        since (first: no rollback may then hide the write), then what metadata tells of every bucket,
-        then, where asked, the gradients' contents (the one check that reads them)."""
-        groups = self.optimizer.param_groups
+        since (first: no rollback may then hide the write), then what metadata tells of every bucket
+        (a constant number of C-level comparisons each, see ``bucket_step.py``), then, where asked,
+        the gradients' contents (the one check that reads them)."""
         held = [job for job in self._queued if job.holds_step]
-        if any(job.weights_written() for job in held):
+        if any([job.weights_written() for job in held]):
             return WEIGHTS_WRITTEN
-        covered = {id(shard) for job in held for shard in job.shards}
-        for job in self._queued:
-            if job.settled:  # undone: it steps now, whatever it reads
-                covered.update(id(shard) for shard in self._shards_of[id(job.host)])
-        changed = next((why for why in (job.what_changed(groups) for job in held) if why), "")
-        if not changed and any(shard.grad is not None and id(shard) not in covered for shard in self._all_shards):
-            changed = "gradients outside the buckets stepped ahead"
-        if not changed and self.check_contents:
-            changed = next((why for why in (job.contents_changed() for job in held) if why), "")
-        return changed
+        if any([job.gradients_changed() for job in held]):
+            return GRADIENTS_CHANGED
+        groups = self.optimizer.param_groups
+        if any([batch.hyperparameters_changed(groups) for batch in _batches(held)]):
+            return HYPERPARAMETERS_CHANGED
+        if self._gradients_outside(held):
+            return OUTSIDE_THE_BUCKETS
+        if self.check_contents:
+            return next((why for why in [job.contents_changed() for job in held] if why), "")
+        return ""
+
+    def _gradients_outside(self, held: Sequence[BucketStep]) -> bool:
+        """Whether a shard of the optimizer holds a gradient that no step taken ahead read (its bucket
+        not stepped, or in no bucket), where the bucket's chunks were not undone to step now."""
+        covered = {id(job.host) for job in self._queued if job.settled}
+        covered.update([id(job.host) for job in held])
+        shards = [self._shards_of[id(host)] for _, host in self._buckets if id(host) not in covered]
+        shards.append(self._outside)
+        return any([list(map(GRAD, bucket)).count(None) != len(bucket) for bucket in shards])
 
     def _undo(self, why: str) -> None:
         """Restore every bucket stepped ahead (the worker is idle)."""
         if not self.keep_rollback:
             self._clear()
-            raise _no_rollback_error(why)
+            raise no_rollback_error(why)
         handoffs.point("rollback")
         for job in reversed(self._queued):
             self._roll_back(job)
@@ -365,7 +318,7 @@ class StepAhead:
     def _roll_back(self, job: BucketStep) -> None:
         """Handoff: ``job``'s bucket back as before its step (the worker is done with it)."""
         if job.saved and job.holds_step:
-            self._rollbacks[id(job.host)].restore(self.optimizer.state)
+            self._steps.rollbacks[id(job.host)].restore(self.optimizer.state)
         job.undone = True
 
     def _settle_bucket(self, job: BucketStep) -> None:
@@ -381,7 +334,7 @@ class StepAhead:
         if not self.keep_rollback:
             self._drain()
             self._clear()
-            raise _no_rollback_error(CHUNKS_READ)
+            raise no_rollback_error(CHUNKS_READ)
         self._roll_back(job)
         job.settled = True
 
@@ -391,7 +344,7 @@ class StepAhead:
         if not self._queued:
             return
         self._drain()
-        if any(job.holds_step for job in self._queued):
+        if any([job.holds_step for job in self._queued]):
             self._undo(why)
         self._reasons[why] += 1
         self._clear()
@@ -401,9 +354,9 @@ class StepAhead:
         self._drain()
 
     def _drain(self) -> None:
-        """Handoff: the main thread waits for the worker's jobs; where one failed, undo what was
-        stepped ahead and re-raise."""
-        errors = [handoffs.join(job.future, "the verdict waits for the host step") for job in self._queued if job.future is not None]
+        """Handoff: the main thread waits for the worker's jobs (one per batch of buckets); where one
+        failed, undo what was stepped ahead and re-raise."""
+        errors = [handoffs.join(b.future, "the verdict waits for the host step") for b in _batches(self._queued) if b.future is not None]
         error = next((e for e in errors if e is not None), None)
         if error is None:
             return
@@ -416,7 +369,7 @@ class StepAhead:
         for job in self._queued:
             job.host.unsettled = None
         self._queued = []
-        self._inv_scale = None
+        self.inv_scale = None
 
     # ---- what the user sees ---------------------------------------------------------------------
     def report(self) -> HostStepReport:
@@ -428,26 +381,25 @@ class StepAhead:
             rollback_bytes=self.rollback_bytes,
             last=self._last,
             content_checks=self._counts["content_checks"],
+            switched_off=self._switch_off.reason,
         )
 
     @property
     def rollback_bytes(self) -> int:
-        return sum(copy.nbytes for copy in self._rollbacks.values())
+        return self._steps.rollback_bytes
 
     def close(self) -> None:
         """Undo anything uncommitted, stop the worker, give the optimizer its own ``step`` back."""
         _STEPS_AHEAD.pop(self.optimizer, None)
         try:
-            if self.keep_rollback or not any(job.holds_step for job in self._queued):
+            if self.keep_rollback or not any([job.holds_step for job in self._queued]):
                 self.settle("the engine closed before `optimizer.step()`")
             else:  # nothing to undo with (a run that failed mid-step): the chunks keep the step
                 self._drain()
                 self._clear()
         finally:
             self.disarm()
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
+            self._steps.shutdown()
             if self._had_step:
                 self.optimizer.step = self._previous_step  # type: ignore[method-assign]
             else:
@@ -462,37 +414,6 @@ def step_ahead_of(optimizer: Optimizer) -> Optional[StepAhead]:
     return _STEPS_AHEAD.get(optimizer)
 
 
-def _no_rollback_error(why: str) -> RuntimeError:
-    return RuntimeError(
-        f"The optimizer step was taken during backward, and then {why}, so it is not the step"
-        " to take; no rollback copies were kept because nothing was expected to change between"
-        " backward and `optimizer.step()`. HINT: pass `ZeroStrategy(..., overlap_host_step=False)`"
-        " (or report what changed them: the strategy keeps rollback copies where clipping or a"
-        " hook between backward and the step is configured)."
-    )
-
-
-def _weights_written_error() -> RuntimeError:
-    return RuntimeError(
-        "The optimizer's chunks (the weights it steps) were written between backward and"
-        " `optimizer.step()`, after the step was taken during backward: the write landed on the stepped"
-        " weights, and no rollback can tell what it would have done to the weights before the step."
-        " HINT: write weights before the backward or after `optimizer.step()`, or pass"
-        " `overlap_host_step=False` to take the step after backward."
-    )
-
-
-def _contents_unchanged(contents: GradContents, shards: Sequence[Tensor]) -> bool:
-    """Whether ``shards``' gradients hold what ``contents`` recorded (for a remembered norm)."""
-    return contents.unchanged([s.grad for s in shards])
-
-
-def _unscale(grads: Sequence[Tensor], inv_scale: Tensor) -> float:
-    """Unscale ``grads`` (host tensors) in place by ``inv_scale`` as ``GradScaler`` does; the inf/NaN found."""
-    found = torch.zeros((), dtype=torch.float32)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv_scale)
-    return found.item()
+def _batches(jobs: Sequence[BucketStep]) -> list[StepBatch]:
+    """The worker's batches that took ``jobs``, each once, in order."""
+    return [batch for batch in dict.fromkeys([job.batch for job in jobs]) if batch is not None]
