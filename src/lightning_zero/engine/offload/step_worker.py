@@ -15,28 +15,41 @@ import functools
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.bucket_step import GRAD, BucketStep, StepBatch, hyperparameters_of, weight_versions
 from lightning_zero.engine.offload.grad_digest import GradContents
 from lightning_zero.engine.offload.handoffs import WorkerThread
+from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.shards.precomputed_norms import remember_grad_norms
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.offload.step_ahead import StepAhead
+class WorkerOwner(Protocol):
+    """What the worker reads of the host step that owns it (``step_ahead.StepAhead``), as each
+    batch runs."""
+
+    optimizer: Optimizer
+    keep_rollback: bool
+    check_contents: bool
+    inv_scale: Optional[Tensor]
+
+    unhooked: Callable[..., Any]
+    """The optimizer class's own ``step``, without the hooks on it (``instance_step.unhooked_step``)."""
+
+    def positions_of(self, host: HostChunks) -> list[int]: ...
 
 
 class StepWorker:
     """The worker thread of ``ahead`` (its settings read as each batch runs: ``keep_rollback``,
     ``check_contents``, ``inv_scale``), the batch queued for its next wake, and the rollback copies."""
 
-    def __init__(self, ahead: "StepAhead") -> None:
+    def __init__(self, ahead: WorkerOwner) -> None:
         self._ahead = ahead
         self.rollbacks: dict[int, RollbackCopy] = {}
         """Per bucket (``id`` of its ``HostChunks``): its master row and state before its last step."""
