@@ -563,9 +563,12 @@ def one_rank_run(ctx: RankContext, strategy: str, issuing: bool) -> dict:
     from lightning_zero.models.gpt import GPT, GPTConfig
 
     counting = _CountingDist(dist)
-    saved = collectives.dist, collectives._all_gather_flat, collectives._reduce_scatter_flat
+    # torch's functions, and the process group's own calls (see [Note: collectives issued on the group])
+    names = ("_all_gather_flat", "_reduce_scatter_flat", "_group_all_gather", "_group_reduce_scatter", "_group_all_reduce")
+    saved = collectives.dist, *(getattr(collectives, name) for name in names)
     collectives.dist = counting
-    collectives._all_gather_flat, collectives._reduce_scatter_flat = counting.counting(saved[1]), counting.counting(saved[2])
+    for name, function in zip(names, saved[1:]):
+        setattr(collectives, name, counting.counting(function))
     os.environ[collectives.COLLECTIVES_AT_ONE_RANK] = "1" if issuing else "0"
     try:
         torch.manual_seed(0)
@@ -584,7 +587,9 @@ def one_rank_run(ctx: RankContext, strategy: str, issuing: bool) -> dict:
         weights = engine.full_state_dict(model)
         engine.close()
     finally:
-        collectives.dist, collectives._all_gather_flat, collectives._reduce_scatter_flat = saved
+        collectives.dist = saved[0]
+        for name, function in zip(names, saved[1:]):
+            setattr(collectives, name, function)
         del os.environ[collectives.COLLECTIVES_AT_ONE_RANK]
     return {"weights": weights, "issued": counting.issued}
 

@@ -190,7 +190,7 @@ class Bucket:
         if alone and self.host is None and self.replicate_group is None:
             return self._take_local_gradients()
         stream = stream if stream is not None else NO_STREAM
-        n, s, f = self.world_size, self.shard_numel, self.flag_count
+        s, f = self.shard_numel, self.flag_count
         received = None
         if self.host is None:
             # its chunks become the gradient shards as they are, read on the compute stream after

@@ -43,6 +43,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # (``None``: the default group, outside an engine) the Python functions are used.
 _group_all_gather = getattr(dist.ProcessGroup, "all_gather_single", None) or dist.ProcessGroup._allgather_base
 _group_reduce_scatter = getattr(dist.ProcessGroup, "reduce_scatter_single", None) or dist.ProcessGroup._reduce_scatter_base
+_group_all_reduce = dist.ProcessGroup.allreduce
 _GATHER_OPTIONS = _c10d.AllgatherOptions()  # asynchronous, the default timeout
 _SUM_OPTIONS = _c10d.ReduceScatterOptions()  # a sum (the default op), asynchronous
 _ALL_REDUCE_SUM = _c10d.AllreduceOptions()  # a sum (the default op), asynchronous where torch says so
@@ -309,7 +310,7 @@ def _reduce_scatter_gloo(output: Tensor, rows: Tensor, group: ProcessGroup) -> P
         if group is None:
             parts.append(PendingCollective(dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group, async_op=True)))
         else:  # see [Note: collectives issued on the group]
-            parts.append(PendingCollective(group.allreduce([target], _ALL_REDUCE_SUM)))
+            parts.append(PendingCollective(_group_all_reduce(group, [target], _ALL_REDUCE_SUM)))
     return _AllOf(parts)
 
 
