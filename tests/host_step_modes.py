@@ -1,9 +1,12 @@
 """Which way the host step went in the last step, told by two of the engine's ``host_step_report()``s
-(tests/test_host_step_edits.py and tests/test_host_step_verdict.py)."""
+(tests/test_host_step_edits.py, test_host_step_verdict.py, test_host_step_switch_off.py), and
+whether two recorded runs stepped to the same weights."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import torch
 
 MODES = ("ahead", "redone", "after_backward")
 
@@ -15,3 +18,10 @@ def mode_between(before: Any, after: Any) -> Optional[str]:
     counts = lambda r: (0, 0, 0) if r is None else (r.ahead, r.redone, r.after_backward)  # noqa: E731
     taken = [mode for mode, a, b in zip(MODES, counts(before), counts(after)) if b > a]
     return taken[0] if taken else None
+
+
+def same_history(a: dict, b: dict) -> bool:
+    """Whether two runs' ``history`` (the weights after each step) are bitwise equal, step by step."""
+    return len(a["history"]) == len(b["history"]) and all(
+        torch.equal(x, y) for xs, ys in zip(a["history"], b["history"]) for x, y in zip(xs, ys)
+    )

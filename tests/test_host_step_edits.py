@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from host_step_modes import mode_between
+from host_step_modes import mode_between, same_history
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.host_step_overlap import ScaleOf
@@ -112,12 +112,6 @@ def _run(
     return {"history": history, "modes": modes, "report": previous}
 
 
-def _bitwise(a: dict, b: dict) -> bool:
-    return len(a["history"]) == len(b["history"]) and all(
-        torch.equal(x, y) for xs, ys in zip(a["history"], b["history"]) for x, y in zip(xs, ys)
-    )
-
-
 def _twins(**kwargs: Any) -> tuple[dict, dict]:
     return _run(True, **kwargs), _run(False, **kwargs)
 
@@ -172,7 +166,7 @@ UNSEEN_BY_VERSIONS = ("grad_data_clamp", "shard_numpy", "shard_data")
 def test_each_gradient_edit_is_seen_by_the_verdict(name, stage):
     edit, reason = GRADIENT_EDITS[name]
     ahead, after = _twins(edit=edit, stage=stage)
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["modes"] == ["redone", "after_backward"], ahead["modes"]
     assert ahead["report"].reasons == {reason: 1, BACKOFF_REASON: 1}, ahead["report"].reasons
 
@@ -192,7 +186,7 @@ def test_each_hyperparameter_edit_is_seen_by_the_verdict(name):
     edit, optimizer = HYPERPARAMETER_EDITS[name]
     scheduler = name.startswith("scheduler")
     ahead, after = _twins(edit=edit, optimizer=optimizer, scheduler=scheduler)
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["modes"] == ["redone", "after_backward"], ahead["modes"]
     assert ahead["report"].reasons == {HYPERPARAMETERS_CHANGED: 1, BACKOFF_REASON: 1}
 
@@ -232,7 +226,7 @@ def test_a_hyperparameter_container_edited_in_place_is_seen():
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw_tensor_lr"])
 def test_a_scheduler_after_the_step_keeps_steps_ahead(optimizer):
     ahead, after = _twins(optimizer=optimizer, scheduler=True, steps=3)
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["modes"] == ["ahead"] * 3 and ahead["report"].reasons == {}
     assert ahead["report"].content_checks == 3  # the engine's own API: always compared
 
@@ -246,7 +240,7 @@ def test_reads_and_clipping_that_does_not_apply_keep_the_step():
         clip_grads_by_global_norm_(_shards(o), 1e6, torch.device("cpu"))  # ours skips the multiply by 1.0
 
     ahead, after = _twins(edit=reads, steps=2, edit_at=(0, 1))
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["modes"] == ["ahead", "ahead"] and ahead["report"].reasons == {}
 
 
@@ -271,7 +265,7 @@ def test_clipping_after_a_data_edit_uses_the_new_norm(through, reason):
         clip_grads_by_global_norm_(_shards(o), box.pop("bound", 1e6), torch.device("cpu"))
 
     ahead, after = _twins(edit=halve, before_step=clip, plan={"keep_rollback": True})
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["report"].reasons == {reason: 1, BACKOFF_REASON: 1}
 
 
@@ -395,7 +389,7 @@ class _WithAux(torch.nn.Module):
 def test_an_unused_unit_read_after_backward_redoes_nothing(keep_rollback):
     plan = {"keep_rollback": keep_rollback, "check_contents": keep_rollback}  # False: the Trainer's plan without hooks
     ahead, after = _twins(stage=3, steps=3, model=_WithAux, unit_classes=["Block"], plan=plan)
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     assert ahead["modes"] == ["ahead"] * 3 and ahead["report"].reasons == {}, ahead["report"]
 
 
@@ -413,7 +407,7 @@ def test_a_read_before_the_verdict_undoes_only_its_bucket(keep_rollback):
             _run(True, before_step=_read_one_bucket, plan={"keep_rollback": False})
         return
     ahead, after = _twins(before_step=_read_one_bucket, steps=1)
-    assert _bitwise(ahead, after)
+    assert same_history(ahead, after)
     report = ahead["report"]
     assert ahead["modes"] == ["redone"] and report.reasons == {CHUNKS_READ: 1}
     # the other buckets kept their steps: only the one read stepped again after backward

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from host_step_modes import mode_between
+from host_step_modes import mode_between, same_history
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.offload.switch_off import SWITCHED_OFF_REASON, TRIAL_REASON, TRIAL_STEPS
@@ -63,12 +63,6 @@ def _run(overlap: bool, steps: int = STEPS, stage: int = 2) -> dict:
     return {"history": history, "modes": modes, "report": previous, "warnings": said}
 
 
-def _bitwise(a: dict, b: dict) -> bool:
-    return len(a["history"]) == len(b["history"]) and all(
-        torch.equal(x, y) for xs, ys in zip(a["history"], b["history"]) for x, y in zip(xs, ys)
-    )
-
-
 class _Judged:
     """Judging on (as outside the suite), with ``hide_from`` seconds as the threshold; where
     ``long_s`` is given, this rank's host step measures that long (a rank whose step is long)."""
@@ -101,7 +95,7 @@ class _Judged:
 def _summary(ctx: RankContext, on: dict, off: dict) -> dict:
     return {
         "rank": ctx.rank,
-        "bitwise": _bitwise(on, off),
+        "bitwise": same_history(on, off),
         "modes": on["modes"],
         "switched_off": on["report"].switched_off,
         "reasons": on["report"].reasons,
@@ -175,7 +169,7 @@ def test_buckets_landed_while_the_worker_is_busy_step_in_one_call(monkeypatch, s
     on = _run(True, steps=1, stage=stage)
     monkeypatch.setattr(step_worker.StepWorker, "step_shards", step_shards)
     off = _run(False, steps=1, stage=stage)
-    assert _bitwise(on, off)
+    assert same_history(on, off)
     assert on["modes"] == ["ahead"]
     stepped = on["report"].last.buckets
     assert len(stepped) > 2, stepped
