@@ -51,6 +51,13 @@ class ShardedParameters(ParameterResidency):
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
         offload = config.offload_optimizer
         self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if offload else 1) + 1 + config.prefetch_units)
+        self._releases_idle_buffers = not offload
+        """Whether the pool's idle buffers give their memory back after each backward: where the
+        optimizer steps on the device, its step is a rank's peak and they would only add to it;
+        offloaded, the step runs on the host and the device's peak is in backward, where they are
+        lent anyway, so releasing them would only cost their re-allocation every step (on the CPU,
+        where the host step during backward needs the time, ~3.5 ms of exposed step at the
+        benchmark's overlap stand-in, issue 60)."""
         self.copies = CopyStream(device) if offload else None
         self.compute_device = device
         self._verdicts = verdicts
@@ -192,7 +199,8 @@ class ShardedParameters(ParameterResidency):
 
     def end_backward(self) -> None:
         self.schedule.end_backward()
-        self.pool.release_idle()  # every gather and reduction of the backward is finished
+        if self._releases_idle_buffers:
+            self.pool.release_idle()  # every gather and reduction of the backward is finished
 
     def end_step(self) -> None:
         self.schedule.end_step()
