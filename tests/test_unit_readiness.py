@@ -2,7 +2,7 @@
 
 Two ranks on different data, the engine against torch DDP bitwise, every step:
 - the usual model (each unit's parameters used by its own modules): the unit ends are trusted after
-  the first backward, the per-parameter hooks go, and the weights stay DDP's;
+  the first backward, the per-parameter hooks go (but the root unit's), and the weights stay DDP's;
 - a parameter of a later unit read by an earlier module in every step: the engine keeps counting
   per parameter (it never trusts the unit ends), and the weights stay DDP's;
 - the same read in one step only (on every rank: a read at rest is agreed on by the ranks), with a
@@ -125,9 +125,11 @@ def test_every_step_matches_ddp_bitwise(results, when):
 
 
 def test_unit_ends_replace_the_hooks_once_trusted(results):
+    """After the first backward only the root unit's parameters keep a hook (the root's buckets come
+    last and launch as their gradients arrive): here `inp`'s weight and bias."""
     for zero in results["zero3_never"]:
         hooks = zero["hooks"]
-        assert hooks[0] == 0 and all(h == 0 for h in hooks), f"hooks after each step: {hooks}"
+        assert all(h == 2 for h in hooks), f"hooks after each step: {hooks}"
 
 
 def test_a_parameter_read_before_its_unit_keeps_the_hooks(results):

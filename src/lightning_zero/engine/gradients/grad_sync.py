@@ -52,7 +52,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopReason, StopVote
-from lightning_zero.engine.gradients.unit_readiness import UnitReadiness
+from lightning_zero.engine.gradients.unit_readiness import UnitReadiness, late_after_the_end, late_gradient_error
 from lightning_zero.engine.gradients.unreached import UnreachedParameters
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -194,7 +194,7 @@ class ReduceDuringBackward(GradientSync):
         self.max_in_flight = max_in_flight
         self._listener = listener
         self._bucket_of: dict[int, Bucket] = {id(p.param): bucket for bucket in self.buckets for p in bucket.params}
-        self._handles: list[RemovableHandle] = []
+        self._handles: dict[int, RemovableHandle] = {}  # by `id` of the parameter
         self._next_to_launch = 0
         self._in_flight: list[PendingGradientReduction] = []  # launched in this backward
         self._unfinished: deque[PendingGradientReduction] = deque()
@@ -212,6 +212,8 @@ class ReduceDuringBackward(GradientSync):
         if listener is not None and self.buckets:
             self._per_unit = UnitReadiness(self.buckets, listener.root_unit)
             listener.unit_backward_ended = self._unit_backward_ended
+        self._last_released = False  # trusted: the last bucket may launch (this backward's end came)
+        self._end_queued = False  # trusted: `_at_backward_end` is queued on autograd's engine
         self.open()
 
     @property
@@ -226,17 +228,16 @@ class ReduceDuringBackward(GradientSync):
         """Register the hooks (at construction, and again when a module kept sharded after ``fit``
         trains again, or a late gradient was found; a no-op while they are registered). Stage 3 then
         learns again whether the unit ends can replace them (see [Note: readiness per unit])."""
-        if not self._handles:
-            self._handles = [
-                p.param.register_post_accumulate_grad_hook(self._hook_for(p)) for bucket in self.buckets for p in bucket.params
-            ]
-            if self._per_unit is not None:
-                self._per_unit.forget()
+        missing = [p for bucket in self.buckets for p in bucket.params if id(p.param) not in self._handles]
+        for p in missing:
+            self._handles[id(p.param)] = p.param.register_post_accumulate_grad_hook(self._hook_for(p))
+        if missing and self._per_unit is not None:
+            self._per_unit.forget()
 
-    def _remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _remove_hooks(self, keep: Collection[int] = ()) -> None:
+        """Remove the hooks but those of the parameters whose ``id`` is in ``keep``."""
+        for key in [key for key in self._handles if key not in keep]:
+            self._handles.pop(key).remove()
 
     def _hook_for(self, param: ShardedParam):
         # runs once per parameter per backward: what it does for a parameter that does not complete
@@ -337,7 +338,10 @@ class ReduceDuringBackward(GradientSync):
         bucket is left for the flush (it carries the late-gradient vote, see [Note: readiness per
         unit])."""
         self._found_no_room = False
-        last = len(self.buckets) - (0 if flush or self._per_unit is None or not self._per_unit.trusted else 1)
+        held = not (flush or self._last_released or self._per_unit is None or not self._per_unit.trusted)
+        last = len(self.buckets) - held
+        if held and self._next_to_launch == last and self.buckets[last].ready and not self._end_queued:
+            self._queue_backward_end()
         while self._next_to_launch < last:
             bucket = self.buckets[self._next_to_launch]
             if not (flush or bucket.ready):
@@ -385,20 +389,42 @@ class ReduceDuringBackward(GradientSync):
         self._hand_out(self._in_flight, reads)
         self._in_flight.clear()
         self._next_to_launch = 0
+        self._last_released = self._end_queued = False
         self._last_waiting_peak, self._waiting_peak = self._waiting_peak, 0
+
+    def _queue_backward_end(self) -> None:
+        """Trusted, the last bucket ready (its root parameters' hooks, or its unit's end): launch it
+        when this backward's graph has run, with the late-gradient check before it (see [Note:
+        readiness per unit]), where this runs in the backward's own graph task (not a nested one, whose end is not the backward's)."""
+        if torch._C._current_graph_task_id() == self._unreached.task and not self._unreached.nested:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._at_backward_end)
+
+    def _at_backward_end(self) -> None:
+        """Autograd ran this backward's graph: no gradient is still to come, so the check for late
+        ones is final; its vote rides on the last bucket, launched now."""
+        assert self._per_unit is not None
+        if self._per_unit.find_late(self._next_to_launch) and self.votes is not None:
+            self.votes.request(StopReason.LATE_GRADIENT)
+        self._last_released = True
+        self._launch_ready_buckets()
 
     def _settle_unit_readiness(self) -> None:
         """Stage 3, at the flush: learning, whether the unit ends are trusted from the next backward
-        on (the hooks then go); trusted, whether a gradient came after its bucket's launch, which
-        the flushed buckets carry as every rank's vote (see [Note: readiness per unit])."""
+        on (the hooks then go, but the root unit's: its buckets come last and launch as their
+        gradients arrive); trusted, whether a gradient came after its bucket's launch, which the
+        flushed buckets carry as every rank's vote (see [Note: readiness per unit])."""
         per_unit = self._per_unit
         if per_unit is None:
             return
         if per_unit.trusted:
-            if per_unit.find_late(self._next_to_launch) and self.votes is not None:
-                self.votes.request(StopReason.LATE_GRADIENT)
-        elif self._handles and per_unit.learn(self._next_to_launch):
-            self._remove_hooks()
+            if per_unit.find_late(self._next_to_launch):
+                if self._next_to_launch == len(self.buckets):
+                    late_after_the_end(per_unit.late)  # nothing left to carry a vote
+                if self.votes is not None:
+                    self.votes.request(StopReason.LATE_GRADIENT)
+        elif len(self._handles) == per_unit.params and per_unit.learn(self._next_to_launch):
+            self._remove_hooks(keep=per_unit.root_params)
 
     def late_gradients_agreed(self) -> None:
         """Every rank learned that some rank found a gradient after its bucket's launch (see [Note:
@@ -409,16 +435,7 @@ class ReduceDuringBackward(GradientSync):
         if self._per_unit is not None:
             self._per_unit.late = []
         self.open()
-        here = f"on this rank: {late[:5]}{' ...' if len(late) > 5 else ''}" if late else "on another rank"
-        raise RuntimeError(
-            "A gradient reached a ZeRO-3 parameter after its bucket had been reduce-scattered in this backward"
-            f" ({here}). lightning-zero reduces a unit's gradients when the unit's backward ends; a parameter that"
-            " some module uses before its unit in the forward (a weight read by an earlier module) gets its"
-            " gradient later, and past backwards did not show such a use. This step's gradients are incomplete, so"
-            " no rank steps with them. The engine counts gradients per parameter again from the next backward."
-            " HINT: give such a parameter to a unit that covers both uses (`unit_classes`, or leave it to the root"
-            " unit), or keep the use the same in every step."
-        )
+        raise late_gradient_error(late)
 
     def close(self) -> None:
         self._remove_hooks()

@@ -20,17 +20,23 @@ use's backward, which comes after the unit's). Nothing about a module tells; a b
   the per-parameter hooks count as before, and at each unit's end the engine notes whether its
   buckets are complete there. A backward in which every bucket launched during it belonged to a unit
   that was complete at its end (the root unit's buckets, last in bucket order, excepted) makes the
-  engine trust the unit ends: the per-parameter hooks are removed.
+  engine trust the unit ends: the per-parameter hooks are removed, but the root unit's (it is
+  gathered for the whole step and has no end of its own; its few parameters — embeddings, final
+  norm, head — keep launching its buckets as their gradients arrive).
 - **trusted**: a unit's end marks its buckets ready (parameters it did not reach contribute zeros and
-  a 0 used flag, as before) and launches what is ready in bucket order; the first end of a backward
-  also marks the parameters that backward cannot reach (see [Note: unreached parameters] in
-  ``unreached.py``). The last bucket in order is always left for the flush after backward, which first
-  looks for gradients that arrived after their bucket was launched (a ``.grad`` set again after the
-  launch took it: one list comprehension over the parameters, one C-level count) and carries the
-  finding in its reduce-scatter as a stop vote (``StopReason.LATE_GRADIENT``, see [Note: stop votes]
-  in ``stop_vote.py``). Every rank then reads the same vote with the backward's one host read and
-  raises the same error (``ZeroEngine.finish_backward``): this step's gradients miss what arrived
-  late, and no rank steps with them. The engine goes back to learning.
+  a 0 used flag, as before) and launches what is ready in bucket order; the backward's first hook or
+  end also marks the parameters that backward cannot reach (see [Note: unreached parameters] in
+  ``unreached.py``). The last bucket in order is held until autograd has run the whole backward
+  graph (a callback queued on its engine once that bucket is ready, where it is ready in the
+  backward's own graph task; else until the flush after backward). Then nothing more can arrive, and
+  the engine looks for gradients that arrived after their bucket was launched (a ``.grad`` set again
+  after the launch took it: one list comprehension over the parameters, one C-level count) and
+  carries the finding in the last bucket's reduce-scatter as a stop vote
+  (``StopReason.LATE_GRADIENT``, see [Note: stop votes] in ``stop_vote.py``). Every rank then reads
+  the same vote with the backward's one host read and raises the same error
+  (``ZeroEngine.finish_backward``): this step's gradients miss what arrived late, and no rank steps
+  with them. The engine goes back to learning. (Holding that bucket to the flush instead cost the
+  benchmark's overlap stand-in a third more exposed step: the root's host step started later.)
 
 A unit whose inputs need no gradient has no end node; its backward ends with its last parameter
 gradient, which only a per-parameter hook sees. Trusted, such a unit is freed after backward and its
@@ -66,6 +72,11 @@ class UnitReadiness:
         self._tensors = [p.param for bucket in buckets for p in bucket.params]  # in launch order
         self._launched_before = [0, *itertools.accumulate(len(bucket.params) for bucket in buckets)]
         self._named = [p for bucket in buckets for p in bucket.params]
+        self.params = len(self._named)
+        self.root_params = frozenset(id(p.param) for bucket in buckets if bucket.index == root for p in bucket.params)
+        """The root unit's parameters, which keep their hooks: the root has no end of its own (it is
+        gathered for the whole step), and its buckets, last in launch order, launch as its gradients
+        arrive, as before."""
         self._complete_units: set[int] = set()  # learning: units complete at their end in this backward
         self._incomplete = False  # learning: a unit whose end came before its last gradient
         self.late: list[str] = []
@@ -121,3 +132,30 @@ class UnitReadiness:
         """Back to learning (hooks registered again, or a late gradient found)."""
         self.trusted = False
         self._complete_units, self._incomplete = set(), False
+
+
+def late_gradient_error(late: Sequence[str]) -> RuntimeError:
+    """The error every rank raises once the ranks agreed that a gradient came late; ``late``: the
+    parameters this rank found (empty: another rank found them)."""
+    here = f"on this rank: {list(late[:5])}{' ...' if len(late) > 5 else ''}" if late else "on another rank"
+    return RuntimeError(
+        "A gradient reached a ZeRO-3 parameter after its bucket had been reduce-scattered in this backward"
+        f" ({here}). lightning-zero reduces a unit's gradients when the unit's backward ends; a parameter that"
+        " some module uses before its unit in the forward (a weight read by an earlier module) gets its"
+        " gradient later, and past backwards did not show such a use. This step's gradients are incomplete, so"
+        " no rank steps with them. The engine counts gradients per parameter again from the next backward."
+        " HINT: give such a parameter to a unit that covers both uses (`unit_classes`, or leave it to the root"
+        " unit), or keep the use the same in every step."
+    )
+
+
+def late_after_the_end(late: Sequence[str]) -> None:
+    """Raise: gradients reached parameters after this backward's graph had run and every bucket was
+    launched (a second ``backward()`` before ``finish_backward``), so no reduction is left to carry
+    a vote; raised on the rank that found them."""
+    raise RuntimeError(
+        f"Parameters {list(late[:5])}{' ...' if len(late) > 5 else ''} received gradients after lightning-zero had"
+        " reduced every bucket of this backward: a second `backward()` reached them before the engine's"
+        " `finish_backward()`. lightning-zero reduces each gradient once per backward. HINT: call"
+        " `finish_backward()` after each backward (the strategies do), or run one backward over the summed losses."
+    )

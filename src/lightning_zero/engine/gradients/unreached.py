@@ -115,6 +115,11 @@ class UnreachedParameters:
         self._swaps_seen = -1
 
     @property
+    def nested(self) -> bool:
+        """Whether the running backward has shown a nested one so far."""
+        return self._nested
+
+    @property
     def trusted(self) -> bool:
         """Whether the running backward marks what it will not reach: every rank then launches every
         bucket during its backward (what the reduce stream's bound needs, see [Note: reduce stream])."""
