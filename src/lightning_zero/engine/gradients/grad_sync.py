@@ -243,14 +243,16 @@ class ReduceDuringBackward(GradientSync):
         # runs once per parameter per backward: what it does for a parameter that does not complete
         # its bucket is one call (``mark_ready``)
         bucket, listener, unreached = self._bucket_of[id(param.param)], self._listener, self._unreached
-        graph_task = torch._C._current_graph_task_id
+        per_unit, graph_task = self._per_unit, torch._C._current_graph_task_id
 
         def on_grad_accumulated(_: object) -> None:
             if listener is not None and listener.awaiting:
                 listener.grad_accumulated(param)
             became_ready = bucket.mark_ready(param)
             task = graph_task()
-            if task != unreached.task:  # this backward's first gradient hook (or a nested backward's)
+            # this backward's first gradient hook (or a nested backward's); trusting the unit ends, only
+            # the root's hooks are left, and the first unit end marks (it can tell a nested backward)
+            if task != unreached.task and (per_unit is None or not per_unit.trusted):
                 became_ready = self._mark_ready(unreached.seen_task(task, param)) or became_ready
             if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
                 self._launch_ready_buckets()
