@@ -420,6 +420,8 @@ class ReduceDuringBackward(GradientSync):
         if per_unit is None:
             return
         if per_unit.trusted:
+            if per_unit.late:  # found at the backward's end, the vote carried by the last bucket
+                return
             if per_unit.find_late(self._next_to_launch):
                 if self._next_to_launch == len(self.buckets):
                     late_after_the_end(per_unit.late)  # nothing left to carry a vote
