@@ -148,3 +148,41 @@ def test_a_late_gradient_on_one_rank_raises_on_every_rank(results):
     assert "blocks.2.lin.weight" in rank1["error"][1]
     params = sum(1 for _ in _Net().parameters())
     assert rank0["hooks"][-1] == params and rank1["hooks"][-1] == params, "the engine learns again after the error"
+
+
+def test_a_second_backward_before_finish_backward_is_refused(tmp_path):
+    """Trusted unit ends, one rank: a second ``backward()`` reaching only unit parameters before
+    ``finish_backward()`` finds every bucket reduced already; no reduction is left to carry a vote,
+    and the rank raises, naming the parameters and the fix."""
+    import os
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm.collectives import COLLECTIVES_AT_ONE_RANK
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    os.environ[COLLECTIVES_AT_ONE_RANK] = "1"
+    try:
+        torch.manual_seed(0)
+        model = _Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3))
+        for _ in range(2):  # the first backward learns, the second is trusted
+            engine.begin_step()
+            model(torch.randn(4, 8)).backward()
+            engine.finish_backward()
+            engine.end_step()
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+        engine.begin_step()
+        model(torch.randn(4, 8)).backward()
+        x = torch.randn(4, 8, requires_grad=True)
+        model.blocks[1](x, "").sum().backward()  # block 1 only: no root parameter, no bucket left
+        with pytest.raises(RuntimeError, match=r"blocks\.1\.lin\.weight.*second `backward\(\)`"):
+            engine.finish_backward()
+        engine.close()
+    finally:
+        os.environ.pop(COLLECTIVES_AT_ONE_RANK, None)
+        dist.destroy_process_group()
