@@ -44,7 +44,8 @@ from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.stop_vote import StopReason, StopVote
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.full_weights import FullWeights
-from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward, ReduceDuringBackward
+from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward
+from lightning_zero.engine.gradients.reduce_during_backward import ReduceDuringBackward
 from lightning_zero.engine.gradients.grad_window import GradientWindow
 from lightning_zero.engine.gradients.norms import norms_by_name
 from lightning_zero.engine.memory import MemoryReport, measure, working_memory
