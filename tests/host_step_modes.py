@@ -25,3 +25,24 @@ def same_history(a: dict, b: dict) -> bool:
     return len(a["history"]) == len(b["history"]) and all(
         torch.equal(x, y) for xs, ys in zip(a["history"], b["history"]) for x, y in zip(xs, ys)
     )
+
+
+class StepRecorder:
+    """What a test of the host step keeps of a run: the weights after each step (gathered), how each
+    step was taken (``mode_between`` consecutive reports) and the last report."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.history: list[list[torch.Tensor]] = []
+        self.modes: list[Optional[str]] = []
+        self.report = engine.host_step_report()
+
+    def after_step(self, net: torch.nn.Module) -> None:
+        with self._engine.gathered():
+            self.history.append([p.detach().clone() for p in net.parameters()])
+        report = self._engine.host_step_report()
+        self.modes.append(mode_between(self.report, report))
+        self.report = report
+
+    def results(self) -> dict:
+        return {"history": self.history, "modes": self.modes, "report": self.report}

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from host_step_modes import mode_between, same_history
+from host_step_modes import StepRecorder, mode_between, same_history
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.host_step_overlap import ScaleOf
@@ -85,7 +85,7 @@ def _run(
         engine.plan_host_step(**plan)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5) if scheduler else None
     torch.manual_seed(1)
-    history, modes, previous = [], [], engine.host_step_report()
+    record = StepRecorder(engine)
     try:
         for step in range(steps):
             engine.begin_step()
@@ -102,14 +102,10 @@ def _run(
             opt.zero_grad()
             if sched is not None:
                 sched.step()
-            with engine.gathered():
-                history.append([p.detach().clone() for p in net.parameters()])
-            report = engine.host_step_report()
-            modes.append(mode_between(previous, report))
-            previous = report
+            record.after_step(net)
     finally:
         engine.close()
-    return {"history": history, "modes": modes, "report": previous}
+    return record.results()
 
 
 def _twins(**kwargs: Any) -> tuple[dict, dict]:

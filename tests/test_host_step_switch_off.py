@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from host_step_modes import mode_between, same_history
+from host_step_modes import StepRecorder, same_history
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.offload.switch_off import SWITCHED_OFF_REASON, TRIAL_REASON, TRIAL_STEPS
@@ -40,7 +40,7 @@ def _run(overlap: bool, steps: int = STEPS, stage: int = 2) -> dict:
     config = ZeroConfig(stage=stage, offload_optimizer=True, overlap_host_step=overlap, fused_host_step=False, **placement)
     engine = ZeroEngine(net, [opt], config, device=torch.device("cpu"))
     torch.manual_seed(1 + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
-    history, modes, previous = [], [], engine.host_step_report()
+    record = StepRecorder(engine)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -52,15 +52,11 @@ def _run(overlap: bool, steps: int = STEPS, stage: int = 2) -> dict:
                 opt.step()
                 engine.after_optimizer_step(opt)
                 opt.zero_grad()
-                with engine.gathered():
-                    history.append([p.detach().clone() for p in net.parameters()])
-                report = engine.host_step_report()
-                modes.append(mode_between(previous, report))
-                previous = report
+                record.after_step(net)
         finally:
             engine.close()
     said = [str(w.message) for w in caught if "too short to hide" in str(w.message)]
-    return {"history": history, "modes": modes, "report": previous, "warnings": said}
+    return {**record.results(), "warnings": said}
 
 
 class _Judged:

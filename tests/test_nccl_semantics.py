@@ -386,7 +386,7 @@ def host_lead_run(ctx: RankContext, stage: int, lagging: bool, skipping_rank: Op
 
     def launched_and_ready() -> None:
         ready = 0
-        while ready < len(engine.buckets) and engine.buckets[ready].is_ready:
+        while ready < len(engine.buckets) and engine.buckets[ready].ready:
             ready += 1
         # hybrid with one-rank shard groups: a bucket's reduction is its all-reduce across the replicas
         seen.append((COLLECTIVE_STATS.calls["all_reduce" if replicate is not None else "reduce_scatter"], ready))

@@ -169,11 +169,6 @@ class Bucket:
         self.ready = True
         return True
 
-    @property
-    def is_ready(self) -> bool:
-        """Every parameter's gradient for this backward has been accumulated."""
-        return self.ready
-
     def start_gradient_reduction(
         self, ballot: Sequence[bool] = (False,) * StopVote.WIDTH, stream: Optional[ReduceStream] = None, bounded: bool = False
     ) -> "PendingGradientReduction":

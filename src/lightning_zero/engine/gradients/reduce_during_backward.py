@@ -66,7 +66,7 @@ class ReduceDuringBackward(GradientSync):
         self._waits_block_host = bool(self.buckets) and _waits_block_host(self.buckets[0])
         """Whether finishing a reduction makes the host wait (see [Note: no waiting in backward])."""
         self._per_unit: Optional[UnitReadiness] = None
-        if listener is not None and self.buckets:
+        if listener is not None and votes is not None and self.buckets:  # a late gradient is voted on
             self._per_unit = UnitReadiness(self.buckets, listener.root_unit)
             listener.unit_backward_ended = self._unit_backward_ended
         self._last_released = False  # trusted: the last bucket may launch (this backward's end came)
@@ -111,14 +111,18 @@ class ReduceDuringBackward(GradientSync):
             # the root's hooks are left, and the first unit end marks (it can tell a nested backward)
             if task != unreached.task and (per_unit is None or not per_unit.trusted):
                 became_ready = self._mark_ready(unreached.seen_task(task, param)) or became_ready
-            if became_ready or self._found_no_room:  # this one's bucket, or one that found no room before
-                self._launch_ready_buckets()
-            elif self.finish_early and self._unfinished:  # gloo: one launched earlier may be done by now
-                self._finish_done()
-            if became_ready:  # only then can the bytes waiting grow
-                self._note_waiting()
+            self._after_marking(became_ready)
 
         return on_grad_accumulated
+
+    def _after_marking(self, became_ready: bool) -> None:
+        """After a gradient hook or a unit end marked what it could: launch what is ready, in order."""
+        if became_ready or self._found_no_room:  # a bucket made ready, or one that found no room before
+            self._launch_ready_buckets()
+        elif self.finish_early and self._unfinished:  # gloo: one launched earlier may be done by now
+            self._finish_done()
+        if became_ready:  # only then can the bytes waiting grow
+            self._note_waiting()
 
     def _unit_backward_ended(self, unit: int) -> None:
         """Stage 3: unit ``unit``'s backward is over. Trusted, its buckets are ready now (see [Note:
@@ -135,12 +139,7 @@ class ReduceDuringBackward(GradientSync):
         for bucket in per_unit.buckets_of(unit):
             if bucket.state is ReductionState.COLLECTING:
                 became_ready = bucket.mark_all_ready() or became_ready
-        if became_ready or self._found_no_room:
-            self._launch_ready_buckets()
-        elif self.finish_early and self._unfinished:
-            self._finish_done()
-        if became_ready:
-            self._note_waiting()
+        self._after_marking(became_ready)
 
     def _mark_ready(self, unreached: Sequence[ShardedParam]) -> bool:
         """Parameters this backward will not reach are ready now (see [Note: unreached parameters]
@@ -194,8 +193,8 @@ class ReduceDuringBackward(GradientSync):
     def _launch_ready_buckets(self, flush: bool = False) -> None:
         """Launch the ready buckets in bucket order, each once there is room in flight; ``flush``
         (after backward): every bucket left, waiting for room. Trusting the unit ends, the last
-        bucket is left for the flush (it carries the late-gradient vote, see [Note: readiness per
-        unit])."""
+        bucket waits for the backward's end (``_at_backward_end``, else the flush): it carries the
+        late-gradient vote (see [Note: readiness per unit])."""
         self._found_no_room = False
         held = not (flush or self._last_released or self._per_unit is None or not self._per_unit.trusted)
         last = len(self.buckets) - held
@@ -262,8 +261,8 @@ class ReduceDuringBackward(GradientSync):
     def _at_backward_end(self) -> None:
         """Autograd ran this backward's graph: no gradient is still to come, so the check for late
         ones is final; its vote rides on the last bucket, launched now."""
-        assert self._per_unit is not None
-        if self._per_unit.find_late(self._next_to_launch) and self.votes is not None:
+        assert self._per_unit is not None and self.votes is not None  # the engine gives both at stage 3
+        if self._per_unit.find_late(self._next_to_launch):
             self.votes.request(StopReason.LATE_GRADIENT)
         self._last_released = True
         self._launch_ready_buckets()
@@ -277,24 +276,19 @@ class ReduceDuringBackward(GradientSync):
         if per_unit is None:
             return
         if per_unit.trusted:
-            if per_unit.late:  # found at the backward's end, the vote carried by the last bucket
-                return
-            if per_unit.find_late(self._next_to_launch):
+            if not per_unit.late and per_unit.find_late(self._next_to_launch):  # else found at the backward's end
                 if self._next_to_launch == len(self.buckets):
                     late_after_the_end(per_unit.late)  # nothing left to carry a vote
-                if self.votes is not None:
-                    self.votes.request(StopReason.LATE_GRADIENT)
+                self.votes.request(StopReason.LATE_GRADIENT)
         elif len(self._handles) == per_unit.params and per_unit.learn(self._next_to_launch):
             self._remove_hooks(keep=per_unit.root_params)
 
     def late_gradients_agreed(self) -> None:
         """Every rank learned that some rank found a gradient after its bucket's launch (see [Note:
         readiness per unit]): raise the same error everywhere, and learn again from the next backward."""
-        assert self.votes is not None
+        assert self._per_unit is not None and self.votes is not None  # only a trusted stage 3 votes so
         self.votes.withdraw(StopReason.LATE_GRADIENT)
-        late = self._per_unit.late if self._per_unit is not None else []
-        if self._per_unit is not None:
-            self._per_unit.late = []
+        late, self._per_unit.late = self._per_unit.late, []
         self.open()
         raise late_gradient_error(late)
 
