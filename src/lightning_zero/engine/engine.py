@@ -113,7 +113,7 @@ class ZeroEngine:
                 module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group, param_files
             )
         else:
-            self.residency = ReplicatedParameters(module, optimizer_of, config, group, replicate_group)
+            self.residency = ReplicatedParameters(module, optimizer_of, config, group, replicate_group, timeout)
         self.params: list[ShardedParam] = self.residency.params
         self.buckets = self.residency.grad_buckets
 
@@ -147,6 +147,7 @@ class ZeroEngine:
         self._host_step = HostStepOverlap(
             config, lambda: self._optimizers.optimizers, self.params_of, self._optimizers.steps_whole_tensors,
             lambda: self.residency.buckets_with_host, self.gradients.take_assignments, self.grad_sync,
+            self.residency.copies_back,
         )  # fmt: skip
         """With CPU offload: the host step during backward (see [Note: the host step during backward]
         in ``offload/step_ahead.py``)."""

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.buckets.copies_back import ChunksBack, CopiesBack, largest_over_ranks
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gradients.grad_sync import GradientSync
@@ -69,6 +70,7 @@ class HostStepOverlap:
         buckets: Callable[[], Sequence[Bucket]],
         take_assignments: Callable[[], None],
         grad_sync: GradientSync,
+        copies_back: Optional[Union[CopiesBack, ChunksBack]] = None,
     ) -> None:
         self._config = config
         self._optimizers = optimizers
@@ -77,6 +79,10 @@ class HostStepOverlap:
         self._buckets = buckets
         self._take_assignments = take_assignments
         self._grad_sync = grad_sync
+        self.copies_back = copies_back
+        """Each bucket's weights back to the device as soon as it stepped (see [Note: copies back per
+        bucket] in ``buckets/copies_back.py``): stages 1-2 its write-back, stage 3 its device chunks."""
+        self._backward_in_round = False
         self.plan = HostStepPlan()
         self.ahead: Optional[StepAhead] = None
         self._finished: Optional[HostStepReport] = None
@@ -115,9 +121,10 @@ class HostStepOverlap:
         plan, first = self.plan, self._buckets()[0]
         self.ahead = StepAhead(
             optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents,
-            agree=functools.partial(_largest_over_ranks, first), rank_zero=collectives.rank() == 0,
+            agree=functools.partial(largest_over_ranks, first), rank_zero=collectives.rank() == 0,
         )  # fmt: skip
         self.ahead.loss_scale = plan.loss_scale
+        self.ahead.copies_back = self.copies_back
         return self.ahead
 
     def arm(self, sync_gradients: bool) -> None:
@@ -127,8 +134,22 @@ class HostStepOverlap:
         if ahead is None:
             return
         ahead.settle("no `optimizer.step()` followed the backward")
+        self._open_round(sync_gradients)
         ahead.arm(self.plan.ahead and sync_gradients, self.plan.reason or "the adapter takes the step after backward")
         self._grad_sync.finish_early = ahead.armed
+
+    def _open_round(self, sync_gradients: bool) -> None:
+        """Before a backward: close a write-back round whose backward no step followed, and open one
+        where this backward steps and no user code may read the weights before the step. The same on
+        every rank: it depends on the plan and the loop, never on this rank's stepping ahead."""
+        copies = self.copies_back
+        if not isinstance(copies, CopiesBack):  # stage 3's refreshes need no round
+            return
+        if copies.round_open and self._backward_in_round:
+            copies.close()
+        if sync_gradients and not self.plan.check_contents and not copies.round_open:
+            copies.open_round(may_undo=self.plan.keep_rollback)
+            self._backward_in_round = False
 
     def backward_ended(self) -> None:
         if self.ahead is not None:
@@ -136,6 +157,7 @@ class HostStepOverlap:
 
     def reductions_finished(self) -> None:
         """Every bucket's row has gone to the host: no more arrive in this backward."""
+        self._backward_in_round = True
         if self.ahead is not None:
             self.ahead.disarm()
             self._grad_sync.finish_early = False
@@ -164,11 +186,3 @@ class HostStepOverlap:
             self.ahead = None
 
 
-def _largest_over_ranks(bucket: Bucket, value: float) -> float:
-    """The largest of every rank's ``value`` (all of the engine's ranks: ``bucket``'s shard group, then
-    across its replicas), for a decision every rank must take alike (``offload/switch_off.py``)."""
-    largest = torch.tensor([value], dtype=torch.float64, device=bucket.device)
-    collectives.all_reduce(largest, bucket.group, op="max")
-    if bucket.replicate_group is not None:
-        collectives.all_reduce(largest, bucket.replicate_group, op="max")
-    return float(largest.item())

@@ -20,13 +20,15 @@ def assign_buckets(
     pool: Optional[BufferPool] = None,
     copies: Optional[CopyStream] = None,
     replicate_group: collectives.ProcessGroup = None,
+    gather_group: collectives.ProcessGroup = None,
 ) -> list[Bucket]:
     """Split ``params`` into buckets of at most ``bucket_bytes`` parameter bytes.
 
     ``params`` should come in the order their gradients are expected (reverse registration order,
     as DDP assumes). Parameters share a bucket only when they have the same dtype and the same
     ``group_key[id(param)]`` (their optimizer), so stepping one optimizer gathers only its buckets.
-    A parameter larger than ``bucket_bytes`` is a bucket of its own.
+    A parameter larger than ``bucket_bytes`` is a bucket of its own. ``gather_group``: where their
+    all-gathers go (default: ``group``).
     """
     open_buckets: dict[object, list[ShardedParam]] = {}
     open_bytes: dict[object, int] = {}
@@ -44,4 +46,4 @@ def assign_buckets(
     # launch order: by the position of each bucket's first parameter in the expected order
     position = {id(p): i for i, p in enumerate(params)}
     closed.sort(key=lambda members: position[id(members[0])])
-    return [Bucket(i, members, group, pool, copies=copies, replicate_group=replicate_group) for i, members in enumerate(closed)]
+    return [Bucket(i, members, group, pool, copies=copies, replicate_group=replicate_group, gather_group=gather_group) for i, members in enumerate(closed)]

@@ -269,6 +269,9 @@ class Bucket:
         With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
         finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
         """
+        host = self.host
+        if host is not None and host.unsettled is not None:  # a step ahead of its verdict is undone first
+            host.unsettled()
         if self._gathers_alone:
             tags = None  # one rank cannot disagree with itself
             if self.params[0].keeps_full:
@@ -290,6 +293,21 @@ class Bucket:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
+
+    def start_write_back(self, pool: BufferPool) -> "PendingParamGather":
+        """Stages 1-2 with offload, on the host step's thread as soon as it stepped this bucket:
+        ``start_param_gather`` of the master chunks as they are (the step's own thread reads them:
+        nothing to settle), its buffer from ``pool`` (the training thread's pool serves backward's
+        reductions meanwhile). See [Note: copies back per bucket] in ``copies_back.py``."""
+        assert self.host is not None and self.params[0].keeps_full
+        if self._gathers_alone:
+            return self._write_back_locally()
+        n, s = self.world_size, self.shard_numel
+        gathered = pool.take(n * s, self.dtype, self.device)
+        send = gathered[self._gather_rank * s : (self._gather_rank + 1) * s]
+        send.copy_(self.host.copies.to_device(self.host.master))
+        work = collectives.start_all_gather(gathered, send, self.gather_group)
+        return PendingParamGather(self, work, gathered, None, lent=[gathered], pool=pool)
 
     def _write_back_locally(self) -> "PendingParamGather":
         """World size 1, full parameters kept (stages 1-2): the chunk is the whole parameter, so the

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
@@ -122,11 +123,14 @@ class PendingParamGather:
     tags: Optional[Any] = None
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads or fills, given back once their contents are copied out."""
+    pool: Optional[BufferPool] = None
+    """Where ``lent`` came from (default: the bucket's pool)."""
 
     def finish(self) -> None:
         """Wait for the all-gather and copy every rank's chunk into the full parameters."""
         self.work.wait()
         self.bucket._finish_param_gather(self.gathered, self.tags)
+        pool = self.pool if self.pool is not None else self.bucket.pool
         for buffer in self.lent:  # given back here, not through a helper: once per gather
-            self.bucket.pool.give_back(buffer)
+            pool.give_back(buffer)
         self.lent.clear()

@@ -220,11 +220,18 @@ class HostChunks:
         with self.in_memory():  # a step taken ahead of its verdict is undone first (`unsettled`)
             out.copy_(self.copies.to_device(self.master))
 
-    def refresh_device_chunks(self) -> None:
-        """After the optimizer stepped the master chunks: bring them to the device copies."""
+    def refresh_device_chunks(self, settle: bool = True) -> None:
+        """After the optimizer stepped the master chunks: bring them to the device copies. ``settle``:
+        a step taken ahead of its verdict is undone first (False: the caller copies that step on
+        purpose, ``buckets/copies_back.py``)."""
         targets = self.device_chunks
-        if targets:
+        if targets and not settle:
+            self._refresh(targets)
+        elif targets:
             with self.in_memory():
-                row = self.copies.to_device(self.master)
-                sources = [chunk for p, chunk in zip(self.params, self._chunks(row)) if p.device_chunk is not None]
-                torch._foreach_copy_(targets, sources)
+                self._refresh(targets)
+
+    def _refresh(self, targets: list[Tensor]) -> None:
+        row = self.copies.to_device(self.master)
+        sources = [chunk for p, chunk in zip(self.params, self._chunks(row)) if p.device_chunk is not None]
+        torch._foreach_copy_(targets, sources)

@@ -87,7 +87,7 @@ from lightning_zero.engine.offload.bucket_step import (
 )  # fmt: skip
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
-from lightning_zero.engine.offload.step_worker import StepWorker
+from lightning_zero.engine.offload.step_worker import CopiesBackHook, StepWorker
 from lightning_zero.engine.offload.switch_off import Agree, SwitchOff
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -147,6 +147,8 @@ class StepAhead:
         """With loss scaling (``16-mixed``): the scaler's scale now (None before its first use). Each
         bucket's gradients are then unscaled on the worker before its step, and the scaler takes
         their verdict instead of unscaling again (``unscaled_ahead``)."""
+        self.copies_back: Optional[CopiesBackHook] = None
+        """Stages 1-2: sends each bucket's weights back as soon as it stepped (``buckets/copies_back.py``)."""
         self.inv_scale: Optional[Tensor] = None
         """This backward's reciprocal of the loss scale, on the host (the worker unscales by it)."""
         self._had_step = "step" in optimizer.__dict__
@@ -318,7 +320,11 @@ class StepAhead:
     def _roll_back(self, job: BucketStep) -> None:
         """Handoff: ``job``'s bucket back as before its step (the worker is done with it)."""
         if job.saved and job.holds_step:
+            if self.copies_back is not None:  # its weights may still be on their way to the device
+                self.copies_back.quiesce()
             self._steps.rollbacks[id(job.host)].restore(self.optimizer.state)
+            if self.copies_back is not None:
+                self.copies_back.rolled_back(job.host)
         job.undone = True
 
     def _settle_bucket(self, job: BucketStep) -> None:

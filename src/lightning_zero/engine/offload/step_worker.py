@@ -42,7 +42,20 @@ class WorkerOwner(Protocol):
     unhooked: Callable[..., Any]
     """The optimizer class's own ``step``, without the hooks on it (``instance_step.unhooked_step``)."""
 
+    copies_back: Optional["CopiesBackHook"]
+    """Stages 1-2: told of each bucket the worker took, to send its weights back at once."""
+
     def positions_of(self, host: HostChunks) -> list[int]: ...
+
+
+class CopiesBackHook(Protocol):
+    """``buckets.copies_back.CopiesBack`` as the worker sees it (see [Note: copies back per bucket])."""
+
+    def ran(self, steps: Sequence[tuple[HostChunks, BucketStep, Optional[Event]]]) -> None: ...
+
+    def quiesce(self) -> None: ...
+
+    def rolled_back(self, host: HostChunks) -> None: ...
 
 
 class StepWorker:
@@ -111,6 +124,9 @@ class StepWorker:
                 job.stepped = True
         batch.end = time.perf_counter()
         _apportion(stepping, batch.start, batch.end)
+        copies_back = self._ahead.copies_back
+        if copies_back is not None:  # each bucket's weights go back to the device now
+            copies_back.ran([(job.host, job, copy) for job, _, copy in landed])
 
     def _read(self, job: BucketStep) -> bool:
         """Record what ``job``'s step reads, before it is read: the gradients' versions, then their

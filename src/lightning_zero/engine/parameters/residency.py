@@ -15,13 +15,14 @@ from __future__ import annotations
 import abc
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.buckets.copies_back import ChunksBack, CopiesBack
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -58,6 +59,9 @@ class ParameterResidency(abc.ABC):
     """Host↔device copies of offloaded buckets (None without offload; see ``host_chunks.py``)."""
     compute_device: torch.device
     """Where the full parameters are computed with."""
+    copies_back: Optional[Union[CopiesBack, ChunksBack]] = None
+    """With CPU offload and the host step during backward: each bucket's weights back to the device as
+    it steps (``buckets/copies_back.py``): stages 1-2 its write-back, stage 3 its device chunks."""
 
     @property
     def host_allocations(self) -> int:

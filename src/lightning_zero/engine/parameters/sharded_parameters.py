@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.buckets.bucket import Bucket
+from lightning_zero.engine.buckets.copies_back import ChunksBack
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
@@ -98,6 +99,8 @@ class ShardedParameters(ParameterResidency):
         ]
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
+        if offload and config.offload_optimizer is True and config.overlap_host_step:
+            self.copies_back = ChunksBack(self.buckets_with_host, device)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
         ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
         self.reads = ReadsAtRest(comm.gather_group, device, timeout, self._chunk_in_memory, self._before_host_read)
@@ -207,10 +210,13 @@ class ShardedParameters(ParameterResidency):
 
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
         mine = {id(p) for p in optimizer_params}
-        for bucket in self.buckets_with_host:
-            # one copy and one cast per bucket; chunks on disk were copied by the step itself
-            if bucket.host.on_disk is None and any(id(p) in mine for p in bucket.params):
-                bucket.host.refresh_device_chunks()
+        if self.copies_back is not None:  # those refreshed as they stepped are left as they are
+            self.copies_back.after_step(mine)
+        else:
+            for bucket in self.buckets_with_host:
+                # one copy and one cast per bucket; chunks on disk were copied by the step itself
+                if bucket.host.on_disk is None and any(id(p) in mine for p in bucket.params):
+                    bucket.host.refresh_device_chunks()
         self.schedule.refresh_gathered()
         self._drop_unused_reads()
 
