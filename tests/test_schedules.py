@@ -56,6 +56,14 @@ SCENARIOS = {
         Scenario("stage2_offloaded", {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 0.0005}, steps=2, optimizer="sgd"),
         Scenario("stage1_offloaded", {"stage": 1, "offload_optimizer": True, "bucket_size_mb": 0.0005}, steps=2),
         Scenario(
+            "stage2_offloaded_copies_back", {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 0.0005},
+            steps=2, plan={"keep_rollback": False, "check_contents": False},
+        ),  # fmt: skip
+        Scenario(
+            "stage1_bf16_offloaded_copies_back_rank1_after_backward", {"stage": 1, "offload_optimizer": True, "bucket_size_mb": 0.0005},
+            steps=2, dtype=torch.bfloat16, plan={"keep_rollback": False, "check_contents": False}, after_backward_on=1,
+        ),  # fmt: skip
+        Scenario(
             "stage2_offloaded_edit_through_data", {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 0.0005},
             steps=2, optimizer="sgd", edit="halve gradients through .data",
         ),  # fmt: skip

@@ -63,6 +63,12 @@ class Scenario:
     """User code between backward and ``optimizer.step()`` (a name in ``EDITS``)."""
     dtype: torch.dtype = torch.float32
     """The weights' dtype (bf16: fp32 master chunks, and at stage 3 device copies of the chunks)."""
+    plan: Optional[dict[str, Any]] = None
+    """``ZeroEngine.plan_host_step`` options on every rank (None: the engine's default plan).
+    ``check_contents=False`` at stages 1-2: each bucket's write-back starts on the host step's thread."""
+    after_backward_on: Optional[int] = None
+    """A rank told to step after backward (``plan_host_step(ahead=False)``): the ranks then send the
+    same write-backs at different times."""
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -93,6 +99,8 @@ def train(scenario: Scenario, rank: int, device: Any = None, **overrides: Any) -
     if "nvme" in (options.get("offload_optimizer"), options.get("offload_params")):
         options["nvme_path"] = tempfile.mkdtemp(prefix=f"schedules-rank{rank}-")
     engine = ZeroEngine(model, [optimizer], ZeroConfig(**options))
+    if scenario.plan is not None and options.get("overlap_host_step", True):
+        engine.plan_host_step(**{**scenario.plan, **({"ahead": False} if rank == scenario.after_backward_on else {})})
     edit = EDITS[scenario.edit] if scenario.edit is not None else None
     generator = torch.Generator().manual_seed(100 + rank)
     try:

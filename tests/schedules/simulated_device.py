@@ -8,7 +8,8 @@ CPU still computes every value where it is issued; what the device would do is w
 
 - each aten op (a ``TorchDispatchMode`` on every thread of the engine) as a ``Kernel`` on the
   issuing thread's current stream, or a ``HostOp`` where only host memory is involved (tensors the
-  engine keeps on the host, tagged by ``device_roles``) or the thread is the host step's worker;
+  engine keeps on the host, tagged by ``device_roles``) or the thread is the host step's worker
+  outside a stream of its own (inside one, its write-backs are kernels like any other);
   with the byte ranges it reads and writes; blocking reads of device values (``.item()``,
   ``.tolist()``, ``torch.equal``, a synchronous copy between host and device) as a ``HostWait`` on
   the current stream first;
@@ -161,10 +162,12 @@ class SimulatedDevice(DeviceStreams):
     @contextlib.contextmanager
     def use(self, stream: SimStream) -> Iterator[None]:
         previous, self._local.current = self.current_stream(), stream
+        self._local.streamed = getattr(self._local, "streamed", 0) + 1
         try:
             yield
         finally:
             self._local.current = previous
+            self._local.streamed -= 1
 
     def wait_stream(self, waiter: SimStream, waited: SimStream) -> None:
         self._record(WaitStream(self._thread, waiter.id, waited.id))
@@ -258,7 +261,10 @@ class SimulatedDevice(DeviceStreams):
         writes = self._ranges([*written, *fresh])
         thread = self._thread
         # by what it reads: a result computed from host tensors is tagged host only once the op returned
-        on_device = thread == 0 and (not inputs or any(not device_roles.is_host(t) for t in inputs))
+        # the host step's worker issues device work only inside a stream of its own (``use``): the
+        # write-backs and refreshes that start as it steps each bucket (``buckets/copies_back.py``)
+        issues_kernels = thread == 0 or getattr(self._local, "streamed", 0) > 0
+        on_device = issues_kernels and (not inputs or any(not device_roles.is_host(t) for t in inputs))
         if not on_device:
             self._record(HostOp(thread, name, reads, writes))
             return

@@ -199,7 +199,7 @@ def working_memory(residency: ParameterResidency, disk: Optional[DiskTier], grad
     backward's gradients waiting for a reduce-scatter."""
     copies = residency.copies
     return dict(
-        comm_buffers=residency.pool.kept_bytes,
+        comm_buffers=residency.pool.kept_bytes + (residency.copies_back.pool_bytes if residency.copies_back is not None else 0),
         host_gradient_buffers=[row for b in residency.buckets_with_host for row in b.host.gradient_rows],
         staging_bytes=disk.staging.held_bytes if disk is not None else 0,
         disk_bytes=disk.disk_bytes if disk is not None else 0,

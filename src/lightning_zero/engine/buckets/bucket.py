@@ -270,8 +270,8 @@ class Bucket:
         finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
         """
         host = self.host
-        if host is not None and host.unsettled is not None:  # a step ahead of its verdict is undone first
-            host.unsettled()
+        if host is not None and host.unsettled is not None and host.before_device_read is not None:
+            host.before_device_read()  # its device chunks as before a step taken ahead of its verdict
         if self._gathers_alone:
             tags = None  # one rank cannot disagree with itself
             if self.params[0].keeps_full:

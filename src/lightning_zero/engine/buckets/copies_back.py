@@ -36,6 +36,7 @@ thread starts that write-back as soon as it stepped a bucket:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import deque
@@ -48,6 +49,7 @@ from lightning_zero.engine.buckets.pipelining import finish_pipelined
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.streams import Event, streams_of
+from lightning_zero.engine.offload.host_chunks import HostChunks
 
 IN_FLIGHT = 2
 """Gathers the host step's thread leaves unfinished at most (each holds a bucket's gathered row)."""
@@ -104,7 +106,7 @@ class CopiesBack:
             self._early = []
 
     # ---- on the host step's thread --------------------------------------------------------------
-    def ran(self, steps: Sequence[tuple[object, Optional[SentStep], Event]]) -> None:
+    def ran(self, steps: Sequence[tuple[HostChunks, Optional[SentStep], Event]]) -> None:
         """``(host chunks, step or None, row copy)`` of each bucket the thread just took: send the
         buckets whose turn it is, and finish the gathers that completed."""
         if not self.round_open:
@@ -159,13 +161,18 @@ class CopiesBack:
         if self.may_undo and self.buckets and largest_over_ranks(self.buckets[0], stale) > 0:
             finish_pipelined((b.start_param_gather() for b in self.buckets), IN_FLIGHT)
 
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory the host step's thread's gathers keep (``memory_report().comm_buffers``)."""
+        return self.pool.kept_bytes
+
     def quiesce(self) -> None:
         """The host waits for the write-backs' copies from host memory: before it writes the master
         chunks they read (a rollback)."""
         if self._stream is not None:
             self._streams.host_waits(self._stream)
 
-    def rolled_back(self, host: object) -> None:
+    def rolled_back(self, host: HostChunks) -> None:
         """A step undone: ``close`` finds it (``SentStep.undone``) and gathers again."""
 
     def release(self) -> None:
@@ -176,43 +183,73 @@ class ChunksBack:
     """Stage 3: each offloaded bucket's device chunks (half-precision weights, or parameters kept on
     the device) refreshed from its master chunks as soon as its host step ran during backward,
     instead of all of them after ``optimizer.step()``. No collective: a rank's refresh is its own.
-    A read of the chunks before the verdict (a gather) undoes the bucket's step first
-    (``HostChunks.unsettled``), and ``rolled_back`` brings the undone chunks to the device again
-    before that read; ``after_step`` refreshes the buckets not refreshed early, or undone since."""
+
+    A gather of the chunks before the verdict (a unit backward never reached, a read at rest) must
+    read them as before the step. Where they were not refreshed yet, the bucket is *held*: the
+    thread leaves it to ``after_step``, and the step itself stands (what was read is the chunks
+    before it). Where they were, the bucket's step is undone (``HostChunks.unsettled``, whose wait
+    for the thread cannot wait on a peer: the step is done) and ``rolled_back`` brings the chunks
+    back. The training thread never waits for a step still to come: that step may wait for a
+    reduce-scatter that a peer reaches only after this very gather (the schedule explorer's
+    ``stage3_bf16_offloaded_late_rank``)."""
 
     def __init__(self, buckets: Sequence[Bucket], device: torch.device) -> None:
         self._buckets = [b for b in buckets if b.host is not None and b.host.on_disk is None and b.host.device_chunks]
         self._streams = streams_of(device)
         self._stream = self._streams.new_stream("refresh") if self._streams is not None else None
+        self._lock = threading.Lock()
         self._fresh: dict[int, SentStep] = {}
         """Per bucket (``id`` of its host chunks): the step its device chunks hold."""
+        self._held: set[int] = set()
+        """Buckets read before their refresh: refreshed after the step, not by the thread."""
+        for bucket in self._buckets:
+            bucket.host.before_device_read = functools.partial(self._before_device_read, bucket.host)
         self.refreshed_early = 0
+        """Buckets refreshed by the host step's thread (counted for tests and reports)."""
 
-    def ran(self, steps: Sequence[tuple[object, Optional[SentStep], Event]]) -> None:
+    pool_bytes = 0
+    """No buffers of its own: the refresh lands in the copies' rows (``copy_buffers``)."""
+
+    def ran(self, steps: Sequence[tuple[HostChunks, Optional[SentStep], Event]]) -> None:
         for host, step, copy in steps:
-            if step is None or not step.stepped or not getattr(host, "device_chunks"):
+            if step is None or not step.stepped or host.before_device_read is None:
                 continue
-            with _on_stream(self._streams, self._stream, copy):
-                host.refresh_device_chunks(settle=False)  # type: ignore[attr-defined]
-            self._fresh[id(host)] = step
+            with self._lock:
+                if id(host) in self._held:
+                    continue
+                with _on_stream(self._streams, self._stream, copy):
+                    host.refresh_device_chunks(settle=False)
+                self._fresh[id(host)] = step
             self.refreshed_early += 1
+
+    def _before_device_read(self, host: HostChunks) -> None:
+        with self._lock:
+            refreshed = id(host) in self._fresh
+            if not refreshed:
+                self._held.add(id(host))
+        if refreshed and host.unsettled is not None:
+            host.unsettled()
 
     def quiesce(self) -> None:
         if self._stream is not None:
             self._streams.host_waits(self._stream)
 
-    def rolled_back(self, host: object) -> None:
+    def rolled_back(self, host: HostChunks) -> None:
         """On the training thread, after ``host``'s step was undone: its device chunks as before it."""
-        if self._fresh.pop(id(host), None) is not None:
+        with self._lock:
+            refreshed = self._fresh.pop(id(host), None) is not None
+        if refreshed:
             self.quiesce()
-            host.refresh_device_chunks(settle=False)  # type: ignore[attr-defined]
+            host.refresh_device_chunks(settle=False)
 
     def after_step(self, mine: set[int]) -> None:
         """After ``optimizer.step()``: refresh the buckets holding parameters in ``mine`` (ids) whose
         device chunks do not hold the step taken."""
         if self._stream is not None:  # the next gathers read what the refreshes wrote
             self._streams.wait_stream(self._streams.current_stream(), self._stream)
-        fresh, self._fresh = self._fresh, {}
+        with self._lock:
+            fresh, self._fresh = self._fresh, {}
+            self._held.clear()
         for bucket in self._buckets:
             step = fresh.get(id(bucket.host))
             if (step is None or step.undone) and any(id(p) in mine for p in bucket.params):
@@ -220,6 +257,7 @@ class ChunksBack:
 
     def release(self) -> None:
         self._fresh.clear()
+        self._held.clear()
 
 
 def _on_stream(streams, stream, after: Event):

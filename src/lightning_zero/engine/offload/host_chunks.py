@@ -99,6 +99,9 @@ class HostChunks:
         """While this bucket steps during backward (see [Note: the host step during backward] in
         ``step_ahead.py``): told of each reduced row as its copy starts; it hands the gradients out."""
         self._accepted_ahead: Optional[threading.Event] = None
+        self.before_device_read: Optional[Callable[[], None]] = None
+        """Where the host step's thread refreshes the device chunks as soon as it stepped them
+        (``buckets/copies_back.py``): called before a gather reads them while ``unsettled``."""
         self.unsettled: Optional[Callable[[], None]] = None
         """Set while the master chunks hold a step taken ahead of its verdict: called before anything
         reads them (a gather, a copy to the device), it undoes that step first."""
