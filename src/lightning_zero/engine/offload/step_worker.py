@@ -44,6 +44,8 @@ class WorkerOwner(Protocol):
 
     def positions_of(self, host: HostChunks) -> list[int]: ...
 
+    def new_rollback(self, host: HostChunks, shards: Sequence[Tensor]) -> RollbackCopy: ...
+
 
 class StepWorker:
     """The worker thread of ``ahead`` (its settings read as each batch runs: ``keep_rollback``,
@@ -136,7 +138,7 @@ class StepWorker:
             remember_grad_norms(shards, still_valid=still_valid)
             rollback = self.rollbacks.get(id(job.host))
             if rollback is None:
-                rollback = self.rollbacks[id(job.host)] = RollbackCopy(job.host.master, shards)
+                rollback = self.rollbacks[id(job.host)] = ahead.new_rollback(job.host, shards)
             rollback.save(ahead.optimizer.state)
             job.saved = True
         return True
