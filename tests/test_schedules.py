@@ -51,9 +51,13 @@ SCENARIOS = {
         Scenario(
             "stage3_nvme_late_rank", {**STAGE3, "offload_optimizer": "nvme", "offload_params": "nvme"}, steps=2, detach_after={1: 2},
         ),  # fmt: skip
+        Scenario(
+            "stage3_nvme_state_late_rank", {**STAGE3, "offload_optimizer": "nvme", "offload_params": True}, steps=2, detach_after={1: 2},
+        ),  # fmt: skip
         Scenario("stage3_optimizer_offloaded", {**STAGE3, "offload_optimizer": True}, steps=2, optimizer="sgd"),
         Scenario("stage2", {"stage": 2, "bucket_size_mb": 0.0005}, steps=2),
         Scenario("stage2_offloaded", {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 0.0005}, steps=2, optimizer="sgd"),
+        Scenario("stage2_nvme", {"stage": 2, "offload_optimizer": "nvme", "bucket_size_mb": 0.0005}, steps=2),
         Scenario("stage1_offloaded", {"stage": 1, "offload_optimizer": True, "bucket_size_mb": 0.0005}, steps=2),
         Scenario(
             "stage2_offloaded_edit_through_data", {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 0.0005},

@@ -51,18 +51,27 @@ class _Write:
 class BucketPipeline:
     """Reads ahead and writes behind for one optimizer's bucket states (see the module docstring)."""
 
-    def __init__(self, staging: StagingBuffers, start_read: StartRead, on_written: Callable[[BucketState], None]) -> None:
+    def __init__(
+        self,
+        staging: StagingBuffers,
+        start_read: StartRead,
+        on_written: Callable[[BucketState], None],
+        on_dropped: Callable[[BucketState], None],
+    ) -> None:
         self.staging = staging
         self._start_read = start_read
         self._on_written = on_written
-        """Run on the stepping thread once a bucket's write has finished (its chunks' own write settles)."""
+        """Run on the stepping thread once the write of a bucket whose chunks live on disk too has
+        finished (the chunks' own write is waited for, and they leave memory)."""
+        self._on_dropped = on_dropped
+        """Run on the stepping thread once a dropped read of such a bucket has landed (its chunks,
+        fetched with it, leave memory)."""
         self._lock = threading.Lock()
         self._wanted: list[_Read] = []
         """Buckets to step, in order; the issued reads are a prefix of those not taken."""
         self._dropped: list[_Read] = []
         """Issued reads nobody will take, whose buffers come back once they have landed."""
         self._writes: deque[_Write] = deque()
-        self._written: list[BucketState] = []
         self._out = 0
         """Buffers held: issued reads, the bucket stepping, writes in flight (at most ``staging.count``)."""
 
@@ -82,13 +91,12 @@ class BucketPipeline:
         return sorted(buckets, key=lambda b: rank.get(id(b), len(rank) + buckets.index(b)))
 
     def _pump(self) -> None:
-        """(Lock held.) Take back the buffers of finished writes and landed dropped reads; issue the
-        next reads in order while buffers are free."""
-        while self._writes and self._writes[0].io.done() and not self._writes[0].io.failed():
-            write = self._writes.popleft()
-            self._give_back(write.buffer)
-            self._written.append(write.bucket)
-        for read in [r for r in self._dropped if r.io is None or r.io.done()]:
+        """(Lock held.) Take back the buffers of finished writes and landed dropped reads (not a
+        bucket whose chunks live on disk too: the stepping thread waits for their own read or write
+        first, ``_finish``); issue the next reads in order while buffers are free."""
+        while self._writes and self._writes[0].bucket.master is None and self._writes[0].io.done() and not self._writes[0].io.failed():
+            self._give_back(self._writes.popleft().buffer)
+        for read in [r for r in self._dropped if r.bucket.master is None and (r.io is None or r.io.done())]:
             self._dropped.remove(read)
             self._give_back(read.buffer)
         for read in self._wanted:
@@ -116,30 +124,51 @@ class BucketPipeline:
                 if at is None:
                     self._wanted.append(_Read(bucket))
                     at = len(self._wanted) - 1
-                for read in self._wanted[:at]:
-                    if read.issued:
-                        self._dropped.append(read)
+                self._dropped.extend(r for r in self._wanted[:at] if r.issued)
                 del self._wanted[:at]
                 self._pump()
                 read = self._wanted[0]
                 if read.issued:
                     del self._wanted[0]
                     break
-                write = self._writes[0].io if self._writes else None
-                dropped = self._dropped[0].io if self._dropped else None
-            self._settle_written()
+                write = self._writes[0] if self._writes else None
+                dropped = self._dropped[0] if self._dropped else None
             if write is not None:
-                write.wait()  # a failed write raises here, and its step with it
+                self._finish(write)  # a failed write raises here, and the step with it
             elif dropped is not None:
-                try:
-                    dropped.wait()
-                except OSError:
-                    pass  # a dropped read: its file is read again, and fails again, where it is needed
+                self._finish_dropped(dropped)
             else:
                 raise RuntimeError(f"NVMe offload: all {self.staging.count} staging buffers are held and none is being written")
-        self._settle_written()
         assert read.buffer is not None
         return read.buffer, read.io
+
+    def _finish(self, write: _Write) -> None:
+        """Wait for ``write`` (and its bucket's chunks' write), then take its buffer back; a failed
+        one leaves its bucket's current slot the state, and raises."""
+        try:
+            write.io.wait()
+        except BaseException:
+            write.bucket.discard()
+            raise
+        finally:
+            with self._lock:
+                if write in self._writes:
+                    self._writes.remove(write)
+                    self._give_back(write.buffer)
+        self._on_written(write.bucket)
+
+    def _finish_dropped(self, read: _Read) -> None:
+        try:
+            if read.io is not None:
+                read.io.wait()
+        except OSError:
+            pass  # a dropped read: its file is read again, and fails again, where it is needed
+        finally:
+            with self._lock:
+                if read in self._dropped:
+                    self._dropped.remove(read)
+                    self._give_back(read.buffer)
+        self._on_dropped(read.bucket)
 
     def grow(self, buffer: Tensor, nbytes: int) -> Tensor:
         """A buffer of at least ``nbytes`` holding ``buffer``'s bytes, in its place (state appeared)."""
@@ -159,7 +188,6 @@ class BucketPipeline:
         with self._lock:
             self._writes.append(_Write(bucket, buffer, io))
             self._pump()
-        self._settle_written()
 
     def finish_writes(self, bucket: Optional[BucketState] = None) -> None:
         """Wait for the writes in flight (only ``bucket``'s, if given); a failed one raises, after
@@ -172,16 +200,9 @@ class BucketPipeline:
             if write is None:
                 break
             try:
-                write.io.wait()
+                self._finish(write)
             except BaseException as err:  # noqa: BLE001 - re-raised below, once the others are done
                 error = error or err
-                write.bucket.discard()
-            with self._lock:
-                if write in self._writes:
-                    self._writes.remove(write)
-                    self._give_back(write.buffer)
-                    self._written.append(write.bucket)
-        self._settle_written()
         if error is not None:
             raise error
 
@@ -194,27 +215,16 @@ class BucketPipeline:
 
     def drain(self) -> None:
         """Drop every read not taken, and wait for every read and write in flight (see ``finish_writes``)."""
-        with self._lock:
-            self._dropped.extend(r for r in self._wanted if r.issued)
-            self._wanted.clear()
-            dropped = [r.io for r in self._dropped if r.io is not None]
-        for io in dropped:
-            try:
-                io.wait()
-            except OSError:
-                pass  # a dropped read: its file is read again, and fails again, where it is needed
+        self.drop_reads()
+        while True:
+            with self._lock:
+                read = self._dropped[0] if self._dropped else None
+            if read is None:
+                break
+            self._finish_dropped(read)
         self.finish_writes()
-        with self._lock:
-            self._pump()
-        assert not self._dropped and not self._writes
 
     @property
     def held(self) -> int:
         """Buffers held now (reads issued, writes in flight)."""
         return self._out
-
-    def _settle_written(self) -> None:
-        with self._lock:
-            written, self._written = self._written, []
-        for bucket in written:
-            self._on_written(bucket)

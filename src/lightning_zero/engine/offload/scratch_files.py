@@ -177,8 +177,15 @@ class ScratchFile:
 
     def _write(self, offset: int, view: memoryview) -> None:
         start, done = time.perf_counter(), 0
-        while done < len(view):
-            done += os.pwritev(self._fd, [view[done:]], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwritev(self._fd, [view[done:]], offset + done)
+        except OSError as err:
+            raise ScratchFileError(
+                err.errno, f"NVMe offload: writing {len(view)} bytes to {self.path} failed ({err.strerror or err})."
+                f" The {self.holds} that write held {self._are} not kept (the step that made it fails); free space"
+                " on `nvme_path` or choose another disk, and resume from the last checkpoint."
+            ) from err
         self.directory.stats.add(writes=1, write_bytes=len(view), write_seconds=time.perf_counter() - start)
 
     def _read(self, offset: int, view: memoryview) -> None:

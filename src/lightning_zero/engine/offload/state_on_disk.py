@@ -80,7 +80,7 @@ class OptimizerStateOnDisk:
         self._bucket_of = {id(self.shards[i]): bucket for bucket in self.buckets for i in bucket.positions}
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._unhooked = unhooked_step(optimizer)
-        self.pipeline = BucketPipeline(staging, self._start_reading, self._written)
+        self.pipeline = BucketPipeline(staging, self._start_reading, self._written, self._dropped)
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         # torch's hooks around the streamed step, seen by LR schedulers made before or after
@@ -131,6 +131,10 @@ class OptimizerStateOnDisk:
     def _written(self, bucket: BucketState) -> None:
         if bucket.master is not None:
             bucket.master.settle(wait=True)  # its chunks' write, started with the state's
+
+    def _dropped(self, bucket: BucketState) -> None:
+        if bucket.master is not None:
+            bucket.master.drop_unused()  # fetched for a step that went another way
 
     def step_body(self, source: Optimizer, **step_kwargs: Any) -> None:
         """The optimizer's update of ``source``'s parameters (the optimizer itself, or a view of it
