@@ -263,6 +263,7 @@ def _engine_run(tmp_path: Any, overlap: bool, fail_at: Optional[int] = None, ste
     from lightning_zero.engine import ZeroConfig, ZeroEngine
     from lightning_zero.engine.offload import scratch_files
 
+    tmp_path.mkdir()
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
@@ -276,11 +277,11 @@ def _engine_run(tmp_path: Any, overlap: bool, fail_at: Optional[int] = None, ste
         for step in range(steps):
             if step == fail_at:
                 scratch_files.ScratchFile._write = lambda self, offset, view: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
-            engine.begin_step()
-            net(torch.randn(4, 16)).pow(2).mean().backward()
-            engine.finish_backward()
-            engine.end_step()
-            try:
+            try:  # the worker's failed write raises where the engine waits for it (backward's end) or at the step
+                engine.begin_step()
+                net(torch.randn(4, 16)).pow(2).mean().backward()
+                engine.finish_backward()
+                engine.end_step()
                 opt.step()
             except (OSError, RuntimeError) as err:
                 error = err

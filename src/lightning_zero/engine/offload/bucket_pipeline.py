@@ -8,6 +8,10 @@ one that steps them (``take``, ``write_behind``: the host step's worker during b
 training thread after it; never both at once). One lock guards the buffers and the queues; nothing
 waits for the disk while holding it, so ``want`` never blocks the thread that runs backward.
 
+**A failed write** fails the step it belongs to as a whole: the other writes in flight are waited
+for and every bucket's written slot is forgotten (``on_failure``), so the files hold the state of
+the last step that committed, and the error is raised once (later drains do not raise it again).
+
 **No deadlock with ``staging.count`` buffers**: reads are issued strictly in the order buckets were
 wanted, and a bucket taken drops every read wanted before it (those buckets will not step in this
 pass: no gradient reached them). So when the stepping thread takes a bucket whose read is not
@@ -18,6 +22,7 @@ stepped bucket's buffer goes back once its write has finished.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -57,6 +62,7 @@ class BucketPipeline:
         start_read: StartRead,
         on_written: Callable[[BucketState], None],
         on_dropped: Callable[[BucketState], None],
+        on_failure: Callable[[], None],
     ) -> None:
         self.staging = staging
         self._start_read = start_read
@@ -66,6 +72,8 @@ class BucketPipeline:
         self._on_dropped = on_dropped
         """Run on the stepping thread once a dropped read of such a bucket has landed (its chunks,
         fetched with it, leave memory)."""
+        self._on_failure = on_failure
+        """Run once a write failed (and the others in flight ended): the step fails as a whole."""
         self._lock = threading.Lock()
         self._wanted: list[_Read] = []
         """Buckets to step, in order; the issued reads are a prefix of those not taken."""
@@ -134,7 +142,13 @@ class BucketPipeline:
                 write = self._writes[0] if self._writes else None
                 dropped = self._dropped[0] if self._dropped else None
             if write is not None:
-                self._finish(write)  # a failed write raises here, and the step with it
+                try:
+                    self._finish(write)
+                except BaseException:  # the step fails: its other writes end first, and none is kept
+                    with contextlib.suppress(BaseException):
+                        self.drain()
+                    self._on_failure()
+                    raise
             elif dropped is not None:
                 self._finish_dropped(dropped)
             else:
@@ -203,7 +217,8 @@ class BucketPipeline:
                 self._finish(write)
             except BaseException as err:  # noqa: BLE001 - re-raised below, once the others are done
                 error = error or err
-        if error is not None:
+        if error is not None:  # the step fails, as a whole: every bucket keeps its current slot
+            self._on_failure()
             raise error
 
     def drop_reads(self) -> None:

@@ -35,6 +35,7 @@ its class, param groups, hyperparameters and schedulers; what changes:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -80,7 +81,7 @@ class OptimizerStateOnDisk:
         self._bucket_of = {id(self.shards[i]): bucket for bucket in self.buckets for i in bucket.positions}
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._unhooked = unhooked_step(optimizer)
-        self.pipeline = BucketPipeline(staging, self._start_reading, self._written, self._dropped)
+        self.pipeline = BucketPipeline(staging, self._start_reading, self._written, self._dropped, self._discard_all)
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         # torch's hooks around the streamed step, seen by LR schedulers made before or after
@@ -237,6 +238,10 @@ class OptimizerStateOnDisk:
         if bucket is not None:
             bucket.discard()
 
+    def _discard_all(self) -> None:
+        for bucket in self.buckets:
+            bucket.discard()
+
     def drain(self) -> None:
         """Wait for every read and write in flight; reads not taken are dropped."""
         self.pipeline.drain()
@@ -297,8 +302,11 @@ class OptimizerStateOnDisk:
     def close(self) -> None:
         """Give the optimizer back its own ``step`` and hooks, and delete the files. The state in
         them ends with the engine (a checkpoint saved before holds it): the optimizer is left with
-        no state for these parameters, as if it had never stepped them, rather than placeholders."""
-        self.drain()
+        no state for these parameters, as if it had never stepped them, rather than placeholders.
+        A write in flight that fails now is not raised: it can only be one of a step that failed
+        already (a step's writes are all waited for when it commits), and the files go anyway."""
+        with contextlib.suppress(OSError):
+            self.drain()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
