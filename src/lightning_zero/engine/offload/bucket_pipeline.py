@@ -10,7 +10,8 @@ waits for the disk while holding it, so ``want`` never blocks the thread that ru
 
 **A failed write** fails the step it belongs to as a whole: the other writes in flight are waited
 for and every bucket's written slot is forgotten (``on_failure``), so the files hold the state of
-the last step that committed, and the error is raised once (later drains do not raise it again).
+the last step that committed, and the error is raised once (later drains do not raise it again,
+nor the failure of a write whose slot was forgotten since: its step was undone).
 
 **No deadlock with ``staging.count`` buffers**: reads are issued strictly in the order buckets were
 wanted, and a bucket taken drops every read wanted before it (those buckets will not step in this
@@ -51,6 +52,7 @@ class _Write:
     bucket: BucketState
     buffer: Tensor
     io: PendingIO
+    slot: Slot
 
 
 class BucketPipeline:
@@ -158,12 +160,14 @@ class BucketPipeline:
 
     def _finish(self, write: _Write) -> None:
         """Wait for ``write`` (and its bucket's chunks' write), then take its buffer back; a failed
-        one leaves its bucket's current slot the state, and raises."""
+        one leaves its bucket's current slot the state, and raises, unless the slot it wrote was
+        forgotten already (its step undone: nothing would read what it wrote)."""
         try:
             write.io.wait()
         except BaseException:
-            write.bucket.discard()
-            raise
+            if write.bucket.pending is write.slot:
+                write.bucket.discard()
+                raise
         finally:
             with self._lock:
                 if write in self._writes:
@@ -200,7 +204,7 @@ class BucketPipeline:
         bucket.pending = slot
         io = bucket.file.start_write(buffer, slot.nbytes, slot.offset)
         with self._lock:
-            self._writes.append(_Write(bucket, buffer, io))
+            self._writes.append(_Write(bucket, buffer, io, slot))
             self._pump()
 
     def finish_writes(self, bucket: Optional[BucketState] = None) -> None:

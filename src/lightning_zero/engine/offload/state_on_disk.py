@@ -10,14 +10,23 @@ its class, param groups, hyperparameters and schedulers; what changes:
   ``step`` counter) stays where the optimizer put it.
 - **``step``** runs the closure, then the optimizer's own update one bucket at a time: bucket k's
   state is read into a host staging buffer, its entries bound as views of that buffer
-  (``optimizer.state[shard][key] = view``), the update runs with each param group's ``params``
-  narrowed to bucket k's shards, the entries go back to placeholders and the buffer is written
-  back. Reads run ahead: while bucket k steps, the next buckets are read into free buffers, and
-  bucket k-1's write finishes; a buffer is reused once its write is done. The first buckets'
-  reads start when the backward that precedes the step finishes (``prefetch``), so the step
-  rarely waits for a read. ``buffer_count`` buffers,
-  each the size of the largest bucket's state, are all the host memory the state takes. Step hooks
-  run once per ``step``, as before.
+  (``optimizer.state[shard][key] = view``), the update runs on a view of the optimizer whose param
+  groups hold only bucket k's shards (the user's optimizer is never narrowed), the entries go back
+  to placeholders and the buffer is written back. Reads run ahead: while bucket k steps, the next
+  buckets are read into free buffers, and bucket k-1's write finishes; a buffer is reused once its
+  write is done (``bucket_pipeline.py``). The first buckets' reads start when the backward that
+  precedes the step finishes (``prefetch``), so the step rarely waits for a read.
+  ``buffer_count`` buffers, each the size of the largest bucket's state, are all the host memory
+  the state takes. Step hooks run once per ``step``, as before.
+- **Two slots per file** (``state_layout.py``): a write goes to the slot that is not the current
+  one, and the end of ``optimizer.step()`` (a step post-hook, ``commit``) waits for every write and
+  makes the written slots current. A write that fails fails the step with every bucket's state as
+  the last committed step left it; the files take twice the state (``disk_tier.STATE_SLOTS``).
+- **During backward** (``overlap_host_step``, the default): the host step's worker streams each
+  bucket as its gradients land (its read issued at the landing), so the step is taken before
+  ``optimizer.step()``; the verdict there keeps it (the commit) or undoes it by forgetting the
+  written slot, with no copy of the state in host memory (see ``disk_step_ahead.py`` and [Note: the
+  host step during backward] in ``step_ahead.py``).
 - **Arithmetic:** an element-wise optimizer (the only kind the engine takes) updates each element
   from that element's state alone, so stepping bucket by bucket gives the bits that stepping all at
   once gives, with torch's fused CPU kernel too: NVMe offload is bitwise equal to CPU offload.
@@ -28,7 +37,8 @@ its class, param groups, hyperparameters and schedulers; what changes:
   optimizer steps) are read with its state, ahead, and written back with it; they leave memory
   once their write is done (see [Note: parameters on disk] in ``masters_on_disk.py``).
 - **``state_dict()``** returns the entries read back from the files into fresh host tensors (this
-  rank's state, for as long as the caller keeps it: a checkpoint's save). **``load_state_dict()``**
+  rank's state, for as long as the caller keeps it: a checkpoint's save) from each file's current
+  slot; a step taken ahead and not committed is undone before (the engine's ``settle``). **``load_state_dict()``**
   writes the loaded state to the files and releases it. Checkpoints therefore hold the state as
   under every other option, and a resumed run refills the files.
 """

@@ -59,8 +59,11 @@ row has landed, while the device computes the earlier layers' gradients:
 - **never committed**: a step ahead that no ``optimizer.step()`` follows (a loop that skips the step)
   is rolled back before anything reads the chunks again: the next step, ``zero_grad``, a gather of
   the chunks, a checkpoint.
+- **NVMe offload** (``offload_optimizer="nvme"``): the same, with each bucket's state read from its
+  file as its gradients land and written behind to the other slot of the file; undoing a step is
+  forgetting that slot, and ``optimizer.step()`` commits the slots kept (``disk_step_ahead.py``).
 - **when not**: the host step waits for backward, as before, with more than one optimizer, a
-  whole-tensor optimizer, NVMe offload, and where the adapter says a step cannot be taken ahead
+  whole-tensor optimizer, the parameter chunks on NVMe (``offload_params="nvme"``), and where the adapter says a step cannot be taken ahead
   (the Trainer's manual optimization, loss scaling, clipping by value). ``report()`` counts each
   step's mode and why.
 """
