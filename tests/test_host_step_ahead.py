@@ -427,12 +427,14 @@ def save_and_resume(ctx: RankContext) -> dict:
     }
 
 
-# ---- 8. NVMe offload: no step during backward ---------------------------------------------------------
+# ---- 8. NVMe offload: the state in files steps during backward too ------------------------------------
 
 
 @GROUP.case
 def nvme(ctx: RankContext) -> dict:
-    """The optimizer state in files: ``overlap_host_step`` does not apply; the same bits as CPU offload."""
+    """The optimizer state in files steps during backward as CPU offload does (the state through its
+    files' slots, ``offload/disk_step_ahead.py``): the same bits as CPU offload stepping after backward
+    (the fuller cases are ``test_nvme_step_ahead.py``'s)."""
     path = os.path.join(ctx.tmpdir, f"nvme_{ctx.rank}")
     os.makedirs(path, exist_ok=True)
     args = {**VARIANTS["zero2_offload"], "offload_optimizer": "nvme", "nvme_path": path}
@@ -677,10 +679,10 @@ def test_sharded_save_and_resume_mid_run(results):
         assert r["report"].ahead == 2 and r["report"].redone == 0
 
 
-def test_nvme_offload_does_not_step_during_backward(results):
+def test_nvme_offload_steps_during_backward(results):
     for r in results["nvme"]:
         assert r["diffs"] == [0.0] * STEPS, r["diffs"]
-        assert r["report"] is None and r["modes"] == [None] * STEPS
+        assert r["report"].ahead == STEPS and r["modes"] == ["ahead"] * STEPS
 
 
 @pytest.mark.parametrize("name", ["slow_backward", "slow_backward_clipped"])

@@ -179,8 +179,9 @@ class ZeroConfig:
     keep the kernel the optimizer was configured with, DDP's arithmetic."""
 
     overlap_host_step: bool = True
-    """With ``offload_optimizer=True`` at stages 2-3: step each bucket's chunks on a host thread as soon
-    as its reduced gradients are in host memory, while backward computes the earlier layers, instead of
+    """With ``offload_optimizer`` (True, or "nvme" where the parameter chunks stay in memory): step each
+    bucket's chunks on a host thread as soon as its reduced gradients are in host memory (with "nvme",
+    its state read from disk as they land), while backward computes the earlier layers, instead of
     all buckets after backward. The result is bitwise the one stepping after backward gives: a step
     the gradients, the hyperparameters or a verdict (clipping, loss scaling) turn out to change is
     rolled back and taken again (see [Note: the host step during backward] in ``step_ahead.py``).

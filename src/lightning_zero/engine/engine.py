@@ -146,7 +146,7 @@ class ZeroEngine:
         """Weight averages kept beside the shards (``average_weights``), counted by ``memory_report``."""
         self._host_step = HostStepOverlap(
             config, lambda: self._optimizers.optimizers, self.params_of, self._optimizers.steps_whole_tensors,
-            lambda: self.residency.buckets_with_host, self.gradients.take_assignments, self.grad_sync,
+            lambda: self.residency.buckets_with_host, self.gradients.take_assignments, self.grad_sync, self.disk,
             self.residency.copies_back,
         )  # fmt: skip
         """With CPU offload: the host step during backward (see [Note: the host step during backward]
@@ -287,9 +287,9 @@ class ZeroEngine:
         if self.sync_gradients or self.config.zero_stage is not ZeroStage.OPTIMIZER_STATE:
             # stage 1 leaves a micro-batch that only accumulates in `param.grad`, as DDP does
             self.gradients.open(reduced=self.sync_gradients)
+        self._host_step.wait()  # the verdict waits for it anyway; user code until then must not race it
         if self.sync_gradients and self.disk is not None:
             self.disk.prefetch()  # the optimizer step is next: its first reads start now
-        self._host_step.wait()  # the verdict waits for it anyway; user code until then must not race it
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Make the module see the shards ``optimizer`` just updated. ``param.grad`` still shows the

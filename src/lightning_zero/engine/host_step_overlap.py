@@ -1,4 +1,4 @@
-"""The engine's side of the host step during backward (CPU offload): whether it applies to the bound
+"""The engine's side of the host step during backward (CPU and NVMe offload): whether it applies to the bound
 optimizers, the adapter's plan, and where the engine's step arms, settles and ends it. The mechanism is
 ``offload/step_ahead.py`` ([Note: the host step during backward]); the adapters' plans are
 ``lightning/host_step_plan.py`` and the Fabric strategy's ``backward``."""
@@ -17,6 +17,8 @@ from lightning_zero.engine.buckets.copies_back import ChunksBack, CopiesBack, la
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.gradients.grad_sync import GradientSync
+from lightning_zero.engine.offload.disk_step_ahead import DiskStepping
+from lightning_zero.engine.offload.disk_tier import DiskTier
 from lightning_zero.engine.offload.host_step_report import HostStepReport
 from lightning_zero.engine.offload.step_ahead import StepAhead
 from lightning_zero.engine.optimizer.optimizer_kinds import steps_bucket_by_bucket
@@ -70,6 +72,7 @@ class HostStepOverlap:
         buckets: Callable[[], Sequence[Bucket]],
         take_assignments: Callable[[], None],
         grad_sync: GradientSync,
+        disk: Optional[DiskTier] = None,
         copies_back: Optional[Union[CopiesBack, ChunksBack]] = None,
     ) -> None:
         self._config = config
@@ -79,6 +82,7 @@ class HostStepOverlap:
         self._buckets = buckets
         self._take_assignments = take_assignments
         self._grad_sync = grad_sync
+        self._disk = disk
         self.copies_back = copies_back
         """Each bucket's weights back to the device as soon as it stepped (see [Note: copies back per
         bucket] in ``buckets/copies_back.py``): stages 1-2 its write-back, stage 3 its device chunks."""
@@ -101,12 +105,14 @@ class HostStepOverlap:
     def bind(self) -> Optional[StepAhead]:
         """The ``StepAhead`` for the optimizers bound now: built before the first ``optimizer.step()``
         (which, in Lightning, runs the first backward); None where the step runs after backward:
-        no CPU offload (NVMe: its stream steps after backward), several optimizers (each would
-        need its own verdict), a whole-tensor optimizer or one whose step may count in its param
-        groups (``steps_bucket_by_bucket``), no trainable offloaded bucket."""
+        no offload, the parameter chunks on NVMe (``offload_params="nvme"``: their stream steps
+        after backward), several optimizers (each would need its own verdict), a whole-tensor
+        optimizer or one whose step may count in its param groups (``steps_bucket_by_bucket``), no
+        trainable offloaded bucket. With the state on NVMe the buckets step through its stream
+        (``offload/disk_step_ahead.py``)."""
         config = self._config
-        if not (config.offload_optimizer is True and config.overlap_host_step):
-            return None  # every step of a run without CPU offload: no further work
+        if not (config.offload_optimizer and config.overlap_host_step) or config.params_on_disk:
+            return None  # every step of a run without CPU or NVMe offload: no further work
         optimizers = list(self._optimizers())
         if self.ahead is not None and [self.ahead.optimizer] == optimizers:
             return self.ahead
@@ -119,9 +125,15 @@ class HostStepOverlap:
         if not buckets:
             return None
         plan, first = self.plan, self._buckets()[0]
+        stepping = None
+        if self._disk is not None:
+            state = self._disk.state_of(optimizers[0])
+            if state is None:
+                return None
+            stepping = DiskStepping(state)
         self.ahead = StepAhead(
             optimizers[0], self._params_of(optimizers[0]), buckets, self._take_assignments, plan.keep_rollback, plan.check_contents,
-            agree=functools.partial(largest_over_ranks, first), rank_zero=collectives.rank() == 0,
+            agree=functools.partial(largest_over_ranks, first), rank_zero=collectives.rank() == 0, stepping=stepping,
         )  # fmt: skip
         self.ahead.loss_scale = plan.loss_scale
         self.ahead.copies_back = self.copies_back

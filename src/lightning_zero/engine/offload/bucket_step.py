@@ -14,13 +14,16 @@ import threading
 from concurrent.futures import Future
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zero.engine.offload.grad_digest import GradContents
 from lightning_zero.engine.offload.host_chunks import HostChunks
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.offload.rollback import RollbackCopy
 
 GRADIENTS_CHANGED = "gradients changed after backward"
 """A gradient replaced, dropped or edited in place after the step read it (its version counter moved)."""
@@ -32,6 +35,23 @@ CHUNKS_READ = "the chunks were read before the optimizer step"
 
 GRAD = operator.attrgetter("grad")
 VERSION = operator.attrgetter("_version")
+
+
+class BucketStepping(Protocol):
+    """How buckets step ahead where not as the CPU tier's (``offload_optimizer="nvme"``:
+    ``disk_step_ahead.DiskStepping``)."""
+
+    def step(self, source: Any, **step_kwargs: Any) -> None:
+        """The update of ``source``'s parameters (the optimizer, or a view narrowed to some buckets)."""
+        ...
+
+    def rollback(self, host: HostChunks, shards: Sequence[Tensor]) -> "RollbackCopy":
+        """What keeps a bucket's step undoable (made once per bucket, saved before each step)."""
+        ...
+
+    def arrived(self, host: HostChunks, shards: Sequence[Tensor]) -> None:
+        """``host``'s gradients are landing, during backward (its step comes next)."""
+        ...
 
 
 @dataclass(eq=False)

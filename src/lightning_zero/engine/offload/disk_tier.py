@@ -32,9 +32,15 @@ def state_tensors_per_param(optimizer: Optimizer) -> int:
     return tensors + any(group.get("amsgrad") for group in optimizer.param_groups)
 
 
+STATE_SLOTS = 2
+"""Copies of each bucket's state in its file: the current one and the one the next step writes (see
+``state_layout.py``), so a step is kept only once its verdict commits it."""
+
+
 def state_bytes_needed(optimizer: Optimizer, params: Sequence[ShardedParam]) -> int:
-    """At most how many bytes of files ``optimizer``'s state for ``params`` (this rank's chunks) takes."""
-    return state_tensors_per_param(optimizer) * sum(p.shard.numel() * p.shard.element_size() for p in params)
+    """At most how many bytes of files ``optimizer``'s state for ``params`` (this rank's chunks) takes:
+    ``STATE_SLOTS`` copies of it."""
+    return STATE_SLOTS * state_tensors_per_param(optimizer) * sum(p.shard.numel() * p.shard.element_size() for p in params)
 
 
 class GradientBucket(Protocol):
@@ -100,6 +106,10 @@ class DiskTier:
             )
         )
         self._attached += 1
+
+    def state_of(self, optimizer: Optimizer) -> Optional[OptimizerStateOnDisk]:
+        """The files of ``optimizer``'s state (None: not attached)."""
+        return next((state for state in self.states if state.optimizer is optimizer), None)
 
     def prefetch(self) -> None:
         """The gradients are final and an optimizer step is next: start reading the first buckets'

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import shutil
 import socket
@@ -29,6 +30,11 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+
+IO_ALIGNMENT = 4096
+"""Bytes the slots of a file start at a multiple of (a page: a read or write of a slot never shares a
+page of the page cache with the other slot)."""
 
 
 class ScratchFileError(OSError):
@@ -115,6 +121,10 @@ class PendingIO:
     def done(self) -> bool:
         return self._future.done()
 
+    def failed(self) -> bool:
+        """Done, with an error (``wait`` raises it)."""
+        return self._future.done() and self._future.exception() is not None
+
     def wait(self) -> None:
         if not self._future.done():
             start = time.perf_counter()
@@ -144,7 +154,8 @@ def _run_holding(fn: Callable[[memoryview], None], view: memoryview, buffer: Ten
 
 
 class ScratchFile:
-    """One file of a :class:`ScratchDirectory`, read and written whole (``nbytes`` from offset 0)."""
+    """One file of a :class:`ScratchDirectory`, read and written in whole ranges (``nbytes`` from
+    ``offset``: one slot of a bucket's state, see ``state_layout.py``)."""
 
     def __init__(self, directory: "ScratchDirectory", name: str, holds: str = "optimizer state") -> None:
         self.directory = directory
@@ -153,31 +164,38 @@ class ScratchFile:
         """What the file holds, for the messages: "optimizer state" or "parameter chunks"."""
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.nbytes = 0
-        """Bytes written so far: what a read expects to find."""
+        """Bytes up to the end of the last range written so far: what a read expects to find."""
 
-    def start_write(self, buffer: Tensor, nbytes: int) -> PendingIO:
-        """Write the first ``nbytes`` of ``buffer`` (a host tensor nobody writes until this is done)."""
-        self.nbytes = nbytes
-        return self.directory._submit(self._write, buffer, nbytes, "write")
+    def start_write(self, buffer: Tensor, nbytes: int, offset: int = 0) -> PendingIO:
+        """Write the first ``nbytes`` of ``buffer`` at ``offset`` (a host tensor nobody writes until this is done)."""
+        self.nbytes = max(self.nbytes, offset + nbytes)
+        return self.directory._submit(functools.partial(self._write, offset), buffer, nbytes, "write")
 
-    def start_read(self, buffer: Tensor, nbytes: int) -> PendingIO:
-        """Read the file's first ``nbytes`` into ``buffer`` (nobody reads it until this is done)."""
-        return self.directory._submit(self._read, buffer, nbytes, "read")
+    def start_read(self, buffer: Tensor, nbytes: int, offset: int = 0) -> PendingIO:
+        """Read the file's ``nbytes`` from ``offset`` into ``buffer`` (nobody reads it until this is done)."""
+        return self.directory._submit(functools.partial(self._read, offset), buffer, nbytes, "read")
 
-    def _write(self, view: memoryview) -> None:
+    def _write(self, offset: int, view: memoryview) -> None:
         start, done = time.perf_counter(), 0
-        while done < len(view):
-            done += os.pwritev(self._fd, [view[done:]], done)
+        try:
+            while done < len(view):
+                done += os.pwritev(self._fd, [view[done:]], offset + done)
+        except OSError as err:
+            raise ScratchFileError(
+                err.errno, f"NVMe offload: writing {len(view)} bytes to {self.path} failed ({err.strerror or err})."
+                f" The {self.holds} that write held {self._are} not kept (the step that made it fails); free space"
+                " on `nvme_path` or choose another disk, and resume from the last checkpoint."
+            ) from err
         self.directory.stats.add(writes=1, write_bytes=len(view), write_seconds=time.perf_counter() - start)
 
-    def _read(self, view: memoryview) -> None:
+    def _read(self, offset: int, view: memoryview) -> None:
         self.check()
         start, done = time.perf_counter(), 0
         while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], done)
+            n = os.preadv(self._fd, [view[done:]], offset + done)
             if n == 0:
                 raise ScratchFileError(
-                    f"NVMe offload: {self.path} ends after {done} bytes, {len(view)} were written there: it was"
+                    f"NVMe offload: {self.path} ends after {offset + done} bytes, {offset + len(view)} were written there: it was"
                     f" truncated while training. The {self.holds} in it {self._are} lost; resume from the last checkpoint."
                 )
             done += n

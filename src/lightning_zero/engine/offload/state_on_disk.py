@@ -10,14 +10,23 @@ its class, param groups, hyperparameters and schedulers; what changes:
   ``step`` counter) stays where the optimizer put it.
 - **``step``** runs the closure, then the optimizer's own update one bucket at a time: bucket k's
   state is read into a host staging buffer, its entries bound as views of that buffer
-  (``optimizer.state[shard][key] = view``), the update runs with each param group's ``params``
-  narrowed to bucket k's shards, the entries go back to placeholders and the buffer is written
-  back. Reads run ahead: while bucket k steps, the next buckets are read into free buffers, and
-  bucket k-1's write finishes; a buffer is reused once its write is done. The first buckets'
-  reads start when the backward that precedes the step finishes (``prefetch``), so the step
-  rarely waits for a read. ``buffer_count`` buffers,
-  each the size of the largest bucket's state, are all the host memory the state takes. Step hooks
-  run once per ``step``, as before.
+  (``optimizer.state[shard][key] = view``), the update runs on a view of the optimizer whose param
+  groups hold only bucket k's shards (the user's optimizer is never narrowed), the entries go back
+  to placeholders and the buffer is written back. Reads run ahead: while bucket k steps, the next
+  buckets are read into free buffers, and bucket k-1's write finishes; a buffer is reused once its
+  write is done (``bucket_pipeline.py``). The first buckets' reads start when the backward that
+  precedes the step finishes (``prefetch``), so the step rarely waits for a read.
+  ``buffer_count`` buffers, each the size of the largest bucket's state, are all the host memory
+  the state takes. Step hooks run once per ``step``, as before.
+- **Two slots per file** (``state_layout.py``): a write goes to the slot that is not the current
+  one, and the end of ``optimizer.step()`` (a step post-hook, ``commit``) waits for every write and
+  makes the written slots current. A write that fails fails the step with every bucket's state as
+  the last committed step left it; the files take twice the state (``disk_tier.STATE_SLOTS``).
+- **During backward** (``overlap_host_step``, the default): the host step's worker streams each
+  bucket as its gradients land (its read issued at the landing), so the step is taken before
+  ``optimizer.step()``; the verdict there keeps it (the commit) or undoes it by forgetting the
+  written slot, with no copy of the state in host memory (see ``disk_step_ahead.py`` and [Note: the
+  host step during backward] in ``step_ahead.py``).
 - **Arithmetic:** an element-wise optimizer (the only kind the engine takes) updates each element
   from that element's state alone, so stepping bucket by bucket gives the bits that stepping all at
   once gives, with torch's fused CPU kernel too: NVMe offload is bitwise equal to CPU offload.
@@ -28,14 +37,15 @@ its class, param groups, hyperparameters and schedulers; what changes:
   optimizer steps) are read with its state, ahead, and written back with it; they leave memory
   once their write is done (see [Note: parameters on disk] in ``masters_on_disk.py``).
 - **``state_dict()``** returns the entries read back from the files into fresh host tensors (this
-  rank's state, for as long as the caller keeps it: a checkpoint's save). **``load_state_dict()``**
+  rank's state, for as long as the caller keeps it: a checkpoint's save) from each file's current
+  slot; a step taken ahead and not committed is undone before (the engine's ``settle``). **``load_state_dict()``**
   writes the loaded state to the files and releases it. Checkpoints therefore hold the state as
   under every other option, and a resumed run refills the files.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -45,9 +55,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.engine.device_roles import mark_host
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
+from lightning_zero.engine.offload.bucket_pipeline import BucketPipeline
 from lightning_zero.engine.offload.scratch_files import PendingIO, ScratchDirectory
 from lightning_zero.engine.offload.staging import StagingBuffers, return_freed_memory
-from lightning_zero.engine.offload.state_layout import BucketState, StateEntry
+from lightning_zero.engine.offload.state_layout import BucketState, Slot, StateEntry, add_entry
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
 from lightning_zero.engine.optimizer.sharded_optimizer import STEP_KEY
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -77,115 +88,122 @@ class OptimizerStateOnDisk:
             for k, (positions, master) in enumerate(zip(buckets, masters))
             if positions
         ]
+        self._bucket_of = {id(self.shards[i]): bucket for bucket in self.buckets for i in bucket.positions}
         self._placeholders: dict[torch.dtype, Tensor] = {}
         self._unhooked = unhooked_step(optimizer)
-        self._writes: deque[tuple[BucketState, Tensor, PendingIO]] = deque()
-        self._prefetched: deque[tuple[BucketState, Tensor, Optional[PendingIO]]] = deque()
+        self.pipeline = BucketPipeline(staging, self._start_reading, self._written, self._dropped, self._discard_all)
         self._had_step = "step" in optimizer.__dict__
         self._previous_step = optimizer.__dict__.get("step")
         # torch's hooks around the streamed step, seen by LR schedulers made before or after
-        optimizer.step = instance_step(optimizer, lambda _, kwargs: self._stream(self._due(), kwargs))  # type: ignore[method-assign]
+        optimizer.step = instance_step(optimizer, lambda opt, kwargs: self.step_body(opt, **kwargs))  # type: ignore[method-assign]
         self._handles: list[RemovableHandle] = [
+            optimizer.register_step_post_hook(lambda *_: self.commit()),
             optimizer.register_state_dict_post_hook(self._read_into_state_dict),
             optimizer.register_load_state_dict_post_hook(lambda _: self.spill()),
         ]
         self.spill()  # state loaded before (a resumed run's) goes to the files
 
     # ---- the step ----------------------------------------------------------------------------
-    def _due(self) -> list[BucketState]:
-        """The buckets the next step updates: those with a gradient."""
-        return [b for b in self.buckets if any(self.shards[i].grad is not None for i in b.positions)]
+    def _due(self, members: Optional[set[int]] = None) -> list[BucketState]:
+        """The buckets a step updates: those with a gradient (among ``members``, ``id``s of shards)."""
+        return [
+            b for b in self.buckets
+            if any(self.shards[i].grad is not None and (members is None or id(self.shards[i]) in members) for i in b.positions)
+        ]  # fmt: skip
 
     def has_gradients(self) -> bool:
         return any(shard.grad is not None for shard in self.shards)
 
-    def prefetch(self) -> None:
-        """Start reading the first buckets' state into staging buffers now (the gradients are
-        final: the optimizer step is next), so that the step's first reads are not on its
-        critical path. The step uses them if it updates those buckets first, else drops them."""
-        self.discard_prefetched()
-        for bucket in self._due()[: self.staging.count - 1]:  # one left for the step's own read-ahead
-            self._prefetched.append((bucket, *self._start_reading(bucket)))
+    def bucket_of(self, shard: Tensor) -> Optional[BucketState]:
+        """The bucket whose state holds ``shard``'s (None: not one of this optimizer's)."""
+        return self._bucket_of.get(id(shard))
 
-    def _start_reading(self, bucket: BucketState) -> tuple[Tensor, Optional[PendingIO]]:
-        """A staging buffer with ``bucket``'s state being read into it (and its chunks, where they
-        live on disk, being read too)."""
+    def prefetch(self) -> None:
+        """Start reading the state of the buckets the step will stream (those with gradients, but
+        those a step taken during backward wrote already) into staging buffers now, so that the
+        step's first reads are not on its critical path."""
+        self.pipeline.drop_reads()
+        self.pipeline.want([b for b in self._due() if b.pending is None])
+
+    def want(self, shard: Tensor) -> None:
+        """``shard``'s bucket steps soon (its gradients are landing): read its state ahead."""
+        bucket = self._bucket_of.get(id(shard))
+        if bucket is not None:
+            self.pipeline.want([bucket])
+
+    def _start_reading(self, bucket: BucketState, buffer: Tensor) -> Optional[PendingIO]:
+        """Start reading ``bucket``'s current slot into ``buffer`` (and its chunks, where they live
+        on disk); None where it has no state yet."""
         if bucket.master is not None:
             bucket.master.fetch()
-        buffer = self.staging.take(bucket.nbytes)
-        return buffer, bucket.file.start_read(buffer, bucket.nbytes) if bucket.entries else None
+        slot = bucket.current
+        return bucket.file.start_read(buffer, slot.nbytes, slot.offset) if slot.entries else None
 
-    def discard_prefetched(self) -> None:
-        while self._prefetched:
-            bucket, buffer, read = self._prefetched.popleft()
-            if read is not None:
-                read.wait()
-            self.staging.give_back(buffer)
-            if bucket.master is not None:
-                bucket.master.drop_unused()
+    def _written(self, bucket: BucketState) -> None:
+        if bucket.master is not None:
+            bucket.master.settle(wait=True)  # its chunks' write, started with the state's
 
-    def _stream(self, due: list[BucketState], step_kwargs: dict[str, Any]) -> None:
-        """Step ``due`` in order, reading ahead into free buffers and writing behind: a buffer is
-        reading, stepping or writing, and at most ``staging.count`` are in use at once."""
-        reads: deque[tuple[Tensor, Optional[PendingIO]]] = deque()
-        if [bucket for bucket, _, _ in self._prefetched] == due[: len(self._prefetched)]:
-            reads.extend((buffer, read) for _, buffer, read in self._prefetched)
-            self._prefetched.clear()
-        self.discard_prefetched()
-        next_read = len(reads)
-        for k, bucket in enumerate(due):
-            while self._writes and self._writes[0][2].done():
-                self._finish_oldest_write()
-            if next_read == k and len(self._writes) >= self.staging.count:
-                self._finish_oldest_write()  # room for the bucket about to step: wait for a write
-            while next_read < len(due) and len(reads) + len(self._writes) < self.staging.count:
-                reads.append(self._start_reading(due[next_read]))
-                next_read += 1
-            buffer, read = reads.popleft()
+    def _dropped(self, bucket: BucketState) -> None:
+        if bucket.master is not None:
+            bucket.master.drop_unused()  # fetched for a step that went another way
+
+    def step_body(self, source: Optimizer, **step_kwargs: Any) -> None:
+        """The optimizer's update of ``source``'s parameters (the optimizer itself, or a view of it
+        narrowed to some buckets' shards: the host step during backward), streamed bucket by bucket
+        in the order they were wanted: each read (ahead), stepped, and written behind to its other
+        slot, which the end of ``optimizer.step()`` commits (``commit``). At most ``staging.count``
+        buffers are in use at once: reading, stepping or writing."""
+        members = {id(p) for group in source.param_groups for p in group["params"]}
+        due = self.pipeline.order(self._due(members))
+        self.pipeline.want(due)
+        for bucket in due:
+            buffer, read = self.pipeline.take(bucket)
             if read is not None:
                 read.wait()
             if bucket.master is not None:
                 bucket.master.acquire(writing=True)
             try:
-                buffer = self._step_bucket(bucket, buffer, step_kwargs)
+                buffer, slot = self._step_bucket(source, bucket, buffer, step_kwargs)
                 if bucket.master is not None:
                     bucket.master.stepped()
             finally:
                 if bucket.master is not None:
                     bucket.master.release(written=True)  # its write starts now
-            self._writes.append((bucket, buffer, bucket.file.start_write(buffer, bucket.nbytes)))
-        self.drain()
+            self.pipeline.write_behind(bucket, buffer, slot)
 
-    def _finish_oldest_write(self) -> None:
-        bucket, buffer, write = self._writes.popleft()
-        write.wait()
-        self.staging.give_back(buffer)
-        if bucket.master is not None:
-            bucket.master.settle(wait=True)  # its chunks' write, started with the state's
-
-    def _step_bucket(self, bucket: BucketState, buffer: Tensor, step_kwargs: dict[str, Any]) -> Tensor:
-        """Run the optimizer's update on ``bucket``'s shards with their state bound to ``buffer``;
-        returns the buffer that holds the updated state (a larger one if the state grew)."""
+    def _step_bucket(self, source: Optimizer, bucket: BucketState, buffer: Tensor, step_kwargs: dict[str, Any]) -> tuple[Tensor, Slot]:
+        """Run the optimizer's update on ``bucket``'s shards with their state bound to ``buffer``, on
+        a view of ``source`` whose param groups hold only them (the user's optimizer is never
+        narrowed: another thread may read it meanwhile); returns the buffer that holds the updated
+        state (a larger one if the state grew) and the slot to write it to."""
         state = self.optimizer.state
         bound = {}
         for entry in bucket.entries:
             bound[(entry.position, entry.key)] = state[self.shards[entry.position]][entry.key] = entry.view(buffer)
         members = {id(self.shards[i]) for i in bucket.positions}
-        groups = self.optimizer.param_groups
-        all_params = [group["params"] for group in groups]
+        narrowed = [
+            {**group, "params": params}
+            for group in source.param_groups
+            if (params := [p for p in group["params"] if id(p) in members])
+        ]  # fmt: skip
+        view = object.__new__(type(self.optimizer))
+        view.__dict__.update(source.__dict__)
+        view.param_groups = narrowed
         try:
-            for group in groups:
-                group["params"] = [p for p in group["params"] if id(p) in members]
-            self._unhooked(self.optimizer, **step_kwargs)
+            self._unhooked(view, **step_kwargs)
         finally:
-            for group, params in zip(groups, all_params):
-                group["params"] = params
+            for group, stepped in zip([g for g in source.param_groups if any(id(p) in members for p in g["params"])], narrowed):
+                for key, value in stepped.items():
+                    if key != "params" and group.get(key) is not value:
+                        group[key] = value  # an optimizer that counts in its groups
         return self._collect(bucket, buffer, bound)
 
-    def _collect(self, bucket: BucketState, buffer: Tensor, bound: dict[tuple[int, str], Tensor]) -> Tensor:
+    def _collect(self, bucket: BucketState, buffer: Tensor, bound: dict[tuple[int, str], Tensor]) -> tuple[Tensor, Slot]:
         """After a bucket's update: every per-element entry into ``buffer`` (the optimizer may have
-        replaced a bound view, or made state for the first time), then placeholders in the optimizer."""
+        replaced a bound view, or made state for the first time), then placeholders in the
+        optimizer; the slot the buffer goes to (laid out with the new entries)."""
         fresh: list[tuple[StateEntry, Tensor]] = []
+        layout = list(bucket.entries)
         for position in bucket.positions:
             shard = self.shards[position]
             for key, value in self.optimizer.state.get(shard, {}).items():
@@ -193,24 +211,22 @@ class OptimizerStateOnDisk:
                     continue
                 view = bound.get((position, key))
                 if view is None:
-                    fresh.append((bucket.add_entry(position, key, value), value))
+                    fresh.append((add_entry(layout, position, key, value), value))
                 elif value.data_ptr() != view.data_ptr():
                     view.copy_(value)
-        if bucket.nbytes > buffer.numel():  # state appeared: a larger buffer, with what is there already
-            grown = self.staging.take(bucket.nbytes)
-            grown[: buffer.numel()].copy_(buffer)
-            self.staging.give_back(buffer)
-            buffer = grown
+        slot = bucket.next_slot(layout)
+        if slot.nbytes > buffer.numel():  # state appeared: a larger buffer, with what is there already
+            buffer = self.pipeline.grow(buffer, slot.nbytes)
         for entry, value in fresh:
             entry.view(buffer).copy_(value.reshape(-1))
-        self._release(bucket)
+        self._release(layout)
         if fresh:
             del fresh, value
             return_freed_memory()
-        return buffer
+        return buffer, slot
 
-    def _release(self, bucket: BucketState) -> None:
-        for entry in bucket.entries:
+    def _release(self, entries: Sequence[StateEntry]) -> None:
+        for entry in entries:
             self.optimizer.state[self.shards[entry.position]][entry.key] = self._placeholder(entry.dtype)
 
     def _placeholder(self, dtype: torch.dtype) -> Tensor:
@@ -218,11 +234,27 @@ class OptimizerStateOnDisk:
             self._placeholders[dtype] = torch.empty(0, dtype=dtype)
         return self._placeholders[dtype]
 
+    def commit(self) -> None:
+        """The end of ``optimizer.step()``: wait for every write, then make each bucket's pending slot
+        current (a failed write raises here, and every bucket keeps the state it had before)."""
+        self.drain()
+        for bucket in self.buckets:
+            bucket.commit()
+
+    def discard(self, shards: Sequence[Tensor]) -> None:
+        """Undo the step written for ``shards``' bucket and not committed: its current slot stays the
+        state (the write in flight finishes by itself, and the next write of the bucket waits for it)."""
+        bucket = self._bucket_of.get(id(shards[0])) if shards else None
+        if bucket is not None:
+            bucket.discard()
+
+    def _discard_all(self) -> None:
+        for bucket in self.buckets:
+            bucket.discard()
+
     def drain(self) -> None:
-        """Wait for every read and write in flight; prefetched state is dropped."""
-        self.discard_prefetched()
-        while self._writes:
-            self._finish_oldest_write()
+        """Wait for every read and write in flight; reads not taken are dropped."""
+        self.pipeline.drain()
 
     # ---- state_dict / load_state_dict ----------------------------------------------------------
     def _read_into_state_dict(self, _: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -234,7 +266,7 @@ class OptimizerStateOnDisk:
             if not bucket.entries:
                 continue
             buffer = mark_host(torch.empty(bucket.nbytes, dtype=torch.uint8))
-            bucket.file.start_read(buffer, bucket.nbytes).wait()
+            bucket.file.start_read(buffer, bucket.nbytes, bucket.current.offset).wait()  # the current slot
             for entry in bucket.entries:
                 if entry.position not in copied:  # never write into the optimizer's own state dicts
                     packed[entry.position] = dict(packed.get(entry.position, {}))
@@ -255,28 +287,36 @@ class OptimizerStateOnDisk:
             ]
             if not in_memory:
                 continue
-            bucket.entries = []
+            layout: list[StateEntry] = []
             for position, key, value in in_memory:
-                bucket.add_entry(position, key, value)
-            buffer = self.staging.take(bucket.nbytes)
-            for entry, (_, _, value) in zip(bucket.entries, in_memory):
+                add_entry(layout, position, key, value)
+            slot = bucket.next_slot(layout)
+            buffer = self.staging.take(slot.nbytes)
+            for entry, (_, _, value) in zip(layout, in_memory):
                 entry.view(buffer).copy_(value.reshape(-1))
-            bucket.file.start_write(buffer, bucket.nbytes).wait()
-            self.staging.give_back(buffer)
-            self._release(bucket)
+            try:
+                bucket.file.start_write(buffer, slot.nbytes, slot.offset).wait()
+            finally:
+                self.staging.give_back(buffer)
+            bucket.pending = slot
+            bucket.commit()
+            self._release(layout)
             del in_memory
             return_freed_memory()
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes of state in this optimizer's files."""
-        return sum(bucket.nbytes for bucket in self.buckets)
+        """Bytes of this optimizer's files: both slots of each bucket's state."""
+        return sum(bucket.file.nbytes for bucket in self.buckets)
 
     def close(self) -> None:
         """Give the optimizer back its own ``step`` and hooks, and delete the files. The state in
         them ends with the engine (a checkpoint saved before holds it): the optimizer is left with
-        no state for these parameters, as if it had never stepped them, rather than placeholders."""
-        self.drain()
+        no state for these parameters, as if it had never stepped them, rather than placeholders.
+        A write in flight that fails now is not raised: it can only be one of a step that failed
+        already (a step's writes are all waited for when it commits), and the files go anyway."""
+        with contextlib.suppress(OSError):
+            self.drain()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

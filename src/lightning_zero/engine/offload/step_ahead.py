@@ -59,8 +59,11 @@ row has landed, while the device computes the earlier layers' gradients:
 - **never committed**: a step ahead that no ``optimizer.step()`` follows (a loop that skips the step)
   is rolled back before anything reads the chunks again: the next step, ``zero_grad``, a gather of
   the chunks, a checkpoint.
+- **NVMe offload** (``offload_optimizer="nvme"``): the same, with each bucket's state read from its
+  file as its gradients land and written behind to the other slot of the file; undoing a step is
+  forgetting that slot, and ``optimizer.step()`` commits the slots kept (``disk_step_ahead.py``).
 - **when not**: the host step waits for backward, as before, with more than one optimizer, a
-  whole-tensor optimizer, NVMe offload, and where the adapter says a step cannot be taken ahead
+  whole-tensor optimizer, the parameter chunks on NVMe (``offload_params="nvme"``), and where the adapter says a step cannot be taken ahead
   (the Trainer's manual optimization, loss scaling, clipping by value). ``report()`` counts each
   step's mode and why.
 """
@@ -82,11 +85,12 @@ from lightning_zero.engine.comm.copy_stream import Event
 from lightning_zero.engine.offload import handoffs
 from lightning_zero.engine.offload.backoff import BACKOFF_REASON, COSTLY_REASON, BackOff, paid_off
 from lightning_zero.engine.offload.bucket_step import (
-    CHUNKS_READ, GRAD, GRADIENTS_CHANGED, HYPERPARAMETERS_CHANGED, WEIGHTS_WRITTEN, BucketStep, StepBatch, no_rollback_error,
+    CHUNKS_READ, GRAD, GRADIENTS_CHANGED, HYPERPARAMETERS_CHANGED, WEIGHTS_WRITTEN, BucketStep, BucketStepping, StepBatch, no_rollback_error,
     weights_written_error,
 )  # fmt: skip
 from lightning_zero.engine.offload.host_chunks import HostChunks
 from lightning_zero.engine.offload.host_step_report import HostStepReport, HostStepTiming
+from lightning_zero.engine.offload.rollback import RollbackCopy
 from lightning_zero.engine.offload.step_worker import CopiesBackHook, StepWorker
 from lightning_zero.engine.offload.switch_off import Agree, SwitchOff
 from lightning_zero.engine.optimizer.instance_step import instance_step, unhooked_step
@@ -102,7 +106,8 @@ class StepAhead:
     to undo a step whose verdict fails; ``check_contents``: compare the gradients' contents at the
     verdict (user code may run between backward and the step); ``agree``: the largest of the ranks'
     values (for switching off, ``switch_off.py``; None: never switched off); ``rank_zero``: this
-    rank warns.
+    rank warns; ``stepping``: how buckets step where not as the CPU tier's (the NVMe tier's,
+    ``disk_step_ahead.py``).
 
     The handoffs with the worker (``step_worker.py``): ``arrived`` (a bucket queued), ``_drain`` (the
     main thread waits for the worker: the verdict, a settle) and ``_roll_back`` (a bucket's step undone)."""
@@ -117,12 +122,14 @@ class StepAhead:
         check_contents: bool = True,
         agree: Optional[Agree] = None,
         rank_zero: bool = True,
+        stepping: Optional[BucketStepping] = None,
     ) -> None:
         self.optimizer = optimizer
         self.keep_rollback = keep_rollback
         self.check_contents = check_contents
         self._before_step = before_step
-        self.unhooked = unhooked_step(optimizer)
+        self._stepping = stepping
+        self.unhooked = stepping.step if stepping is not None else unhooked_step(optimizer)
         shards = {id(p.shard) for p in params}
         self._buckets = [(index, host) for index, host in buckets if any(id(p.shard) in shards for p in host.params)]
         self._index_of = {id(host): index for index, host in self._buckets}
@@ -159,6 +166,10 @@ class StepAhead:
     def positions_of(self, host: HostChunks) -> list[int]:
         return self._positions_of[id(host)]
 
+    def new_rollback(self, host: HostChunks, shards: Sequence[Tensor]) -> RollbackCopy:
+        """Where ``host``'s bucket keeps what its step ahead may have to undo."""
+        return self._stepping.rollback(host, shards) if self._stepping is not None else RollbackCopy(host.master, shards)
+
     # ---- during backward -------------------------------------------------------------------
     def arm(self, armed: bool, why_not: str = "") -> None:
         """Whether the next backward's buckets step as they arrive (its micro-batch steps); if not,
@@ -186,6 +197,8 @@ class StepAhead:
         returned event is set once its gradients were handed out (``HostChunks.accept``). From now
         until the verdict, a read of the bucket's chunks undoes its step first (``_settle_bucket``)."""
         job = BucketStep(host, self._index_of[id(host)], self._shards_of[id(host)])
+        if self._stepping is not None:
+            self._stepping.arrived(host, job.shards)
         self._queued.append(job)
         host.unsettled = functools.partial(self._settle_bucket, job)
         return self._steps.land(job, row, copy)

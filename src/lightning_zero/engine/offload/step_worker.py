@@ -47,6 +47,8 @@ class WorkerOwner(Protocol):
 
     def positions_of(self, host: HostChunks) -> list[int]: ...
 
+    def new_rollback(self, host: HostChunks, shards: Sequence[Tensor]) -> RollbackCopy: ...
+
 
 class CopiesBackHook(Protocol):
     """``buckets.copies_back.CopiesBack`` as the worker sees it (see [Note: copies back per bucket])."""
@@ -152,7 +154,7 @@ class StepWorker:
             remember_grad_norms(shards, still_valid=still_valid)
             rollback = self.rollbacks.get(id(job.host))
             if rollback is None:
-                rollback = self.rollbacks[id(job.host)] = RollbackCopy(job.host.master, shards)
+                rollback = self.rollbacks[id(job.host)] = ahead.new_rollback(job.host, shards)
             rollback.save(ahead.optimizer.state)
             job.saved = True
         return True
