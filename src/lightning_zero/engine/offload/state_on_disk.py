@@ -35,6 +35,7 @@ its class, param groups, hyperparameters and schedulers; what changes:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any, Optional, Sequence
 
@@ -176,7 +177,9 @@ class OptimizerStateOnDisk:
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if id(p) in members]
+            start = time.perf_counter()
             self._unhooked(self.optimizer, **step_kwargs)
+            self.directory.stats.add(update_seconds=time.perf_counter() - start)
         finally:
             for group, params in zip(groups, all_params):
                 group["params"] = params
