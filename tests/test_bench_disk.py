@@ -110,7 +110,8 @@ def _nvme_result(floor: io_floor.IOFloor) -> VariantResult:
 
 
 def test_the_target_and_the_report_section() -> None:
-    missed = _nvme_result(io_floor.io_floor(_step(wall=0.8), _rates(4.0, 2.0, ranks=2), raw={"read_gbps": 1.0, "write_gbps": 0.5}))
+    raw = {"read_gbps": 1.0, "write_gbps": 0.5}
+    missed = _nvme_result(io_floor.io_floor(_step(wall=0.8), _rates(4.0, 2.0, ranks=2), rank=1, raw=raw))
     verdict = targets._io_floor(missed)
     assert verdict.met is False
     assert verdict.note == "MISSED target: optimizer step 800.0 ms = 1.33x the I/O floor 600.0 ms (target ≤ 1.2x, issue 61)"
@@ -125,7 +126,7 @@ def test_the_target_and_the_report_section() -> None:
     row = next(line for line in lines if line.startswith("| `zero3_offload_nvme` |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells == [
-        "`zero3_offload_nvme`", "50 × 8.00", "4.00 / 2.00", "400.0 / 400.0", "100.0", "200.0 + 400.0", "**600.0**",
+        "`zero3_offload_nvme`", "1", "50 × 8.00", "4.00 / 2.00", "400.0 / 400.0", "100.0", "200.0 + 400.0", "**600.0**",
         "2,400.0", "800.0", "**1.33×**", "50% / 12% / 25%", "MISSED",
     ]  # fmt: skip
     params_row = next(line for line in lines if line.startswith("| `zero3_offload_nvme_params` |"))

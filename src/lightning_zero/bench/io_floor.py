@@ -44,8 +44,6 @@ from lightning_zero.engine.offload.scratch_files import ScratchDirectory, gbps
 
 IO_FLOOR_TARGET = 1.2
 """Issue 61: an NVMe variant's optimizer step at most this multiple of its I/O floor."""
-
-
 ENGINE_IO_THREADS: int = inspect.signature(ScratchDirectory).parameters["workers"].default
 """I/O threads per rank: the engine's `DiskTier` makes its `ScratchDirectory` with the default."""
 ENGINE_PATH_MIN_BYTES = 256 * 2**20

@@ -156,6 +156,7 @@ def io_floor_section(ran: Sequence[VariantResult]) -> list[str]:
         rates = f.rates
         rows.append([
             f"`{r.name}`",
+            str(f.rank),
             f"{rates.requests} × {format_mb(rates.request_bytes)}",
             f"{rates.read_gbps:.2f} / {rates.write_gbps:.2f}",
             f"{format_mb(f.read_bytes)} / {format_mb(f.write_bytes)}",
@@ -173,18 +174,19 @@ def io_floor_section(ran: Sequence[VariantResult]) -> list[str]:
     lines = [
         "",
         f"NVMe optimizer step against its I/O floor, max(host step, read MB / read rate + write MB / write rate),"
-        f" rank {first.rank}'s medians over the timed steps; rates of the engine's own I/O path on the same"
+        f" medians over the timed steps of the rank that waited longest (its own optimizer step: the table above gives"
+        f" the slowest rank's); rates of the engine's own I/O path on the same"
         f" directory ({first.rates.ranks} rank(s) at once, {first.rates.threads} I/O threads each, one request per"
         f" bucket file, no fsync, through the page cache), measured after each variant. Target (issue 61):"
         f" NVMe step ≤ {IO_FLOOR_TARGET:.1f}× the I/O floor.",
         "",
     ]
     headers = [
-        "variant", "requests/step", "engine path read / write GB/s", "read / write MB/step", "host step ms",
-        "read + write ms", "floor ms", "floor at raw rates ms", "optimizer step ms", "step / floor",
+        "variant", "rank", "requests/step", "engine path read / write GB/s", "read / write MB/step", "host step ms",
+        "read + write ms", "floor ms", "floor at raw rates ms", "its optimizer step ms", "step / floor",
         "busy: read / update / write", f"≤ {IO_FLOOR_TARGET:.1f}× floor",
     ]  # fmt: skip
-    return lines + markdown_table(headers, rows, "lrrrrrrrrrrl")
+    return lines + markdown_table(headers, rows, "lrrrrrrrrrrrl")
 
 
 def _ms(seconds: float) -> str:
