@@ -26,6 +26,11 @@ seconds the I/O threads spent in reads (writes), summed over the threads, and th
 over the step's wall time; a sum, not a union, so a figure above 100% means requests overlapped
 (and reads include the prefetched ones). The floor at the **raw** (dd-style) rates is given beside
 it: what the step would be held to if its files outgrew the page cache.
+
+The max() assumes the disk and the host's cores are separate resources. Where the files live in
+the page cache, reading and writing them is memory copying on the same cores the update runs on
+(on a CPU VM with a core per rank, all of it), so there the sum of the three, not their maximum,
+is what a step can reach; the occupancy shows which case a run is in.
 """
 
 from __future__ import annotations
