@@ -109,7 +109,7 @@ def test_ours_hold_their_zero_floor(bench: BenchResult) -> None:
         assert v.comm_bytes_per_step > 0
 
 
-def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResult, nvme_path: Path) -> None:
+def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResult, written: dict, nvme_path: Path) -> None:
     by_name = {v.name: v for v in bench.variants}
     nvme, offload = by_name["zero3_offload_nvme"], by_name["zero3_offload"]
     assert nvme.status == OK, nvme.reason
@@ -140,6 +140,19 @@ def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResul
     assert "NVMe offload's directory" in text and "| `zero3_offload_nvme` | " in text and "optimizer step ms" in text
     assert f"--nvme-path {nvme_path}" in bench.options["command"]
     assert list(nvme_path.iterdir()) == []  # every rank removed its scratch directory
+    # issue 61: the optimizer step against its I/O floor, at the engine path's rates on the same directory
+    floor, step = nvme.io_floor, nvme.disk.optimizer_step
+    assert floor is not None and step is not None and offload.io_floor is None
+    # the step's own I/O (from the end of backward): every bucket's state read and written once
+    assert step.read_bytes == step.write_bytes == report["disk"] and step.update_seconds > 0
+    assert floor.rates.path == str(nvme_path) and floor.rates.ranks == 2 and floor.rates.requests == step.reads
+    assert floor.rates.read_bytes == floor.rates.write_bytes == floor.rates.rounds * 2 * step.reads * floor.rates.request_bytes
+    assert floor.floor_s == max(floor.host_step_s, floor.read_s + floor.write_s) > 0 and floor.raw_floor_s > 0
+    assert floor.step_vs_floor == pytest.approx(floor.step_s / floor.floor_s) and floor.update_busy > 0
+    assert nvme.targets["io_floor"] is floor.met and any("the I/O floor" in note and "issue 61" in note for note in nvme.notes)
+    assert "NVMe optimizer step against its I/O floor" in text and "≤ 1.2× floor" in text
+    in_json = next(v for v in written["variants"] if v["name"] == "zero3_offload_nvme")["io_floor"]
+    assert in_json["rates"]["read_gbps"] == floor.rates.read_gbps and in_json["step_vs_floor"] == floor.step_vs_floor
 
 
 def test_ownership_path_rows_show_its_communication_and_state(bench: BenchResult) -> None:

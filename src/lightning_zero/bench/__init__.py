@@ -7,7 +7,9 @@ on one model, one data stream and one machine, each next to the ZeRO paper's flo
 Modules: `options` (what to run, the named `--shape`s), `variants` (the table), `wrappers` (how each
 variant is built and stepped), `worker` (one process group per variant) and `rank` (what each of its
 ranks runs), `paired` (`--paired`: the variants round-robin in one process group), `memory`, `comm`,
-`overhead` and `host_counts` with `python_calls` (what is measured and how), `theory` (the floors),
+`overhead` and `host_counts` with `python_calls` (what is measured and how), `disk` (NVMe offload's
+directory, its raw figures and the engine's I/O), `io_floor` (the NVMe optimizer step against its I/O
+floor, at the rates of the engine's own I/O path), `theory` (the floors),
 `ratios` (each variant against DDP), `targets` (issue 8's targets and the notes), `results` (the
 figures), `report` (markdown, JSON; its side tables `report_sections`, host work `host_report`,
 building blocks `markdown`) and `chart` (PNG). `--capacity`: `capacity`

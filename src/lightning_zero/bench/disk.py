@@ -15,6 +15,16 @@ Two kinds of figures, measured in the same run so they compare:
   its reads mostly come back from it, so its figures sit between the raw read and the cached one,
   and a step's files reach the device in the background. Compare `waits` (reads and writes the
   optimizer had to block on) for whether the disk keeps up.
+- **engine path** (`io_floor.engine_path_throughput`, once per NVMe variant, after it ran): the rates the
+  engine's own I/O path reaches on this directory, measured with the engine's `ScratchDirectory`
+  (its I/O threads, whole-request `preadv`/`pwritev`, no fsync, the page cache as the engine has
+  it), requests the size the variant's step made, as many per step, one directory per rank all at
+  once. Aggregate GB/s: bytes over the wall time of all of them. These are the rates of the I/O
+  floor (`io_floor.py`); the raw figures stay beside them, for a model whose files outgrow the page
+  cache.
+- **per step** (`io_floor.StepIO`, per rank and timed step): the engine's counts from the end of backward
+  (before the optimizer step's first reads are started) to the end of the optimizer step, and that
+  step's wall time, so a step's bytes exclude the reads of the gathers in forward and backward.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from lightning_zero.bench.io_floor import StepIO
 from lightning_zero.engine.offload.scratch_files import gbps
 
 RAW_BYTES = 256 * 2**20
@@ -37,6 +48,7 @@ RAW_BLOCK_BYTES = 8 * 2**20
 """Bytes per `pwrite`/`pread` call of the raw measurement."""
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
 """File systems that live in memory: NVMe offload onto them moves nothing out of memory."""
+
 
 
 def filesystem_of(path: Path) -> Optional[str]:
@@ -163,12 +175,14 @@ class DiskIO:
     waits: int
     """Times the optimizer step blocked on a read or write that had not finished."""
     wait_seconds: float
+    per_step: tuple[StepIO, ...] = ()
+    """Each timed step's optimizer step (`StepIORecorder`); empty where it was not recorded (paired mode)."""
 
     @classmethod
-    def of(cls, stats: Any, steps: int) -> "DiskIO":
-        """From an engine `IOStats` counted over `steps` steps."""
+    def of(cls, stats: Any, steps: int, per_step: Sequence[StepIO] = ()) -> "DiskIO":
+        """From an engine `IOStats` counted over `steps` steps, with each one's `StepIO`."""
         names = ("reads", "writes", "read_bytes", "write_bytes", "read_seconds", "write_seconds", "waits", "wait_seconds")
-        return cls(steps=steps, **{name: getattr(stats, name) for name in names})
+        return cls(steps=steps, **{name: getattr(stats, name) for name in names}, per_step=tuple(per_step))
 
     @property
     def read_gbps(self) -> float:
@@ -195,6 +209,8 @@ class DiskSummary:
     """Seconds it blocked, per step."""
     rank: int
     """The rank these are from."""
+    optimizer_step: Optional[StepIO] = None
+    """That rank's optimizer step, each figure's median over the timed steps (None where not recorded)."""
 
 
 def summarize_disk(per_rank: Sequence[Optional[DiskIO]]) -> Optional[DiskSummary]:
@@ -211,4 +227,5 @@ def summarize_disk(per_rank: Sequence[Optional[DiskIO]]) -> Optional[DiskSummary
         waits_per_step=io.waits / io.steps,
         wait_s_per_step=io.wait_seconds / io.steps,
         rank=rank,
+        optimizer_step=StepIO.median(io.per_step) if io.per_step else None,
     )

@@ -32,6 +32,7 @@ from torch import Tensor
 from lightning_zero.bench.comm import CollectiveCounter, CommCount
 from lightning_zero.bench.disk import DiskIO
 from lightning_zero.bench.host_counts import counted_step
+from lightning_zero.bench.io_floor import StepIORecorder
 from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
@@ -115,11 +116,11 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     if disk is not None:
         disk.reset()  # the timed steps' I/O only
     dist.barrier()  # the timed steps start together
-    timer = StepTimer(device)
+    timer = StepTimer(device, disk)
     for x, y in batches[options.warmup : options.warmup + options.steps]:
         losses.append(timer.step(wrapped, x, y))
     peak_bytes = peak.peak()
-    disk_io = DiskIO.of(disk, options.steps) if disk is not None else None
+    disk_io = DiskIO.of(disk, options.steps, timer.disk_steps) if disk is not None else None
     return closing_measurement(rank, built, options, timer, losses, (resting, peak_bytes, peak_meaning), disk_io)
 
 
@@ -131,20 +132,35 @@ class StepTimer:
     Host CPU time is the rank process's (`time.process_time`: all its threads, gloo's and autograd's
     included) until the step returns, before the device is waited for (a CUDA sync spins). Where the
     step is host work (the launch-bound shape, a fast GPU) it is that work, and time the process
-    spends waiting for a core on a loaded machine is not in it."""
+    spends waiting for a core on a loaded machine is not in it.
 
-    def __init__(self, device: torch.device) -> None:
+    With `disk` (an NVMe variant's `IOStats`) it also records each step's optimizer step and its
+    I/O (`io_floor.StepIORecorder`), on either device, for the I/O floor."""
+
+    def __init__(self, device: torch.device, disk: Optional[Any] = None) -> None:
         self.device = device
         self.step_times: list[float] = []
         self.cpu_times: list[float] = []
         self.optimizer_times: list[float] = []
         self._clock = _PhaseClock() if device.type == "cpu" else None
+        self._disk = StepIORecorder(disk) if disk is not None else None
+
+    @property
+    def disk_steps(self) -> tuple[Any, ...]:
+        """Each timed step's `io_floor.StepIO` (empty without `disk`)."""
+        return tuple(self._disk.steps) if self._disk is not None else ()
+
+    def _probe(self, phase: str) -> None:
+        if self._clock is not None:
+            self._clock.probe(phase)
+        if self._disk is not None:
+            self._disk.probe(phase)
 
     def step(self, wrapped: Wrapped, x: Tensor, y: Tensor) -> Tensor:
         """One timed step of `wrapped`; returns its loss."""
         clock = self._clock
         start, cpu_start = time.perf_counter(), time.process_time()
-        loss = wrapped.step(x, y, clock.probe if clock is not None else no_probe)
+        loss = wrapped.step(x, y, self._probe if clock is not None or self._disk is not None else no_probe)
         self.cpu_times.append(time.process_time() - cpu_start)
         synchronize(self.device)
         self.step_times.append(time.perf_counter() - start)

@@ -17,7 +17,7 @@ from lightning_zero.bench.chart import write_chart
 from lightning_zero.bench.host_report import HOST_DEFINITIONS, host_section
 from lightning_zero.bench.markdown import format_mb, markdown_table, pct
 from lightning_zero.bench.report_sections import (
-    comm_by_kind_section, nvme_section, ownership_section, traffic_by_group_section,
+    comm_by_kind_section, io_floor_section, nvme_section, ownership_section, traffic_by_group_section,
 )  # fmt: skip
 from lightning_zero.bench.results import OK, BenchResult, RunReport, VariantResult
 from lightning_zero.bench.variants import BY_NAME
@@ -28,7 +28,7 @@ _PRECISION_WORDS = {"fp32": "fp32", "bf16-mixed": "bf16-mixed (autocast; weights
 
 _TARGET_LABELS = {
     "model_state": "model state", "communication": "comm", "step_time": "time", "vs_peers": "vs peers",
-    "overhead": "overhead",
+    "overhead": "overhead", "io_floor": "I/O floor",
 }  # fmt: skip
 
 DEFINITIONS = """\
@@ -66,7 +66,19 @@ DEFINITIONS = """\
   slowest-rank time from the reduced gradients to the refreshed parameters, the part of the step the
   disk is in. **raw**: dd-style, one 256 MB file in the
   same directory in the same run. Its optimizer state counts the host buffers it streams through;
-  the files are "on disk", in no memory column."""
+  the files are "on disk", in no memory column.
+- **I/O floor** (NVMe variants timed alone): max(host step, bytes read / read rate + bytes written /
+  write rate) for one optimizer step of the worst rank (medians over the timed steps). Bytes: the
+  engine's count from the end of backward to the end of the step (the gathers' reads are not the
+  step's); rates: the engine's own I/O path (`ScratchDirectory`'s threads, one `preadv`/`pwritev`
+  per bucket file, every rank at once, no fsync, through the page cache as the engine goes),
+  measured on the same directory right after the variant, a rank's share of the aggregate; host
+  step: the optimizer's update itself (`IOStats.update_seconds`). **step / floor**: the optimizer
+  step's wall time over the floor; target ≤ 1.2× (issue 61); below 1 where reads prefetched at the
+  end of backward ran before the step began. **busy**: read and write seconds summed over the I/O
+  threads (a sum, not a union: above 100% means requests overlapped), and the update's, over the
+  step's wall time. **floor at raw rates**: the same at the dd-style rates, the floor if the files
+  outgrew the page cache."""
 
 
 def _missed(result: VariantResult) -> str:
@@ -181,6 +193,7 @@ def markdown(result: BenchResult) -> str:
         lines += traffic_by_group_section(result, ran, opts["shard_group_size"])
     if env.get("nvme"):
         lines += nvme_section(env["nvme"], ran)
+        lines += io_floor_section(ran)
     lines += host_section(result.variants, paired=bool(opts.get("paired")))
     lines += ["", "## Notes", ""]
     for r in result.variants:

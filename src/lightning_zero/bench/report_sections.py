@@ -1,12 +1,14 @@
 """The benchmark report's side tables, one per idea, each shown where the run has something for it:
 communication by kind (always), the ownership path's rows (`zero2_whole`, `zero3_whole`), hybrid
-sharding's traffic within and across shard groups, and NVMe offload's disk next to its raw figures."""
+sharding's traffic within and across shard groups, NVMe offload's disk next to its raw figures, and
+each NVMe variant's optimizer step against its I/O floor."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from lightning_zero.bench import theory
+from lightning_zero.bench.io_floor import IO_FLOOR_TARGET
 from lightning_zero.bench.markdown import format_mb, markdown_table, pct
 from lightning_zero.bench.results import BenchResult, VariantResult
 from lightning_zero.bench.variants import BY_NAME
@@ -138,3 +140,54 @@ def nvme_section(raw: dict[str, Any], ran: Sequence[VariantResult]) -> list[str]
         "wait ms/step", "wait / step", "on disk MB / floor",
     ]  # fmt: skip
     return lines + markdown_table(headers, rows, "lrrrrrrrrr")
+
+
+def io_floor_section(ran: Sequence[VariantResult]) -> list[str]:
+    """Each NVMe variant's optimizer step against its I/O floor (`io_floor.py`, [Note: the I/O
+    floor]): the engine path's rates, the floor's terms, the step, the pipeline's occupancy and
+    issue 61's target; nothing where no variant has a floor."""
+    measured = [r for r in ran if r.io_floor is not None]
+    if not measured:
+        return []
+    rows = []
+    for r in measured:
+        f = r.io_floor
+        assert f is not None
+        rates = f.rates
+        rows.append([
+            f"`{r.name}`",
+            str(f.rank),
+            f"{rates.requests} × {format_mb(rates.request_bytes)}",
+            f"{rates.read_gbps:.2f} / {rates.write_gbps:.2f}",
+            f"{format_mb(f.read_bytes)} / {format_mb(f.write_bytes)}",
+            _ms(f.host_step_s),
+            f"{_ms(f.read_s)} + {_ms(f.write_s)}",
+            f"**{_ms(f.floor_s)}**",
+            "—" if f.raw_floor_s is None else _ms(f.raw_floor_s),
+            _ms(f.step_s),
+            f"**{f.step_vs_floor:.2f}×**",
+            f"{f.read_busy:.0%} / {f.update_busy:.0%} / {f.write_busy:.0%}",
+            "met" if f.met else "MISSED",
+        ])  # fmt: skip
+    first = measured[0].io_floor
+    assert first is not None
+    lines = [
+        "",
+        f"NVMe optimizer step against its I/O floor, max(host step, read MB / read rate + write MB / write rate),"
+        f" medians over the timed steps of the rank that waited longest (its own optimizer step: the table above gives"
+        f" the slowest rank's); rates of the engine's own I/O path on the same"
+        f" directory ({first.rates.ranks} rank(s) at once, {first.rates.threads} I/O threads each, one request per"
+        f" bucket file, no fsync, through the page cache), measured after each variant. Target (issue 61):"
+        f" NVMe step ≤ {IO_FLOOR_TARGET:.1f}× the I/O floor.",
+        "",
+    ]
+    headers = [
+        "variant", "rank", "requests/step", "engine path read / write GB/s", "read / write MB/step", "host step ms",
+        "read + write ms", "floor ms", "floor at raw rates ms", "its optimizer step ms", "step / floor",
+        "busy: read / update / write", f"≤ {IO_FLOOR_TARGET:.1f}× floor",
+    ]  # fmt: skip
+    return lines + markdown_table(headers, rows, "lrrrrrrrrrrrl")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"

@@ -13,6 +13,7 @@ from typing import Any, Generic, Optional, Sequence, TypeVar
 from lightning_zero.bench.comm import CommCount
 from lightning_zero.bench.disk import DiskIO, DiskSummary, summarize_disk
 from lightning_zero.bench.host_counts import HostCounts
+from lightning_zero.bench.io_floor import IOFloor
 from lightning_zero.bench.memory import HeldBytes
 from lightning_zero.bench.overhead import Overhead
 from lightning_zero.bench.theory import VariantTheory
@@ -174,6 +175,9 @@ class VariantResult:
     """Host CPU ms per step beyond DDP's (paired: the median over rounds of the per-round difference)."""
     ms_beyond_ddp_per_unit: Optional[float] = None
     """`ms_beyond_ddp` / `units`, where the variant has units (see `ratios.py`)."""
+    io_floor: Optional[IOFloor] = None
+    """Ours with NVMe offload, timed alone: the optimizer step against its I/O floor, with the rates
+    of the engine's I/O path on its directory and the pipeline's occupancy (`io_floor.py`)."""
 
 
 def summarize(

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from lightning_zero.bench import disk, paired, provenance, report, targets, theory, variants, worker
+from lightning_zero.bench import disk, io_floor, paired, provenance, report, targets, theory, variants, worker
 from lightning_zero.bench.options import BenchOptions, model_config, num_parameters
 from lightning_zero.bench.results import OK, UNAVAILABLE, BenchResult, VariantResult, not_run, summarize
 from lightning_zero.models.gpt import GPT, Block, GPTConfig
@@ -49,7 +49,8 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
         if on_disk:
             environment["nvme"] = measure_disk(nvme_path, progress)
         run_options = dataclasses.replace(options, nvme_path=nvme_path)
-        runs = _Runs(run_options, config, numels, unit_bytes, options.out / report.LOG_DIR_NAME, progress)
+        log_dir = options.out / report.LOG_DIR_NAME
+        runs = _Runs(run_options, config, numels, unit_bytes, log_dir, progress, environment.get("nvme"))
         if options.paired:
             results = _paired_then_alone(runs, specs)
         else:
@@ -77,6 +78,20 @@ def measure_disk(directory: Path, progress: Callable[[str], None] = _say_nothing
     return {**dataclasses.asdict(raw), "in_memory": raw.in_memory}
 
 
+def with_io_floor(result: VariantResult, directory: Path, ranks: int, raw: Optional[dict[str, Any]] = None) -> VariantResult:
+    """An NVMe variant's `result` with its I/O floor (`io_floor.py`): the engine path's rates on
+    `directory`, measured now (the variant's processes are gone) with as many requests as its
+    optimizer step made, of their mean size, from `ranks` ranks at once; `raw`: the run's raw figures.
+    Unchanged where no optimizer step was recorded (paired mode) or it moved nothing."""
+    step = result.disk.optimizer_step if result.disk is not None else None
+    if step is None or not step.reads + step.writes:
+        return result
+    request_bytes = max(1, round((step.read_bytes + step.write_bytes) / (step.reads + step.writes)))
+    requests = max(1, round(max(step.reads, step.writes)))
+    rates = io_floor.engine_path_throughput(directory, request_bytes, requests, ranks=ranks)
+    return dataclasses.replace(result, io_floor=io_floor.io_floor(step, rates, result.disk.rank, raw))
+
+
 @dataclass(frozen=True)
 class _Runs:
     """What every variant's run needs: the options, the model, where the logs go, whom to tell."""
@@ -89,6 +104,8 @@ class _Runs:
     """The largest unit's bytes (the model-state tolerance)."""
     log_dir: Path
     progress: Callable[[str], None]
+    raw_disk: Optional[dict[str, Any]] = None
+    """The NVMe directory's raw figures (`measure_disk`), for the I/O floor at raw rates."""
 
     def expected(self, spec: variants.VariantSpec) -> theory.VariantTheory:
         o, numels = self.options, self.numels
@@ -99,7 +116,10 @@ class _Runs:
         self.progress(f"{label} {spec.name}: {spec.description} ...")
         run = worker.run_variant(spec, self.options, self.config, self.log_dir)
         if run.status == OK:
-            return self._ran(summarize(spec, self.expected(spec), run.ranks, self.options.tokens_per_step))
+            result = summarize(spec, self.expected(spec), run.ranks, self.options.tokens_per_step)
+            if spec.state_on_disk and self.options.nvme_path is not None:
+                result = with_io_floor(result, self.options.nvme_path, self.options.devices, self.raw_disk)
+            return self._ran(result)
         self.progress(f"      {run.status}: {run.reason}")
         return not_run(spec, self.expected(spec), run.status, run.reason or "")
 
@@ -140,6 +160,13 @@ class _Runs:
             self.progress(
                 f"      disk: read {d.read_gbps:.2f} GB/s, write {d.write_gbps:.2f} GB/s,"
                 f" {d.waits_per_step:.1f} waits ({d.wait_s_per_step * 1e3:,.0f} ms) per step"
+            )
+        if result.io_floor is not None:
+            f = result.io_floor
+            self.progress(
+                f"      I/O floor {f.floor_s * 1e3:,.1f} ms (engine path: read {f.rates.read_gbps:.2f} GB/s,"
+                f" write {f.rates.write_gbps:.2f} GB/s, {f.rates.ranks} rank(s) at once; host step"
+                f" {f.host_step_s * 1e3:,.1f} ms); optimizer step {f.step_s * 1e3:,.1f} ms = {f.step_vs_floor:.2f}x the floor"
             )
         return result
 

@@ -11,7 +11,10 @@ Targets (measured, never asserted):
   stand-in for a fast GPU (`--shape launch-bound`), so they are judged there;
 - ours faster than every other implementation of the same stage (FSDP2, DeepSpeed, torch ZeRO-1);
 - engine overhead (issue 11): ours dispatch at most 1.15x DDP's aten ops per step at stages 1-2 and
-  1.35x at stage 3, and make no host sync in forward and backward and at most one per step.
+  1.35x at stage 3, and make no host sync in forward and backward and at most one per step;
+- the I/O floor (issue 61): an NVMe variant's optimizer step at most 1.2x its I/O floor, max(host
+  step, bytes read / read rate + bytes written / write rate) at the rates of the engine's own I/O
+  path on its directory (`io_floor.py`, [Note: the I/O floor]), on either device.
 The memory and communication targets are judged for every variant, so the baselines' distances
 from the floors show too (the ownership path's floors include its owners' state and all-to-alls);
 the speed targets are ours on the chunk path (the ownership path's rows measure what it adds). A target missed by one of ours is a note
@@ -27,6 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from lightning_zero.bench.io_floor import IO_FLOOR_TARGET
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.ratios import against_ddp
 from lightning_zero.bench.results import OK, VariantResult
@@ -64,7 +68,7 @@ MIN_STEPS_FOR_TIMING = 5
 """Fewer timed steps than this and the median is mostly noise: said so in the notes."""
 
 
-TARGETS = ("model_state", "communication", "step_time", "vs_peers", "overhead")
+TARGETS = ("model_state", "communication", "step_time", "vs_peers", "overhead", "io_floor")
 """The keys of `VariantResult.targets`."""
 
 
@@ -100,6 +104,7 @@ def judge(
             "step_time": _step_time(result, ran, options.device, options.devices),
             "vs_peers": _vs_peers(result, ran),
             "overhead": _overhead(result),
+            "io_floor": _io_floor(result),
         }
         notes = [v.note for v in verdicts.values() if v.note is not None]
         loss_note = _loss(result, ddp_loss, options.precision)
@@ -170,6 +175,18 @@ def _nvme_step_time(result: VariantResult, ran: dict[str, VariantResult]) -> _Ve
     if ratio <= limit:
         return _Verdict(True, f"target met: step time {ratio:.2f}x {name}'s (target ≤ {limit:.2f}x, issue 28)")
     return _Verdict(False, f"MISSED target: step time {ratio:.2f}x {name}'s (target ≤ {limit:.2f}x, issue 28)")
+
+
+def _io_floor(result: VariantResult) -> _Verdict:
+    """An NVMe variant's optimizer step against its I/O floor (`IO_FLOOR_TARGET`), where it was measured."""
+    floor = result.io_floor
+    if floor is None:
+        return _Verdict(None)
+    said = (
+        f"optimizer step {floor.step_s * 1e3:,.1f} ms = {floor.step_vs_floor:.2f}x the I/O floor {floor.floor_s * 1e3:,.1f} ms"
+        f" (target ≤ {IO_FLOOR_TARGET:.1f}x, issue 61)"
+    )
+    return _Verdict(True, f"target met: {said}") if floor.met else _Verdict(False, f"MISSED target: {said}")
 
 
 def _overhead(result: VariantResult) -> _Verdict:

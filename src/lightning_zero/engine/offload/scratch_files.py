@@ -67,6 +67,9 @@ class IOStats:
     write_wait_seconds: float = 0.0
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    update_seconds: float = 0.0
+    """Seconds the optimizer's own update took on the host, summed over the buckets it stepped
+    (the stream's compute, beside its reads and writes: the benchmark's host step)."""
 
     def reset(self) -> None:
         with self._lock:

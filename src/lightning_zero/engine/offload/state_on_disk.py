@@ -46,6 +46,7 @@ its class, param groups, hyperparameters and schedulers; what changes:
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -190,7 +191,9 @@ class OptimizerStateOnDisk:
         view.__dict__.update(source.__dict__)
         view.param_groups = narrowed
         try:
+            start = time.perf_counter()
             self._unhooked(view, **step_kwargs)
+            self.directory.stats.add(update_seconds=time.perf_counter() - start)
         finally:
             for group, stepped in zip([g for g in source.param_groups if any(id(p) in members for p in g["params"])], narrowed):
                 for key, value in stepped.items():
