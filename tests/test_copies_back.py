@@ -9,6 +9,8 @@ skipped, sent from a stale chunk or unpacked into the wrong bucket's parameters 
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 from case_groups import CaseGroup, GroupResults, RankContext
@@ -19,7 +21,7 @@ GROUP = CaseGroup(world_size=2)
 
 
 def _run(ctx: RankContext, overlap: bool, stage: int, dtype: torch.dtype, clip: float | None, ahead: bool,
-         skip_step: int | None, hook: bool, offload_params: bool, read_before_step: bool) -> dict:  # fmt: skip
+         skip_step: int | None, hook: bool, offload_params: bool, read_before_step: bool, nvme: bool) -> dict:  # fmt: skip
     import torch.distributed as dist
     from lightning_helpers import token_data
 
@@ -34,7 +36,8 @@ def _run(ctx: RankContext, overlap: bool, stage: int, dtype: torch.dtype, clip: 
     model = GPT(GPTConfig(block_size=16, n_layer=3, n_head=2, n_embd=16)).to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     units = {"unit_classes": ["Block"], "offload_params": offload_params} if stage == 3 else {}
-    config = ZeroConfig(stage=stage, offload_optimizer=True, overlap_host_step=overlap, **units, **SMALL_BUCKETS)
+    state = {"offload_optimizer": "nvme", "nvme_path": tempfile.mkdtemp(prefix="copies-back-")} if nvme else {"offload_optimizer": True}
+    config = ZeroConfig(stage=stage, overlap_host_step=overlap, **state, **units, **SMALL_BUCKETS)
     engine = ZeroEngine(model, [optimizer], config)
     if overlap:  # rank 1 may be told to step after backward: the ranks then send at different times
         engine.plan_host_step(ahead=ahead or ctx.rank == 0, keep_rollback=clip is not None or skip_step is not None or read_before_step, check_contents=hook)
@@ -72,8 +75,8 @@ def _run(ctx: RankContext, overlap: bool, stage: int, dtype: torch.dtype, clip: 
 
 def copies_back(ctx: RankContext, stage: int = 2, dtype: torch.dtype = torch.float32, clip: float | None = None,
                 ahead: bool = True, skip_step: int | None = None, hook: bool = False, offload_params: bool = True,
-                read_before_step: bool = False) -> dict:  # fmt: skip
-    args = (stage, dtype, clip, ahead, skip_step, hook, offload_params, read_before_step)
+                read_before_step: bool = False, nvme: bool = False) -> dict:  # fmt: skip
+    args = (stage, dtype, clip, ahead, skip_step, hook, offload_params, read_before_step, nvme)
     early, after = _run(ctx, True, *args), _run(ctx, False, *args)
     return {
         "same_losses": [torch.equal(a, b) for a, b in zip(early["losses"], after["losses"])],
@@ -99,6 +102,9 @@ CASES = {
     "stage3_optimizer_offloaded": {"stage": 3, "offload_params": False},
     "stage3_bf16_clipping_applies": {"stage": 3, "dtype": torch.bfloat16, "clip": 1e-4},
     "stage3_bf16_read_before_the_step": {"stage": 3, "dtype": torch.bfloat16, "read_before_step": True, "hook": True},
+    "stage2_nvme_state_clipping_applies": {"nvme": True, "clip": 1e-4},
+    "stage2_nvme_state": {"nvme": True},
+    "stage3_bf16_nvme_state": {"stage": 3, "dtype": torch.bfloat16, "nvme": True},
 }
 for _name, _args in CASES.items():
     GROUP.case(copies_back, name=_name, **_args)

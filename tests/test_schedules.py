@@ -42,7 +42,7 @@ STAGE3 = {"stage": 3, "unit_classes": ["Block"]}
 SCENARIOS = {
     s.name: s
     for s in (
-        Scenario("stage3_params_offloaded_late_rank", {**STAGE3, "offload_optimizer": True, "offload_params": True}, steps=1, detach_after={1: 2}),
+        Scenario("stage3_params_offloaded_late_rank", {**STAGE3, "offload_optimizer": True, "offload_params": True}, steps=2, detach_after={1: 2}),
         Scenario("stage3_late_rank", STAGE3, steps=2, detach_after={1: 2}),
         Scenario(
             "stage3_bf16_offloaded_late_rank", {**STAGE3, "offload_optimizer": True, "offload_params": True},
@@ -52,9 +52,10 @@ SCENARIOS = {
             "stage3_nvme_late_rank", {**STAGE3, "offload_optimizer": "nvme", "offload_params": "nvme"}, steps=2, detach_after={1: 2},
         ),  # fmt: skip
         Scenario(
-            # one step, as stage3_params_offloaded_late_rank: with 2 both find the same deadlock (a gather of a
-            # bucket during backward joins a worker batch that waits for a copy of a later reduction)
-            "stage3_nvme_state_late_rank", {**STAGE3, "offload_optimizer": "nvme", "offload_params": True}, steps=1, detach_after={1: 2},
+            # with 2 steps both this and stage3_params_offloaded_late_rank once found a deadlock: a gather of a
+            # bucket during backward joined a worker batch that waited for a copy of a later reduction (now the
+            # read calls off a step the worker has not taken: StepAhead._settle_bucket)
+            "stage3_nvme_state_late_rank", {**STAGE3, "offload_optimizer": "nvme", "offload_params": True}, steps=2, detach_after={1: 2},
         ),  # fmt: skip
         Scenario("stage3_optimizer_offloaded", {**STAGE3, "offload_optimizer": True}, steps=2, optimizer="sgd"),
         Scenario("stage2", {"stage": 2, "bucket_size_mb": 0.0005}, steps=2),

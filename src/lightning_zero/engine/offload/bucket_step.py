@@ -105,8 +105,13 @@ class BucketStep:
     undone: bool = False
     """Its step was rolled back since."""
     settled: bool = False
-    """Its step was undone because the chunks were read before the verdict (``StepAhead._settle_bucket``):
-    the verdict steps it after backward."""
+    """Its step was undone, or called off before the worker took it, because the chunks were read
+    before the verdict (``StepAhead._settle_bucket``): the verdict steps it after backward."""
+    taken: bool = False
+    """The worker has waited for its row and decided to step it: from then on, a read of its chunks
+    waits for that step (which waits for nothing else)."""
+    called_off: bool = False
+    """A read of its chunks came before the worker took it: the worker leaves it to the verdict."""
     start: float = 0.0
     end: float = 0.0
     """Its share of its batch's step (apportioned by elements where the batch stepped several buckets)."""

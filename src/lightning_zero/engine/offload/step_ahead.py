@@ -341,11 +341,18 @@ class StepAhead:
         job.undone = True
 
     def _settle_bucket(self, job: BucketStep) -> None:
-        """Before a read of ``job``'s chunks ahead of the verdict (``HostChunks.unsettled``): wait for its
-        step and undo it if it stepped (torch's fused CPU kernels, which the host step uses, move no
-        version counter, so whether the chunks moved is known from the job, not the tensors); the
-        verdict steps it then (see "reads before the verdict")."""
+        """Before a read of ``job``'s chunks ahead of the verdict (``HostChunks.unsettled``): where the
+        worker has not taken it, call its step off; else wait for its step and undo it if it stepped
+        (torch's fused CPU kernels, which the host step uses, move no version counter, so whether
+        the chunks moved is known from the job, not the tensors). The verdict steps it then (see
+        "reads before the verdict"). Never waiting for a step not taken is what keeps this wait off
+        the peers: a bucket's step waits for its row's copy, which on a GPU waits for its
+        reduce-scatter, which a peer may reach only after this rank's read (a gather of a unit its
+        backward never reached: the schedule explorer's ``stage3_params_offloaded_late_rank``)."""
         job.host.unsettled = None
+        if self._steps.call_off(job):
+            job.settled = True
+            return
         if job.future is not None and handoffs.join(job.future, "a read of the chunks waits for their step") is not None:
             self._drain()  # raises, after undoing what was stepped
         if not job.holds_step:  # not stepped (no rank gave the bucket a gradient) or already undone

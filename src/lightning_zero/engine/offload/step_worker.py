@@ -117,8 +117,12 @@ class StepWorker:
                 host.accept_now(row, row[host.shard_numel : host.shard_numel + k].tolist())
         finally:
             handoffs.signal(batch.accepted, "gradients handed out")
+        with self._lock:  # from here on a read of a taken bucket's chunks waits for its step
+            taken = [job for job in batch.jobs if not job.called_off]
+            for job in taken:
+                job.taken = True
         batch.start = time.perf_counter()
-        stepping = [job for job in batch.jobs if self._read(job)]
+        stepping = [job for job in taken if self._read(job)]
         if stepping:
             batch.hyperparameters = self.step_shards([shard for job in stepping for shard in job.shards])
             for job in stepping:
@@ -128,7 +132,15 @@ class StepWorker:
         _apportion(stepping, batch.start, batch.end)
         copies_back = self._ahead.copies_back
         if copies_back is not None:  # each bucket's weights go back to the device now
-            copies_back.ran([(job.host, job, copy) for job, _, copy in landed])
+            copies_back.ran([(job.host, job, copy) for job, _, copy in landed if job.taken])
+
+    def call_off(self, job: BucketStep) -> bool:
+        """Leave ``job`` to the verdict if the worker has not taken it yet (True); False: it has, and a
+        read of its chunks waits for its step."""
+        with self._lock:
+            if not job.taken:
+                job.called_off = True
+            return job.called_off
 
     def _read(self, job: BucketStep) -> bool:
         """Record what ``job``'s step reads, before it is read: the gradients' versions, then their

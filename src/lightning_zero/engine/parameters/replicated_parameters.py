@@ -49,7 +49,7 @@ class ReplicatedParameters(ParameterResidency):
         # at most two buckets communicate at once (reduce-scatters in backward, gathers after a
         # step), each with up to three buffers when offloaded (send, received, fp32 cast)
         self.pool = BufferPool(capacity_bytes=0, slots=IN_FLIGHT * (3 if host is not None else 1))
-        copies_back = host is not None and config.offload_optimizer is True and config.overlap_host_step
+        copies_back = host is not None and config.overlap_host_step  # CPU or NVMe state: the masters are in memory
         # the write-backs that start during backward go on a group of their own: their order against
         # backward's reduce-scatters differs between ranks (see [Note: copies back per bucket])
         self._write_back_group = collectives.new_group_like(group, timeout) if copies_back else None

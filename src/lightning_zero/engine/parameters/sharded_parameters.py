@@ -99,7 +99,7 @@ class ShardedParameters(ParameterResidency):
         ]
         self.pool.capacity_bytes = max(regular, default=0)
         self.schedule = GatherSchedule(self.units, config.prefetch_units)
-        if offload and config.offload_optimizer is True and config.overlap_host_step:
+        if offload and config.overlap_host_step and not config.params_on_disk:
             self.copies_back = ChunksBack(self.buckets_with_host, device)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
         ParameterAtRest.adopters.update({id(p.param): _adopter_at_rest(self, p) for p in self.params})
