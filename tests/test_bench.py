@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_zero.engine.offload.disk_tier import STATE_SLOTS
 from lightning_zero.bench import BenchOptions, BenchResult, VariantResult, memory, run_bench, theory, variants, wrappers
 from lightning_zero.bench.options import model_config, num_parameters
 from lightning_zero.bench.results import OK, UNAVAILABLE
@@ -117,10 +118,12 @@ def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResul
     assert nvme.losses == offload.losses
     # the files' reads and writes run on host memory: no host sync of theirs (scratch_files._byte_view)
     assert nvme.host_syncs_ours_per_step == offload.host_syncs_ours_per_step, nvme.ranks[0].overhead.host_syncs_ours_by_call
-    # every timed step reads and writes each bucket's file whole: the moments the engine reports on disk
+    # every timed step reads each bucket's committed slot whole and writes the other one: the files
+    # hold two slots of the moments (STATE_SLOTS), each starting on a page
     report = nvme.ranks[0].engine_reports[nvme.model_state_phase]
     assert nvme.disk is not None and report["disk"] > 0
-    assert nvme.disk.read_bytes_per_step == nvme.disk.write_bytes_per_step == report["disk"]
+    assert nvme.disk.read_bytes_per_step == nvme.disk.write_bytes_per_step
+    assert 0 <= report["disk"] - STATE_SLOTS * nvme.disk.read_bytes_per_step <= STATE_SLOTS * 4096 * 3
     # 8 B per parameter of the rank's shard, up to 64-byte alignment per entry and chunk padding
     assert 0 <= report["disk"] - nvme.theory.model_state.on_disk <= 64 * 2 * 60 + 8 * 2 * 60
     assert nvme.disk.read_gbps > 0 and nvme.disk.write_gbps > 0 and nvme.disk.waits_per_step >= 0
@@ -143,8 +146,9 @@ def test_nvme_variant_reports_its_disk_next_to_the_raw_figures(bench: BenchResul
     # issue 61: the optimizer step against its I/O floor, at the engine path's rates on the same directory
     floor, step = nvme.io_floor, nvme.disk.optimizer_step
     assert floor is not None and step is not None and offload.io_floor is None
-    # the step's own I/O (from the end of backward): every bucket's state read and written once
-    assert step.read_bytes == step.write_bytes == report["disk"] and step.update_seconds > 0
+    # the step's own I/O (from the end of forward: it steps during backward): every bucket's state read
+    # (its committed slot) and written (the other) once
+    assert step.read_bytes == step.write_bytes == nvme.disk.read_bytes_per_step and step.update_seconds > 0
     assert floor.rates.path == str(nvme_path) and floor.rates.ranks == 2 and floor.rates.requests == step.reads
     assert floor.rates.read_bytes == floor.rates.write_bytes == floor.rates.rounds * 2 * step.reads * floor.rates.request_bytes
     assert floor.floor_s == max(floor.host_step_s, floor.read_s + floor.write_s) > 0 and floor.raw_floor_s > 0

@@ -143,15 +143,20 @@ def test_recommend_says_when_nothing_fits_and_respects_host_memory():
 
     # Offloading the optimizer needs 16 B per parameter of host memory on the node, 120 GB: with 100 GB
     # no host offload layout fits, and at 10 GB per device no on-device layout does either; NVMe,
-    # the last resort, keeps 8 B per parameter (60 GB) and a few buckets on the host.
+    # the last resort, keeps 8 B per parameter (60 GB) and a few buckets on the host, the masters'
+    # rollback copies (4 B, 30 GB: its host step runs during backward too) and 16 B per parameter on
+    # disk (two slots of the moments: the committed step's and the next one's).
     on_disk = sizing.recommend(estimates, 10 * GB, host_memory=100 * GB)
     assert on_disk.choice.layout.label == "zero3 + offload optimizer (nvme)"
-    assert "60.419 GB of host memory per node (60 GB of it pinned), and 60 GB of NVMe per node" in on_disk.message
+    assert (
+        "60.419 GB of host memory per node (60 GB of it pinned), and up to 30 GB more for the host step's"
+        " rollback copies, and 120 GB of NVMe per node"
+    ) in on_disk.message
     # with 60 GB only the master chunks' move to NVMe as well fits: the host keeps the gradient
     # chunks (4 B per parameter, 30 GB) and a few buckets of masters and moments
     everything_on_disk = sizing.recommend(estimates, 10 * GB, host_memory=60 * GB)
     assert everything_on_disk.choice.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
-    assert everything_on_disk.choice.disk == 90 * GB  # 12 B per parameter: the moments and the masters
+    assert everything_on_disk.choice.disk == 150 * GB  # 20 B per parameter: two slots of the moments, the masters
     assert sizing.recommend(estimates, 10 * GB, host_memory=30 * GB).choice is None
     # CPU offload fits 128 GB only where the host step keeps no rollback copies (12 B per parameter
     # more, 90 GB: the Trainer without clipping or hooks, or overlap_host_step=False) ...
@@ -187,13 +192,13 @@ def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
     params = by_label["zero3 + offload optimizer (nvme), params"]
     assert params.device == est.StateBytes()
     assert params.host_per_rank == est.StateBytes(parameters=16_000, gradients=16_000, optimizer_state=12_000)
-    assert (params.pinned_per_rank, params.disk_per_rank) == (32_000, 32_000)
+    assert (params.pinned_per_rank, params.disk_per_rank) == (32_000, 2 * 32_000)
     # The device side is CPU offload's; only the moments moved.
     for stage in ("zero1", "zero2", "zero3"):
         cpu, nvme = by_label[f"{stage} + offload optimizer"], by_label[f"{stage} + offload optimizer (nvme)"]
         assert nvme.device == cpu.device and nvme.pinned == cpu.pinned
         assert cpu.host_per_rank.optimizer_state - nvme.host_per_rank.optimizer_state == 32_000 - 12_000
-        assert (cpu.disk, nvme.disk_per_rank, nvme.disk) == (0, 32_000, 4 * 32_000)
+        assert (cpu.disk, nvme.disk_per_rank, nvme.disk) == (0, 2 * 32_000, 4 * 2 * 32_000)  # two slots
     assert all(e.disk == 0 for e in by_label.values() if not e.layout.state_on_disk)
     # Mixed precision: the bucket holds 4,000 half-precision parameters (1,000 per rank); the host
     # also keeps the fp32 master chunk as optimizer state; 2 nodes of 2 devices: per node, 2 ranks.
@@ -201,24 +206,24 @@ def test_nvme_keeps_the_chunks_in_host_memory_and_the_moments_on_disk():
     assert mixed.layout.label == "zero3 + offload optimizer (nvme)"
     assert mixed.device == est.StateBytes(parameters=2 * 4_000)
     assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=16_000 + 3 * 8 * 1_000)
-    assert (mixed.disk_per_rank, mixed.disk) == (32_000, 64_000)
+    assert (mixed.disk_per_rank, mixed.disk) == (2 * 32_000, 2 * 64_000)
 
 
 def test_nvme_parameters_move_the_master_chunks_to_disk_too():
     # 16,000 fp32 parameters on 4 ranks, buckets of 2,000 parameters (500 per rank), 3 buffers: the
     # host keeps the gradient chunk (4 x 4,000 B) and 3 buckets of masters (3 x 4 x 500 B) and of
-    # moments (3 x 8 x 500 B); the disk the moments and the masters, 12 B x 4,000.
+    # moments (3 x 8 x 500 B); the disk two slots of the moments and the masters, 20 B x 4,000.
     staging = est.NvmeStaging(bucket_bytes=8_000, buffer_count=3)
     everything = est.estimate(16_000, LAYOUTS[-1], FP32, est.Topology(4), staging)
     assert everything.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
     assert everything.device == est.StateBytes()
     assert everything.host_per_rank == est.StateBytes(parameters=6_000, gradients=16_000, optimizer_state=12_000)
-    assert (everything.pinned_per_rank, everything.disk_per_rank) == (16_000 + 6_000, 48_000)
+    assert (everything.pinned_per_rank, everything.disk_per_rank) == (16_000 + 6_000, 80_000)
     # Mixed precision: the device keeps the half chunk it gathers from, the fp32 masters go to disk.
     mixed = est.estimate(16_000, LAYOUTS[-1], MIXED, est.Topology(4), staging)
     assert mixed.device == est.StateBytes(parameters=2 * 4_000)
     assert mixed.host_per_rank == est.StateBytes(gradients=16_000, optimizer_state=3 * 4 * 1_000 + 3 * 8 * 1_000)
-    assert mixed.disk_per_rank == 12 * 4_000
+    assert mixed.disk_per_rank == 20 * 4_000
     with pytest.raises(ValueError, match="needs offload_optimizer='nvme'"):
         Layout(ZeroStage.PARAMETERS, offload_optimizer=True, offload_params="nvme")
 
@@ -285,7 +290,10 @@ def test_rollback_copies_are_a_figure_of_their_own_for_cpu_offload():
         for e, bare in zip(counted, not_counted):
             label = f"{scheme.name}: {e.layout.label}"
             on_cpu = e.layout.offload_optimizer is True
-            assert e.host_step_rollback_per_rank == (12 * shard if on_cpu else 0), label
+            # NVMe state (masters in host memory) steps during backward too: its masters are copied,
+            # its moments keep their committed slot on disk
+            masters_only = e.layout.state_on_disk and not e.layout.params_on_disk
+            assert e.host_step_rollback_per_rank == (12 * shard if on_cpu else 4 * shard if masters_only else 0), label
             assert e.host_step_rollback == devices * e.host_step_rollback_per_rank, label
             assert bare.host_step_rollback_per_rank == 0, label
             # nothing else moves: the model states, the pinned part and the disk are the same
@@ -384,10 +392,18 @@ def test_rollback_copies_match_the_engines_memory_report(one_rank_path, stage, d
     assert est.estimate(psi, layout, scheme, est.Topology(1), rollback_copies=False).host_step_rollback_per_rank == 0
 
 
-@pytest.mark.parametrize("offload_optimizer", ["nvme", False], ids=["nvme", "no offload"])
-def test_no_rollback_copies_with_nvme_or_without_offload(one_rank_path, offload_optimizer):
-    measured, psi, _ = _measured_rollback(2, torch.float32, one_rank_path, offload_optimizer=offload_optimizer)
-    layout = Layout(ZeroStage.GRADIENTS, offload_optimizer=offload_optimizer)
+def test_nvme_rollback_copies_hold_the_masters_only(one_rank_path):
+    """With the moments on NVMe the host step during backward copies the master chunks (4 B per
+    parameter and rank) and Adam's step counters; the moments keep their committed slot on disk."""
+    measured, psi, tensors = _measured_rollback(2, torch.float32, one_rank_path, offload_optimizer="nvme")
+    predicted = est.estimate(psi, Layout(ZeroStage.GRADIENTS, offload_optimizer="nvme"), FP32, est.Topology(1)).host_step_rollback_per_rank
+    assert predicted == 4 * psi
+    assert measured == predicted + 4 * tensors
+
+
+def test_no_rollback_copies_without_offload(one_rank_path):
+    measured, psi, _ = _measured_rollback(2, torch.float32, one_rank_path, offload_optimizer=False)
+    layout = Layout(ZeroStage.GRADIENTS, offload_optimizer=False)
     assert measured == 0 == est.estimate(psi, layout, FP32, est.Topology(1)).host_step_rollback_per_rank
 
 
@@ -412,10 +428,11 @@ def test_largest_model_exact_on_small_numbers():
     copies = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, layouts=[offload.estimate.layout])
     assert (copies.num_params, copies.estimate.host_during_step, copies.estimate.host_step_rollback) == (35, 980, 420)
     assert "and up to 420 B more for the host step's rollback copies" in copies.message
-    # ... so NVMe, whose host step keeps none, holds more: with one bucket (the default 25 MiB holds
-    # all of these) its one buffer is the whole state, 16 B per parameter, as CPU offload without copies.
+    # ... so NVMe with the master chunks on disk, whose host step runs after backward and keeps none,
+    # holds more: with one bucket (the default 25 MiB holds all of these) its buffers are the whole
+    # state, 16 B per parameter, as CPU offload without copies.
     best = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000)
-    assert (best.num_params, best.estimate.layout.label) == (62, "zero3 + offload optimizer (nvme), params")
+    assert (best.num_params, best.estimate.layout.label) == (62, "zero3 + offload optimizer (nvme), params (nvme)")
     # Mixed precision keeps the 2 B half chunk on the device: the device bounds it at 80 B.
     assert sizing.largest_model(MIXED, one, gpu_memory=160, host_memory=1000, rollback_copies=False).num_params == 62
     assert sizing.largest_model(MIXED, one, gpu_memory=100, host_memory=10_000).num_params == 50
@@ -427,20 +444,25 @@ def test_largest_model_exact_on_small_numbers():
     # NVMe, the last resort, wins only when it holds more: at 16 B per parameter, as much as CPU
     # offload without rollback copies, offload keeps it.
     assert sizing.largest_model(FP32, one, 160, 1000, rollback_copies=False).estimate.layout.label == "zero3 + offload optimizer, params"
-    # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk.
+    # Buckets of 10 parameters and 2 buffers: 8 B per parameter + 160 B on the host, the moments on disk
+    # (two slots, 16 B per parameter) ...
     small_buckets = est.NvmeStaging(bucket_bytes=40, buffer_count=2)
     masters_in_host = [layout for layout in LAYOUTS if not layout.params_on_disk]
+    bare = sizing.largest_model(FP32, one, 160, 1000, layouts=masters_in_host, nvme=small_buckets, rollback_copies=False)
+    assert bare.num_params == 105  # 8 x 105 + 160 = 1000
+    assert bare.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
+    assert (bare.estimate.host.total, bare.estimate.disk) == (1000, 16 * 105)
+    assert "1.68 KB of NVMe per node" in bare.message
+    # ... and where the host step during backward keeps the masters' rollback copies, 4 B per parameter
+    # more: 12 x 70 + 160 = 1000
     on_disk = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, layouts=masters_in_host, nvme=small_buckets)
-    assert on_disk.num_params == 105  # 8 x 105 + 160 = 1000
-    assert on_disk.estimate.layout.label == "zero3 + offload optimizer (nvme), params"
-    assert (on_disk.estimate.host.total, on_disk.estimate.disk) == (1000, 840)
-    assert "840 B of NVMe per node" in on_disk.message
+    assert (on_disk.num_params, on_disk.estimate.host_during_step, on_disk.estimate.host_step_rollback) == (70, 1000, 280)
     # The master chunks on disk too: 4 B per parameter (the gradient chunk) + 2 buffers of masters
-    # (80 B) and of moments (160 B) on the host: 4 x 190 + 240 = 1000; 12 B per parameter on disk.
+    # (80 B) and of moments (160 B) on the host: 4 x 190 + 240 = 1000; 20 B per parameter on disk.
     everything = sizing.largest_model(FP32, one, gpu_memory=160, host_memory=1000, nvme=small_buckets)
     assert everything.num_params == 190
     assert everything.estimate.layout.label == "zero3 + offload optimizer (nvme), params (nvme)"
-    assert (everything.estimate.host.total, everything.estimate.disk) == (1000, 12 * 190)
+    assert (everything.estimate.host.total, everything.estimate.disk) == (1000, 20 * 190)
 
 
 @pytest.mark.parametrize("scheme", [MIXED, FP32, HALF], ids=lambda s: s.name)
@@ -626,18 +648,19 @@ def test_cli_states_host_and_pinned_memory(capsys):
     # and the host step's rollback copies of the master and the moments, 12 B, beside them.
     offload = ["0.000", "0.000", "0.000", "0.000", "0.000", "19.200", "9.600", "14.400", "-", "yes"]
     assert rows["zero3 + offload optimizer, params"] == offload
-    # NVMe: the chunks stay, the moments go to disk, 4 buffers of 6,553,600 x 8 B (0.21 GB) stay too.
-    on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "-", "9.600", "yes"]
+    # NVMe: the chunks stay, the moments go to disk (two slots: 16 B per parameter), 4 buffers of
+    # 6,553,600 x 8 B (0.21 GB) stay too, and the host step during backward copies the masters (4 B).
+    on_disk = ["0.000", "0.000", "0.000", "0.000", "0.000", "9.810", "9.600", "4.800", "19.200", "yes"]
     assert rows["zero3 + offload optimizer (nvme), params"] == on_disk
     # The master chunks on disk too: the host keeps the gradient chunk (4 B) and 4 buckets of
-    # masters (0.105 GB) and of moments (0.21 GB); 12 B per parameter on disk.
-    everything = ["0.000", "0.000", "0.000", "0.000", "0.000", "5.115", "4.905", "-", "14.400", "yes"]
+    # masters (0.105 GB) and of moments (0.21 GB); 20 B per parameter on disk (the moments' two slots).
+    everything = ["0.000", "0.000", "0.000", "0.000", "0.000", "5.115", "4.905", "-", "24.000", "yes"]
     assert rows["zero3 + offload optimizer (nvme), params (nvme)"] == everything
     # The host holds 16 B per parameter with CPU offload and the device 141 GB / 16 = 8.8B; with
     # the moments on NVMe 8 B per parameter, with the masters too 4 B (and 0.31 GB of buffers):
     # (128 GB - 0.31 GB) / 4, all of it on the host.
     assert "128 GB of host memory per node: 31,921,356,800 parameters (31.9B), as zero3 + offload optimizer (nvme), params (nvme):" in out
-    assert "and 383.056 GB of NVMe per node" in out
+    assert "and 638.427 GB of NVMe per node" in out
     # Smaller buckets and fewer buffers: 2 x 8 B x 2,621,440 (10 MiB of fp32 weights) = 0.042 GB.
     assert main(argv + ["--gpu-memory", "141GB", "--host-memory", "128GB", "--bucket-size-mb", "10", "--nvme-buffer-count", "2"]) == 0
     rows = {line.split("  ")[0].strip(): line.split()[-10:] for line in capsys.readouterr().out.splitlines()}
@@ -656,8 +679,8 @@ def test_cli_prices_hybrid_sharding_per_device_and_per_node(capsys):
     assert rows["zero3"] == ["0.128", "0.032", "0.032", "0.064", "1.024", "0.000", "0.000", "-", "-"]  # TB
     # CPU offload's rollback copies: 12 B per parameter over the group of 8, for the node's 8 ranks
     assert rows["zero3 + offload optimizer"][-2] == "0.768"
-    # NVMe: 8 B per parameter over the group of 8, for each of the node's 8 ranks: 64e9 x 8 B
-    assert rows["zero3 + offload optimizer (nvme), params"][-1] == "0.512"
+    # NVMe: two slots of 8 B per parameter over the group of 8, for each of the node's 8 ranks: 64e9 x 16 B
+    assert rows["zero3 + offload optimizer (nvme), params"][-1] == "1.024"
     assert main(argv + ["--shard-group-size", "16"]) == 0
     assert "groups of 16 and replicated across 4" in capsys.readouterr().out
     with pytest.raises(SystemExit):

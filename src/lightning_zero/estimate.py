@@ -69,7 +69,9 @@ size of the largest bucket's state. So, per rank, with S = Ψ/N (the shard):
 - host: master chunk + gradient chunk (`offload_chunk_bytes`·S each, pinned, as with CPU offload)
   + staging = min(buffer_count, buckets) · `moment_bytes` · ⌈P/N⌉, where P = the largest bucket's
   parameters (its bytes / `weight_bytes`, at most Ψ) and buckets = ⌈Ψ/P⌉;
-- NVMe: `moment_bytes`·S (8 B per parameter and rank for Adam's fp32 moments; entries are padded to
+- NVMe: `STATE_SLOTS`·`moment_bytes`·S (16 B per parameter and rank for Adam's fp32 moments: each
+  bucket's file holds the state of the last committed step and a slot the next step writes to, so
+  a step taken during backward and undone leaves the committed one on disk; entries are padded to
   64 bytes in the files, ignored here).
 P is `NvmeStaging.bucket_bytes`: the engine's `bucket_size_mb` (25 MiB) at stages 1-2, where a
 parameter larger than that is a bucket of its own; at stage 3 a bucket is a unit's parameters (one
@@ -106,6 +108,7 @@ from typing import Optional
 
 from lightning_zero.engine.config import ZeroConfig, ZeroStage, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
+from lightning_zero.engine.offload.disk_tier import STATE_SLOTS
 from lightning_zero.engine.optimizer.tensor_owners import plan_owners
 from lightning_zero.estimate_schemes import FP32_BYTES, LAYOUTS, Layout, PrecisionScheme
 
@@ -358,17 +361,19 @@ def estimate(
         gradients=chunk,
         optimizer_state=(0 if host_only_weights else master) + in_host,
     )
-    # the host step during backward (CPU tier, one element-wise optimizer) copies each bucket's master
-    # chunk and moments before it steps: see [Note: offloaded state]
-    steps_during_backward = layout.offload_optimizer is True and owned is None
-    rollback = (scheme.offload_chunk_bytes + scheme.moment_bytes) * shard if rollback_copies and steps_during_backward else 0
+    # the host step during backward (one element-wise optimizer, the master chunks in host memory) copies
+    # each bucket's master chunk, and in host memory its moments, before it steps: see [Note: offloaded
+    # state]; moments on NVMe keep their last committed slot instead
+    steps_during_backward = layout.offload_optimizer and not layout.params_on_disk and owned is None
+    saved = scheme.offload_chunk_bytes + (0 if layout.state_on_disk else scheme.moment_bytes)
+    rollback = saved * shard if rollback_copies and steps_during_backward else 0
     return MemoryEstimate(
         layout=layout,
         device=device,
         host_per_rank=host,
         devices_per_node=topology.devices,
         pinned_per_rank=chunk + master,
-        disk_per_rank=(moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
+        disk_per_rank=(STATE_SLOTS * moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
         step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
         host_step_rollback_per_rank=rollback,
     )

@@ -195,18 +195,22 @@ _STEP_COUNTS = ("reads", "writes", "read_bytes", "write_bytes", "read_seconds", 
 
 class StepIORecorder:
     """A step probe (`wrappers.Probe`) that records a `StepIO` per step from the engine's `stats`:
-    counts at "backward" (before the gradients are finished, where the first reads start) and at
-    "step", the wall time from "gradients" to "step". The host's clock, also on a GPU: the stream
-    reads, updates and writes on the host and waits for its last write before `step` returns."""
+    counts at ``counts_from`` and at "step", the wall time from "gradients" to "step" (the step as
+    exposed after backward). ``counts_from``: "forward" where the step runs during backward (its
+    reads start as each bucket's gradients land), "backward" where it runs after it (before the
+    gradients are finished, where the first reads start; the parameter chunks on disk: backward's
+    own reads are the gathers'). The host's clock, also on a GPU: the stream reads, updates and
+    writes on the host and waits for its last write before `step` returns."""
 
-    def __init__(self, stats: Any) -> None:
+    def __init__(self, stats: Any, counts_from: str = "backward") -> None:
         self.stats = stats
+        self.counts_from = counts_from
         self.steps: list[StepIO] = []
         self._before: dict[str, float] = {}
         self._start = 0.0
 
     def probe(self, phase: str) -> None:
-        if phase == "backward":
+        if phase == self.counts_from:
             self._before = self.stats.counts()
         elif phase == "gradients":
             self._start = time.perf_counter()

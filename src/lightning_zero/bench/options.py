@@ -48,9 +48,10 @@ OFFLOAD_OVERLAP_DEFAULTS: dict[str, object] = dict(
 (fused AdamW moving 1.06 GB) takes ~30 ms on two cores; 1 × 32 tokens, so that forward and backward
 (~0.2 s here) stay small; twelve blocks, so that the buckets complete before block 0's backward hold
 most of the model; one rank. On 2 cores the two variants take about 75 s."""
-OVERLAP_VARIANTS = ("zero2_offload", "zero3_offload")
-"""The variants `offload_overlap` can measure: host memory offload at stages 2-3, where
-`ZeroConfig.overlap_host_step` applies."""
+OVERLAP_VARIANTS = ("zero2_offload", "zero3_offload", "zero3_offload_nvme")
+"""The variants `offload_overlap` can measure: host memory offload at stages 2-3, and Adam's moments
+on NVMe with the parameter shards in host memory, where `ZeroConfig.overlap_host_step` applies (with
+the shards in NVMe files too, the step is taken after backward)."""
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ class BenchOptions:
         others = [name for name in self.variants if name not in OVERLAP_VARIANTS]
         if others:
             raise ValueError(
-                f"`offload_overlap` measures {', '.join(OVERLAP_VARIANTS)} (host memory offload at stages 2-3),"
+                f"`offload_overlap` measures {', '.join(OVERLAP_VARIANTS)} (where the host step can run during backward),"
                 f" not {', '.join(others)}"
             )
 

@@ -116,7 +116,9 @@ def measure_rank(rank: int, spec: VariantSpec, options: BenchOptions, config: GP
     if disk is not None:
         disk.reset()  # the timed steps' I/O only
     dist.barrier()  # the timed steps start together
-    timer = StepTimer(device, disk)
+    # the moments' reads start as each bucket's gradients land during backward, where the step runs
+    # there (the parameter chunks on disk step after backward: its backward's reads are the gathers')
+    timer = StepTimer(device, disk, counts_from="backward" if spec.offload_params == "nvme" else "forward")
     for x, y in batches[options.warmup : options.warmup + options.steps]:
         losses.append(timer.step(wrapped, x, y))
     peak_bytes = peak.peak()
@@ -137,13 +139,13 @@ class StepTimer:
     With `disk` (an NVMe variant's `IOStats`) it also records each step's optimizer step and its
     I/O (`io_floor.StepIORecorder`), on either device, for the I/O floor."""
 
-    def __init__(self, device: torch.device, disk: Optional[Any] = None) -> None:
+    def __init__(self, device: torch.device, disk: Optional[Any] = None, counts_from: str = "backward") -> None:
         self.device = device
         self.step_times: list[float] = []
         self.cpu_times: list[float] = []
         self.optimizer_times: list[float] = []
         self._clock = _PhaseClock() if device.type == "cpu" else None
-        self._disk = StepIORecorder(disk) if disk is not None else None
+        self._disk = StepIORecorder(disk, counts_from) if disk is not None else None
 
     @property
     def disk_steps(self) -> tuple[Any, ...]:
