@@ -56,6 +56,10 @@ def test_io_floor_takes_a_ranks_share_of_the_rates_and_gives_the_occupancy() -> 
     assert io_floor.io_floor(_step(wall=0.7), _rates(4.0, 2.0, ranks=2)).met
     host_bound = io_floor.io_floor(_step(wall=1.1, update=1.0), _rates(4.0, 2.0, ranks=2))
     assert host_bound.floor_s == 1.0 and host_bound.raw_floor_s is None and host_bound.met
+    # stepped during backward: little left after it, the occupancy over backward and the step (4 s)
+    ahead = io_floor.io_floor(dataclasses.replace(_step(wall=0.05), span_seconds=4.0), _rates(4.0, 2.0, ranks=2))
+    assert ahead.step_vs_floor == pytest.approx(0.05 / 0.6) and ahead.met
+    assert (ahead.read_busy, ahead.update_busy, ahead.write_busy) == pytest.approx((0.1, 0.025, 0.05))
 
 
 def test_step_io_recorder_counts_from_the_end_of_backward_to_the_step() -> None:
@@ -71,7 +75,14 @@ def test_step_io_recorder_counts_from_the_end_of_backward_to_the_step() -> None:
     (step,) = recorder.steps
     assert (step.reads, step.read_bytes, step.read_seconds) == (3, 300, 0.5)
     assert (step.writes, step.write_bytes, step.write_seconds, step.update_seconds) == (3, 300, 0.25, 0.125)
-    assert step.wall_seconds >= 0
+    assert step.span_seconds >= step.wall_seconds >= 0  # from the end of backward / of the gradients
+    # a step taken during backward reads as its buckets' gradients land: counted from the end of forward
+    during = StepIORecorder(stats, counts_from="forward")
+    during.probe("forward")
+    stats.add(reads=2, read_bytes=200)  # in backward
+    for phase in ("backward", "gradients", "step"):
+        during.probe(phase)
+    assert during.steps[0].read_bytes == 200
     # the summary's optimizer step: each figure's median over the steps, of the rank that waited longest
     steps = (step, dataclasses.replace(step, read_bytes=500), dataclasses.replace(step, read_bytes=900))
     quiet = DiskIO(3, 9, 9, 900, 900, 1.0, 1.0, 0, 0.0, per_step=steps)

@@ -10,8 +10,10 @@ the host's update and the disk's work:
     floor = max(host step, bytes read / read rate + bytes written / write rate)
 
 - **bytes read / written**: the engine's `IOStats` over one optimizer step of one rank (`StepIO`:
-  from the end of backward, where the first reads are started, to the end of the step; the
-  gathers' reads of `offload_params="nvme"` in forward and backward are not the step's);
+  where the step runs during backward, from the end of forward, since each bucket's read starts as
+  its gradients land; with `offload_params="nvme"`, which steps after backward, from the end of
+  backward, where the first reads are started: the gathers' reads in forward and backward are not
+  the step's) to the end of the step;
 - **rates**: `engine_path_throughput`, the engine's own path (`ScratchDirectory`: its threads, a
   bucket's state per request, as many requests, every rank at once, through the page cache as the
   engine goes), a rank's share of the aggregate; reads and writes are summed because they share
@@ -20,11 +22,13 @@ the host's update and the disk's work:
 
 The figures are medians over the timed steps of the worst rank (the one that waited longest, as
 the NVMe table's). **step / floor** is the optimizer step's wall time (the "gradients" to "step"
-probes) over the floor: issue 61's target is ≤ `IO_FLOOR_TARGET`. It can fall below 1 where the
-reads prefetched at the end of backward ran before the step's wall time began. **Occupancy**: the
+probes) over the floor: issue 61's target is ≤ `IO_FLOOR_TARGET`. It falls below 1 where the step
+ran during backward (what is left after it is what backward did not hide), or where the reads
+prefetched at the end of backward ran before the step's wall time began. **Occupancy**: the
 seconds the I/O threads spent in reads (writes), summed over the threads, and the update's, each
-over the step's wall time; a sum, not a union, so a figure above 100% means requests overlapped
-(and reads include the prefetched ones). The floor at the **raw** (dd-style) rates is given beside
+over the step's span (`StepIO.span_seconds`: from where its reads may start to the end of the
+step, so with the step during backward, backward and the step); a sum, not a union, so a figure
+above 100% means requests overlapped. The floor at the **raw** (dd-style) rates is given beside
 it: what the step would be held to if its files outgrew the page cache.
 
 The max() assumes the disk and the host's cores are separate resources. Where the files live in
@@ -183,6 +187,10 @@ class StepIO:
     """The optimizer's own update on the host (`IOStats.update_seconds`): the host step."""
     wall_seconds: float
     """The optimizer step's wall time (`optimizer.step()` and the parameters' refresh after it)."""
+    span_seconds: float = 0.0
+    """The wall time the step's I/O could run in: from where its reads may start (the recorder's
+    ``counts_from``; backward and the step where it steps during backward) to the end of the step;
+    what the occupancy is over (0: not recorded, the step's wall time instead)."""
 
     @classmethod
     def median(cls, steps: Sequence["StepIO"]) -> "StepIO":
@@ -208,17 +216,19 @@ class StepIORecorder:
         self.steps: list[StepIO] = []
         self._before: dict[str, float] = {}
         self._start = 0.0
+        self._span_start = 0.0
 
     def probe(self, phase: str) -> None:
         if phase == self.counts_from:
             self._before = self.stats.counts()
-        elif phase == "gradients":
+            self._span_start = time.perf_counter()
+        if phase == "gradients":
             self._start = time.perf_counter()
         elif phase == "step":
-            wall = time.perf_counter() - self._start
+            end = time.perf_counter()
             after = self.stats.counts()
             deltas = {name: after.get(name, 0) - self._before.get(name, 0) for name in _STEP_COUNTS}
-            self.steps.append(StepIO(**deltas, wall_seconds=wall))
+            self.steps.append(StepIO(**deltas, wall_seconds=end - self._start, span_seconds=end - self._span_start))
 
 
 @dataclass(frozen=True)
@@ -244,11 +254,12 @@ class IOFloor:
     step_vs_floor: float
     """`step_s` / `floor_s`; issue 61's target is ≤ `IO_FLOOR_TARGET`."""
     read_busy: float
-    """Read seconds, summed over the I/O threads, over `step_s` (can exceed 1)."""
+    """Read seconds, summed over the I/O threads, over the step's span (`StepIO.span_seconds`: with
+    the step during backward, backward and the step; can exceed 1)."""
     update_busy: float
-    """`host_step_s` / `step_s`."""
+    """`host_step_s` over the step's span."""
     write_busy: float
-    """Write seconds, summed over the I/O threads, over `step_s` (can exceed 1)."""
+    """Write seconds, summed over the I/O threads, over the step's span (can exceed 1)."""
     raw_floor_s: Optional[float] = None
     """The floor at the directory's raw (dd-style) rates, a rank's share; None without them."""
 
@@ -282,9 +293,10 @@ def io_floor(step: StepIO, rates: EnginePathThroughput, rank: int = 0, raw: Opti
             step.update_seconds, step.read_bytes, step.write_bytes, raw["read_gbps"] / rates.ranks, raw["write_gbps"] / rates.ranks
         )
     wall = step.wall_seconds
+    span = step.span_seconds or wall
 
     def busy(seconds: float) -> float:
-        return seconds / wall if wall > 0 else 0.0
+        return seconds / span if span > 0 else 0.0
 
     return IOFloor(
         rank=rank,

@@ -69,15 +69,16 @@ DEFINITIONS = """\
   the files are "on disk", in no memory column.
 - **I/O floor** (NVMe variants timed alone): max(host step, bytes read / read rate + bytes written /
   write rate) for one optimizer step of the worst rank (medians over the timed steps). Bytes: the
-  engine's count from the end of backward to the end of the step (the gathers' reads are not the
-  step's); rates: the engine's own I/O path (`ScratchDirectory`'s threads, one `preadv`/`pwritev`
+  engine's count to the end of the step from the end of forward where the step runs during
+  backward, else from the end of backward (the gathers' reads are not the step's); rates: the engine's own I/O path (`ScratchDirectory`'s threads, one `preadv`/`pwritev`
   per bucket file, every rank at once, no fsync, through the page cache as the engine goes),
   measured on the same directory right after the variant, a rank's share of the aggregate; host
   step: the optimizer's update itself (`IOStats.update_seconds`). **step / floor**: the optimizer
-  step's wall time over the floor; target ≤ 1.2× (issue 61); below 1 where reads prefetched at the
-  end of backward ran before the step began. **busy**: read and write seconds summed over the I/O
-  threads (a sum, not a union: above 100% means requests overlapped), and the update's, over the
-  step's wall time. **floor at raw rates**: the same at the dd-style rates, the floor if the files
+  step's wall time over the floor; target ≤ 1.2× (issue 61); below 1 where the step ran during
+  backward, or reads prefetched at the end of backward ran before the step began. **busy**: read
+  and write seconds summed over the I/O threads (a sum, not a union: above 100% means requests
+  overlapped), and the update's, over the step's span (from where its reads may start: with the
+  step during backward, backward and the step). **floor at raw rates**: the same at the dd-style rates, the floor if the files
   outgrew the page cache."""
 
 
