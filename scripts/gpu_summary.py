@@ -30,6 +30,8 @@ STEP_TIME_TARGETS = {"zero1": 1.03, "zero2": 1.03, "zero3": 1.15}
 """Step time of ours at world size 1 as a multiple of DDP's (issues 8 and 11, restated in issue 26;
 zero1 and zero2 tightened from 1.05x to 1.03x)."""
 NVME_STEP_TIME_TARGET = 1.5
+IO_FLOOR_TARGET = 1.2
+"""An NVMe variant's optimizer step over its I/O floor (``bench/io_floor.py``'s target, issue 61)."""
 """NVMe offload's step time as a multiple of zero3_offload's in the same run (issue 28)."""
 NVME_VARIANTS = ("zero3_offload_nvme", "zero3_offload_nvme_params")
 OVERHEAD_PRECISIONS = ("fp32", "bf16-mixed")
@@ -249,7 +251,21 @@ def nvme_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
         )
         measured = f"{ratio:.2f}× ({seconds * 1e3:.1f} ms vs {reference * 1e3:.1f} ms{io})"
         rows.append(Row(check, target, measured, PASS if ratio <= NVME_STEP_TIME_TARGET else FAIL))
+        rows.append(io_floor_row(name, variant.get("io_floor")))
     return rows
+
+
+def io_floor_row(name: str, floor: Optional[dict]) -> Row:
+    """An NVMe variant's optimizer step against its I/O floor (the bench's `io_floor`, issue 61)."""
+    check, target = f"{name} optimizer step / I/O floor", f"≤ {IO_FLOOR_TARGET:.1f}×"
+    if not floor:
+        return Row(check, target, "—", "not measured (no io_floor in bench.json)")
+    ratio = floor["step_vs_floor"]
+    measured = (
+        f"{ratio:.2f}× ({floor['step_s'] * 1e3:.1f} ms vs {floor['floor_s'] * 1e3:.1f} ms: host step"
+        f" {floor['host_step_s'] * 1e3:.1f} ms, read + write {floor['read_s'] * 1e3:.1f} + {floor['write_s'] * 1e3:.1f} ms)"
+    )
+    return Row(check, target, measured, PASS if ratio <= IO_FLOOR_TARGET else FAIL)
 
 
 def capacity_lines(report: Optional[dict], steps: dict[str, Step]) -> list[str]:

@@ -271,6 +271,13 @@ def test_nvme_rows_judge_each_tier_against_cpu_offload_in_the_same_run():
     assert (on_disk.target, on_disk.verdict) == ("≤ 1.50× zero3_offload", "PASS")
     assert on_disk.measured == "1.25× (250.0 ms vs 200.0 ms; read / write 2.50 / 1.25 GB/s, 3.0 waits per step)"
     assert rows["zero3_offload_nvme_params step time"].verdict == "FAIL"  # 1.6x
+    # each tier's optimizer step against its I/O floor, where the bench measured one
+    assert rows["zero3_offload_nvme optimizer step / I/O floor"].verdict.startswith("not measured")
+    floor = {"step_vs_floor": 1.25, "step_s": 0.125, "floor_s": 0.1, "host_step_s": 0.1, "read_s": 0.03, "write_s": 0.04}
+    report["variants"][1]["io_floor"] = floor
+    row = {r.check: r for r in gpu_summary.nvme_rows(report, {})}["zero3_offload_nvme optimizer step / I/O floor"]
+    assert (row.target, row.verdict) == ("≤ 1.2×", "FAIL")
+    assert row.measured == "1.25× (125.0 ms vs 100.0 ms: host step 100.0 ms, read + write 30.0 + 40.0 ms)"
 
 
 def test_every_gpu_tier_module_runs_in_a_step_of_both_runs():
