@@ -77,8 +77,8 @@ def test_defaults_size_a_host_step_of_tens_of_milliseconds() -> None:
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(variants=("ddp", "zero3_offload")), "measures zero2_offload, zero3_offload .* not ddp"),
-        (dict(variants=("zero3_offload_nvme",)), "not zero3_offload_nvme"),
+        (dict(variants=("ddp", "zero3_offload")), "measures zero2_offload, zero3_offload, zero3_offload_nvme .* not ddp"),
+        (dict(variants=("zero3_offload_nvme_params",)), "not zero3_offload_nvme_params"),
         (dict(capacity="model", memory_budget=10**9), "without `capacity`"),
         (dict(shape="launch-bound"), "without `shape`"),
         (dict(paired=True), "remove `paired`"),

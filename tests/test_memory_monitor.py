@@ -171,11 +171,12 @@ def test_estimate_per_rank_maps_precision_and_splits_host_bytes():
     assert bf16 is not None and bf16.host.optimizer_state == 12 * psi // 8
     assert PRECISION_SCHEMES["64-true"].total_bytes == 32
     assert estimate_per_rank(psi, strategy, "transformer-engine", devices, nodes) is None
-    # NVMe: the moments go to disk, the host keeps 4 buffers of a bucket's (before setup: the
+    # NVMe: the moments go to disk in two slots (a step writes the slot its read did not come from),
+    # the host keeps 4 buffers of a bucket's (before setup: the
     # configured bucket size, 1 MiB here = 262,144 fp32 parameters, 32,768 per rank)
     nvme = lightning_zero.ZeroStrategy(stage=2, offload_optimizer="nvme", nvme_path="/tmp", bucket_size_mb=1)
     on_disk = estimate_per_rank(psi, nvme, "32-true", devices, nodes)
-    assert on_disk.device == fp32.device and on_disk.disk == 8 * psi // 8
+    assert on_disk.device == fp32.device and on_disk.disk == 2 * 8 * psi // 8
     assert on_disk.host == est.StateBytes(gradients=4 * psi // 8, optimizer_state=4 * psi // 8 + 4 * 8 * 32_768)
 
 
