@@ -389,6 +389,50 @@ def test_an_unused_unit_read_after_backward_redoes_nothing(keep_rollback):
     assert ahead["modes"] == ["ahead"] * 3 and ahead["report"].reasons == {}, ahead["report"]
 
 
+class _WorkerLate:
+    """A handoff scheduler (see [Note: handoffs]) that is plain threading, except that the worker,
+    once it has handed a batch's gradients out, waits to take its buckets until the training thread
+    waits for something it has not done yet: the latest the worker can be, so every read of the chunks before the verdict
+    finds its bucket not taken yet (the order a busy host gives now and then)."""
+
+    def __init__(self) -> None:
+        self.main = threading.get_ident()
+        self.main_waits = threading.Event()
+        self.held = 0
+
+    def point(self, name: str) -> None:
+        if name == "gradients handed out" and threading.get_ident() != self.main:
+            self.held += 1
+            self.main_waits.wait(timeout=30)
+            self.main_waits.clear()
+
+    def wait_until(self, ready: Callable[[], bool], name: str, token: object) -> None:
+        if threading.get_ident() == self.main and not ready():
+            self.main_waits.set()
+
+    def adopt_thread(self, worker: object) -> None: ...
+    def submitted(self, worker: object, job: object) -> None: ...
+    def job_started(self, job: object) -> None: ...
+    def job_finished(self, job: object) -> None: ...
+    def signalled(self, token: object) -> None: ...
+
+
+@pytest.mark.parametrize("keep_rollback", [True, False])
+def test_an_unused_unit_read_before_the_worker_took_its_bucket_redoes_nothing(keep_rollback):
+    """The read calls the bucket's step off (it is never waited for: see ``_settle_bucket``); a
+    bucket no rank used steps nothing, so the verdict has nothing to redo."""
+    from lightning_zero.engine.offload import handoffs
+
+    plan = {"keep_rollback": keep_rollback, "check_contents": keep_rollback}
+    late = _WorkerLate()
+    with handoffs.scheduled(late):
+        ahead = _run(True, stage=3, steps=3, model=_WithAux, unit_classes=["Block"], plan=plan)
+    after = _run(False, stage=3, steps=3, model=_WithAux, unit_classes=["Block"], plan=plan)
+    assert late.held > 0
+    assert same_history(ahead, after)
+    assert ahead["modes"] == ["ahead"] * 3 and ahead["report"].reasons == {}, ahead["report"]
+
+
 def _read_one_bucket(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> None:
     """A read of one stepped bucket's master chunks before the verdict (as a gather would)."""
     host = engine.buckets[1].host

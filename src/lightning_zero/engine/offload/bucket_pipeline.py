@@ -27,7 +27,7 @@ import contextlib
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 from torch import Tensor
 
@@ -169,10 +169,7 @@ class BucketPipeline:
                 write.bucket.discard()
                 raise
         finally:
-            with self._lock:
-                if write in self._writes:
-                    self._writes.remove(write)
-                    self._give_back(write.buffer)
+            self._release(self._writes, write)
         self._on_written(write.bucket)
 
     def _finish_dropped(self, read: _Read) -> None:
@@ -182,11 +179,16 @@ class BucketPipeline:
         except OSError:
             pass  # a dropped read: its file is read again, and fails again, where it is needed
         finally:
-            with self._lock:
-                if read in self._dropped:
-                    self._dropped.remove(read)
-                    self._give_back(read.buffer)
+            self._release(self._dropped, read)
         self._on_dropped(read.bucket)
+
+    def _release(self, pending: Union[list[_Read], deque[_Write]], item: Union[_Read, _Write]) -> None:
+        """Take a finished read or write out of ``pending`` and give its buffer back (once: another
+        thread may have released it first)."""
+        with self._lock:
+            if item in pending:
+                pending.remove(item)  # type: ignore[arg-type]
+                self._give_back(item.buffer)
 
     def grow(self, buffer: Tensor, nbytes: int) -> Tensor:
         """A buffer of at least ``nbytes`` holding ``buffer``'s bytes, in its place (state appeared)."""

@@ -261,7 +261,12 @@ class StepAhead:
         the step takes arguments, so it is taken whole); "after_backward" when nothing was stepped
         ahead. And the seconds the comparisons took."""
         self._drain()
+        for job in self._queued:  # a step called off before the worker took it, of a bucket no rank used
+            if job.called_off and list(map(GRAD, job.shards)).count(None) == len(job.shards):
+                job.settled = False
         if not any([job.stepped for job in self._queued]):
+            for job in self._queued:
+                job.settled = False  # the whole step is taken after backward
             if not self._queued:
                 self._reasons[self._why_not or "no backward armed before the step"] += 1
             return "after_backward", 0.0
