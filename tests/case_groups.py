@@ -65,6 +65,16 @@ class RankContext:
         return self.kept[key]
 
 
+def error_of(action: Callable[[], Any]) -> str:
+    """What a case returns for an action that should fail: the error's type and message, for the
+    test to read (a rank's exception is not picklable in general), or "no error"."""
+    try:
+        action()
+    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 class CaseFailed(AssertionError):
     """Reading the result of a case that raised (or never ran) on some rank."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from case_groups import CaseGroup, GroupResults, RankContext
+from case_groups import CaseGroup, GroupResults, RankContext, error_of
 from fabric_loop import assert_same, batches_for, fabric_for, full_weights, small_gpt, train
 
 STAGES = (1, 2, 3)
@@ -237,14 +237,6 @@ for _strategy in ("ddp", "zero2", "zero3"):
     GROUP.case(name=f"gan_{_strategy}", fn=gan, strategy=_strategy)
 
 
-def _error(action: Any) -> str:
-    try:
-        action()
-    except Exception as err:  # noqa: BLE001 - the message is what the test reads
-        return f"{type(err).__name__}: {err}"
-    return "no error"
-
-
 @GROUP.case
 def errors(ctx: RankContext) -> dict[str, str]:
     """What is refused, and the message."""
@@ -252,14 +244,14 @@ def errors(ctx: RankContext) -> dict[str, str]:
     module = small_gpt()
     model = fabric.setup_module(module)
     stray = torch.nn.Linear(2, 2)
-    out = {"optimizer_of_another_module": _error(lambda: fabric.setup_optimizers(torch.optim.SGD(stray.parameters(), lr=0.1)))}
+    out = {"optimizer_of_another_module": error_of(lambda: fabric.setup_optimizers(torch.optim.SGD(stray.parameters(), lr=0.1)))}
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
     _step(fabric, model, optimizer, batches_for(ctx.rank, 1)[0])
-    out["optimizer_after_first_step"] = _error(lambda: fabric.setup_optimizers(torch.optim.Adam(model.parameters())))
+    out["optimizer_after_first_step"] = error_of(lambda: fabric.setup_optimizers(torch.optim.Adam(model.parameters())))
     path = os.path.join(ctx.tmpdir, "refused")
-    out["filter"] = _error(lambda: fabric.save(path, {"model": model}, filter={"model": lambda k, v: True}))
+    out["filter"] = error_of(lambda: fabric.save(path, {"model": model}, filter={"model": lambda k, v: True}))
     other = fabric.setup(small_gpt())
-    out["two_modules"] = _error(lambda: fabric.save(path, {"a": model, "b": other}))
+    out["two_modules"] = error_of(lambda: fabric.save(path, {"a": model, "b": other}))
     out["nothing_written"] = str(os.path.exists(path))
     return out
 

@@ -27,6 +27,7 @@ from lightning_zero.checkpoint.atomic import commit, recover, temporary_sibling
 from lightning_zero.checkpoint.directory import DirectoryContents, directory_contents, load_directory, save_directory
 from lightning_zero.checkpoint.errors import CheckpointWriteError, CorruptCheckpointError, describe
 from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder
+from lightning_zero.checkpoint.frozen import fingerprint, frozen_names
 from lightning_zero.checkpoint.group import CheckpointGroup, on_every_rank
 from lightning_zero.checkpoint.integrity import check_zip
 from lightning_zero.checkpoint.locations import Location, RemoteLocation, checkpoint_location
@@ -46,6 +47,21 @@ def check_state_dict_type(state_dict_type: Any) -> StateDictType:
     return state_dict_type
 
 
+_FROZEN_NEEDS_SHARDED = (
+    "`save_frozen=False` leaves the frozen weights out of sharded checkpoint directories only, and this save"
+    ' writes one full file. HINT: keep `state_dict_type="sharded"` (the default) with `save_frozen=False`.'
+)
+
+
+def check_save_frozen(save_frozen: Any, state_dict_type: StateDictType) -> bool:
+    """``save_frozen`` is a bool, and False only with sharded saves (a full file holds every weight)."""
+    if not isinstance(save_frozen, bool):
+        raise TypeError(f"`save_frozen` must be True or False, got {save_frozen!r}.")
+    if not save_frozen and state_dict_type != "sharded":
+        raise ValueError(_FROZEN_NEEDS_SHARDED)
+    return save_frozen
+
+
 class RankCoordination(Protocol):
     """The strategy's own collectives that a save needs (Lightning's strategies all have them)."""
 
@@ -63,12 +79,16 @@ class RankCoordination(Protocol):
 class ZeroCheckpointing:
     """Sharded directories by default, one DDP-format file with ``state_dict_type="full"``."""
 
-    def __init__(self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None, async_save: bool = False) -> None:
+    def __init__(
+        self, state_dict_type: StateDictType, timeout: Optional[timedelta] = None, async_save: bool = False, save_frozen: bool = True
+    ) -> None:
         self.state_dict_type = check_state_dict_type(state_dict_type)
         if not isinstance(async_save, bool):
             raise TypeError(f"`async_save` must be True or False, got {async_save!r}.")
         self.async_save = async_save
         """Sharded saves write and commit in the background (see ``async_save.py``)."""
+        self.save_frozen = check_save_frozen(save_frozen, self.state_dict_type)
+        """False: sharded saves leave the frozen parameters out, their fingerprint in their place (``frozen.py``)."""
         self.group = CheckpointGroup(timeout)
         """DCP's gloo group, under the strategy's ``timeout`` like every group the strategy makes."""
         self.saves = AsyncSaves(timeout)
@@ -85,7 +105,11 @@ class ZeroCheckpointing:
         """The ``state_dict`` entry of a sharded checkpoint: this rank's chunks, no communication
         (``average``: of a weight-averaging callback's average instead); not copied, the save copies
         them to the host (see [Note: host copies of a save] in ``sharded.py``)."""
-        return model_tensors(module, engine, self.group, average)
+        return model_tensors(module, engine, self.group, average, leave_out=self._left_out(module))
+
+    def _left_out(self, module: nn.Module) -> frozenset[str]:
+        """The parameters a save leaves out: the frozen ones with ``save_frozen=False``."""
+        return frozenset() if self.save_frozen else frozenset(frozen_names(module))
 
     def optimizer_shards(self, engine: ZeroEngine, optimizers: Sequence[Optimizer], optimizer: Optimizer) -> Any:
         """One ``optimizer_states`` entry of a sharded checkpoint: this rank's chunks of the state (not
@@ -126,15 +150,19 @@ class ZeroCheckpointing:
         else:
             path = Path(ranks.broadcast(str(location)))
             temporary = temporary_sibling(path, token)
+        if not self.save_frozen and not self.saves_directory(engine):
+            raise ValueError(_FROZEN_NEEDS_SHARDED)
         if self.saves_directory(engine):
             assert engine is not None
+            # a collective over every rank's chunks, before any file is written
+            frozen = fingerprint(module, engine, self.group, self._left_out(module)) if not self.save_frozen else None
             if self.async_save:
-                contents = directory_contents(checkpoint, module, engine, engine.config.stage, ranks.world_size)
+                contents = directory_contents(checkpoint, module, engine, engine.config.stage, ranks.world_size, frozen)
                 self._start_background_save(path, temporary, contents)
                 return
 
             def write() -> None:
-                save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group)
+                save_directory(temporary, checkpoint, module, engine, engine.config.stage, ranks.world_size, self.group, frozen)
 
         else:
 

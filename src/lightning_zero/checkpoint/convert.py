@@ -8,6 +8,11 @@ with a weight-averaging callback the average there and the training weights unde
 ``include_optimizer=True`` it also holds the optimizer state in the unsharded format DDP writes, so
 training can resume from it under any strategy.
 
+A checkpoint saved without its frozen weights (``save_frozen=False``) becomes a full one with
+``base``, the weights it was fine-tuned from, merged in once they match its fingerprint
+(``frozen_merge.py``); without one it is refused, unless ``trainable_only`` asks for the
+trainable weights alone (the file then says what it lacks under ``FROZEN_KEY``).
+
 Memory: every tensor of the output is read once, straight from the shard files into the tensor
 that is saved (DCP reads each rank's slices into place), and ``torch.save`` streams tensors to the
 file, so the peak is close to the output's size — where DeepSpeed's ``zero_to_fp32`` needs ~2x.
@@ -27,6 +32,8 @@ from lightning_zero.checkpoint.atomic import commit, temporary_sibling
 from lightning_zero.checkpoint.directory import AVERAGED_KEY, CURRENT_MODEL_STATE, OPTIMIZERS_KEY, read_callback_shards
 from lightning_zero.checkpoint.errors import CheckpointWriteError, describe
 from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder, as_folder
+from lightning_zero.checkpoint.frozen import digest
+from lightning_zero.checkpoint.frozen_merge import FROZEN_KEY, left_out_entry, merge_base, read_base
 from lightning_zero.checkpoint.integrity import check_directory
 from lightning_zero.checkpoint.locations import RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
@@ -36,11 +43,19 @@ from lightning_zero.checkpoint.storage import read_dcp_metadata, read_meta, read
 
 
 def convert_checkpoint(
-    src: PathLike, dst: PathLike, include_optimizer: bool = False, weights_only: Optional[bool] = None
+    src: PathLike,
+    dst: PathLike,
+    include_optimizer: bool = False,
+    weights_only: Optional[bool] = None,
+    base: Optional[PathLike] = None,
+    base_prefix: str = "",
+    trainable_only: bool = False,
 ) -> Union[Path, RemoteLocation]:
     """Write the single-file form of the sharded checkpoint ``src`` to ``dst``; returns ``dst``.
     ``weights_only``: how ``src``'s meta.pt is unpickled, as ``torch.load`` reads a file (None:
-    torch's default; see [Note: untrusted checkpoints] in ``pickles.py``).
+    torch's default; see [Note: untrusted checkpoints] in ``pickles.py``). ``base``,
+    ``base_prefix``, ``trainable_only``: for a checkpoint saved without its frozen weights (see
+    above; ``read_base`` for the formats of ``base``).
 
     Refuses to overwrite ``src`` itself, or to convert a damaged one (every file is checked against
     the checksum in its manifest first); an existing ``dst`` file is replaced only once the new one
@@ -54,7 +69,7 @@ def convert_checkpoint(
     if isinstance(dst, RemoteLocation):
         if RemoteFolder(dst).has_manifest():
             raise IsADirectoryError(f"Destination {dst.url!r} is a sharded checkpoint; give the URL of the file to write.")
-        checkpoint = full_checkpoint(source, include_optimizer, weights_only)
+        checkpoint = _converted(source, include_optimizer, weights_only, base, base_prefix, trainable_only)
         try:
             remote.write_file(dst, lambda stream: save_torch_file(checkpoint, stream))
         except Exception as err:  # noqa: BLE001 - re-raised with the file named
@@ -62,7 +77,7 @@ def convert_checkpoint(
         return dst
     if dst.is_dir():
         raise IsADirectoryError(f"Destination {str(dst)!r} is a directory; give the path of the file to write.")
-    checkpoint = full_checkpoint(source, include_optimizer, weights_only)
+    checkpoint = _converted(source, include_optimizer, weights_only, base, base_prefix, trainable_only)
     dst.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_sibling(dst, uuid.uuid4().hex[:8])
     try:
@@ -73,6 +88,29 @@ def convert_checkpoint(
         raise CheckpointWriteError(f"{str(dst)!r} could not be written: {describe(err, with_filename=False)}.") from err
     commit(temporary, dst)
     return dst
+
+
+def _converted(
+    source: Any, include_optimizer: bool, weights_only: Optional[bool], base: Optional[PathLike], base_prefix: str, trainable_only: bool
+) -> dict[str, Any]:
+    """``full_checkpoint`` with a frozen-less checkpoint's base merged in, or refused without one."""
+    checkpoint = full_checkpoint(source, include_optimizer, weights_only)
+    left_out = checkpoint.get(FROZEN_KEY)
+    if left_out is None:
+        if base is not None:
+            raise ValueError(f"Checkpoint {str(source)!r} holds every weight; `--base` is for checkpoints saved with `save_frozen=False`.")
+        return checkpoint
+    if base is not None:
+        merge_base(checkpoint, read_base(base, base_prefix), str(source), str(base))
+    elif not trainable_only:
+        raise ValueError(
+            f"Checkpoint {str(source)!r} was saved without its frozen weights (save_frozen=False;"
+            f" {len(left_out['fingerprint'])} tensors, fingerprint {digest(left_out['fingerprint'])}). HINT: give the"
+            " base they come from with `--base PATH` (`convert_checkpoint(..., base=PATH)`: a torch.save state dict,"
+            " or safetensors files), checked"
+            " against the checkpoint's fingerprint; or write the trainable weights alone with `--trainable-only`."
+        )
+    return checkpoint
 
 
 def checkpoint_file(path: PathLike, weights_only: Optional[bool] = None) -> Union[Path, str, io.BytesIO]:
@@ -110,6 +148,8 @@ def full_checkpoint(src: PathLike, include_optimizer: bool = False, weights_only
     checkpoint: dict[str, Any] = {k: v for k, v in meta.items() if k not in (OPTIMIZERS_KEY, AVERAGED_KEY)}
     dcp_metadata = read_dcp_metadata(src)  # once for every read below
     checkpoint["state_dict"] = read_full_state(src, manifest, dcp_metadata=dcp_metadata)
+    if manifest.frozen:  # what the weights lack, for a load or a merge to put back (frozen_merge.py)
+        checkpoint[FROZEN_KEY] = left_out_entry(manifest)
     if meta.get(AVERAGED_KEY):  # a weight-averaging callback's average above; the training weights here
         checkpoint[CURRENT_MODEL_STATE] = read_full_state(src, manifest, CURRENT_PREFIX, dcp_metadata)
     read_callback_shards(checkpoint.get("callbacks", {}), lambda prefix: read_full_state(src, manifest, prefix, dcp_metadata))

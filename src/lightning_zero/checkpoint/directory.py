@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.frozen import FrozenRecord, check_model_frozen
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.sharded import (
     CURRENT_PREFIX,
@@ -60,16 +61,26 @@ class DirectoryContents(NamedTuple):
 
 
 def save_directory(
-    directory: PathLike, checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, group: CheckpointGroup
+    directory: PathLike,
+    checkpoint: dict[str, Any],
+    module: nn.Module,
+    engine: ZeroEngine,
+    stage: int,
+    world_size: int,
+    group: CheckpointGroup,
+    frozen: Optional[FrozenRecord] = None,
 ) -> None:
     """Write ``checkpoint`` into ``directory`` (a collective: every rank calls it), its device
     tensors copied to the host first (see [Note: host copies of a save] in ``sharded.py``)."""
-    contents = directory_contents(checkpoint, module, engine, stage, world_size)
+    contents = directory_contents(checkpoint, module, engine, stage, world_size, frozen)
     write_directory(directory, host_entries(contents.tensors, group), contents.meta, contents.manifest, group)
 
 
-def directory_contents(checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int) -> DirectoryContents:
-    """``checkpoint`` split into what each file of the directory holds (no communication)."""
+def directory_contents(
+    checkpoint: dict[str, Any], module: nn.Module, engine: ZeroEngine, stage: int, world_size: int, frozen: Optional[FrozenRecord] = None
+) -> DirectoryContents:
+    """``checkpoint`` split into what each file of the directory holds (no communication).
+    ``frozen``: the fingerprint of the frozen parameters its weights leave out, if they do."""
     tensors, averaged = weight_entries(checkpoint)
     optimizers = checkpoint.get("optimizer_states", [])  # absent for weights-only checkpoints
     for shards in optimizers:
@@ -79,7 +90,7 @@ def directory_contents(checkpoint: dict[str, Any], module: nn.Module, engine: Ze
         meta["callbacks"] = _move_callback_shards(meta["callbacks"], tensors)
     meta[OPTIMIZERS_KEY] = [{"param_groups": o.param_groups, "values": o.values} for o in optimizers]
     meta[AVERAGED_KEY] = averaged
-    return DirectoryContents(tensors, meta, build_manifest(module, engine, stage, world_size, optimizers))
+    return DirectoryContents(tensors, meta, build_manifest(module, engine, stage, world_size, optimizers, frozen))
 
 
 def _holds_shards(state: dict[str, Any]) -> bool:
@@ -156,6 +167,8 @@ def load_directory(
     meta = read_meta(directory, weights_only)
     averaged = meta.pop(AVERAGED_KEY, False)
     dcp_metadata = read_dcp_metadata(directory)  # once for every read below
+    if manifest.frozen:  # before anything changes: the model's frozen weights are the ones trained on
+        check_model_frozen(manifest.frozen, module, engine, group, str(directory), strict)
     load_model(directory, manifest, module, engine, group, strict=strict, dcp_metadata=dcp_metadata)
     if engine is not None:
         for index, optimizer in enumerate(optimizers):

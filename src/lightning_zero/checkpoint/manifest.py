@@ -21,8 +21,10 @@ __all__ = ["MANIFEST_NAME", "META_NAME", "Manifest", "PathLike", "is_sharded_che
 
 FORMAT = "lightning-zero/sharded/2"
 REMOTE_FORMAT = "lightning-zero/sharded/3"
-READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT, REMOTE_FORMAT)
-"""Format 2 only adds ``checksums``, format 3 (checkpoints at a URL, ``remote.py``) ``content``. The
+FROZEN_LEFT_OUT_FORMAT = "lightning-zero/sharded/4"
+READABLE_FORMATS = ("lightning-zero/sharded/1", FORMAT, REMOTE_FORMAT, FROZEN_LEFT_OUT_FORMAT)
+"""Format 2 only adds ``checksums``, format 3 (checkpoints at a URL, ``remote.py``) ``content``,
+format 4 ``frozen`` (frozen weights left out, local or at a URL). The
 version moves so that an older lightning-zero refuses a new checkpoint by naming its format, rather
 than calling its manifest corrupted (unknown field)."""
 META_NAME = "meta.pt"
@@ -54,11 +56,19 @@ class Manifest:
     content: str = ""
     """Format 3: the version folder beside the manifest that holds ``files`` (``remote.py``); empty
     (and not written) where the files are beside the manifest."""
+    frozen: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Format 4: the frozen parameters a ``save_frozen=False`` save left out, each one's fingerprint
+    (full shape, dtype, checksum: ``frozen.py``); they are then not in ``params``. Empty (and not
+    written) where every parameter was saved."""
 
     def write(self, directory: Any) -> None:
         data = asdict(self)
         if not self.content:
             del data["content"]  # a local directory's manifest stays format 2, byte for byte
+        if self.frozen:
+            data["format"] = FROZEN_LEFT_OUT_FORMAT  # older versions refuse it by its format
+        else:
+            del data["frozen"]
         folder = _folder(directory)
         folder.write_file(MANIFEST_NAME, json.dumps(data, indent=1).encode())
 

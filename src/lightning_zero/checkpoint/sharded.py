@@ -12,7 +12,9 @@ DCP keys (flat, "/"-separated so that parameter names keep their dots)::
     model/<param>                  1-D DTensor sharded like torch.chunk over the ranks: the flat
                                    parameter, each rank holding its chunk (our exact layout)
     model/<param>                  or a plain tensor, for a parameter no rank shards (stages 1-2:
-                                   one in no optimizer); identical on every rank, stored once
+                                   one in no optimizer); identical on every rank, stored once.
+                                   With ``save_frozen=False`` no entry for a frozen parameter: the
+                                   manifest's ``frozen`` holds its fingerprint instead (``frozen.py``)
     buffer/<state_dict key>        plain tensor: rank 0's, as DDP's checkpoint holds (the ranks'
                                    BatchNorm statistics differ; see [Note: which rank writes a
                                    whole entry] in save_plan.py)
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +64,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.errors import CorruptCheckpointError
+from lightning_zero.checkpoint.frozen import FrozenRecord
 from lightning_zero.checkpoint.manifest import Manifest, PathLike
 from lightning_zero.checkpoint.storage import CheckpointGroup, read_dcp_metadata, read_tensors, tensor_metadata
 from lightning_zero.engine import ZeroEngine
@@ -111,18 +114,25 @@ def _param_names(module: nn.Module) -> tuple[dict[int, str], dict[str, str], lis
 
 
 def model_tensors(
-    module: nn.Module, engine: Optional[ZeroEngine], group: CheckpointGroup, average: Optional[AveragedShards] = None
+    module: nn.Module,
+    engine: Optional[ZeroEngine],
+    group: CheckpointGroup,
+    average: Optional[AveragedShards] = None,
+    leave_out: Collection[str] = (),
 ) -> dict[str, Tensor]:
     """The module's weights as DCP entries: this rank's chunks (no gathering) and the buffers, where
     training keeps them (see [Note: host copies of a save]); DTensors on ``group``'s meshes.
     ``average``: a weight-averaging callback's average instead (its chunks, laid out as the
-    engine's; its buffers where it keeps them, else the module's)."""
+    engine's; its buffers where it keeps them, else the module's). ``leave_out``: parameter names
+    not to save (the frozen ones, with ``save_frozen=False``)."""
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
     chunks = engine.weight_chunks() if engine is not None and average is None else {}
     _, _, buffers = _param_names(module)
     state = module.state_dict(keep_vars=True)
     tensors: dict[str, Tensor] = {}
     for name, p in module.named_parameters():
+        if name in leave_out:
+            continue
         sp = sharded.get(id(p))
         if average is not None:
             tensors[f"model/{name}"] = _chunk_entry(average.chunk(name), average.chunks[name].layout.numel, group, engine)
@@ -201,13 +211,21 @@ def host_entries(entries: dict[str, Any], group: CheckpointGroup) -> dict[str, A
 
 
 def build_manifest(
-    module: nn.Module, engine: Optional[ZeroEngine], stage: int, world_size: int, optimizers: Sequence[OptimizerShards]
+    module: nn.Module,
+    engine: Optional[ZeroEngine],
+    stage: int,
+    world_size: int,
+    optimizers: Sequence[OptimizerShards],
+    frozen: Optional[FrozenRecord] = None,
 ) -> Manifest:
+    """``frozen``: the fingerprint of the parameters left out (``save_frozen=False``), else None."""
     _, aliases, buffers = _param_names(module)
+    frozen = frozen or {}
     return Manifest(
         stage=stage,
         world_size=world_size,
-        params=true_shapes(module, engine),
+        params={name: shape for name, shape in true_shapes(module, engine).items() if name not in frozen},
+        frozen=frozen,
         aliases=aliases,
         buffers=buffers,
         optimizers=[o.layout for o in optimizers],
@@ -260,7 +278,8 @@ def read_full_state(directory: PathLike, manifest: Manifest, prefix: str = "", d
     read_tensors(flat, directory, None, dcp_metadata)
     state = {name: flat[f"{prefix}model/{name}"].view(shape) for name, shape in manifest.params.items()}
     for alias, name in manifest.aliases.items():
-        state[alias] = state[name]
+        if name in state:  # else a frozen parameter left out (``tie_aliases`` once its base is merged)
+            state[alias] = state[name]
     for buffer in manifest.buffers:
         state[buffer] = flat[f"{prefix}buffer/{buffer}"]
     return state
@@ -293,7 +312,8 @@ def load_model(
 ) -> None:
     """Read each parameter as this rank needs it — its chunk where the engine shards it, else the
     whole tensor — and the buffers."""
-    check_model_matches(manifest, true_shapes(module, engine), directory, strict)
+    expected = {name: shape for name, shape in true_shapes(module, engine).items() if name not in manifest.frozen}
+    check_model_matches(manifest, expected, directory, strict)
     sharded = {id(sp.param): sp for sp in engine.params} if engine is not None else {}
     dcp_metadata = read_dcp_metadata(directory) if dcp_metadata is None else dcp_metadata
     metadata = tensor_metadata(directory, dcp_metadata)

@@ -25,6 +25,7 @@ from lightning_zero.checkpoint import remote
 from lightning_zero.checkpoint.checkpointing import check_file
 from lightning_zero.checkpoint.errors import CorruptCheckpointError, UntrustedCheckpointError, describe
 from lightning_zero.checkpoint.folders import Folder, LocalFolder, RemoteFolder
+from lightning_zero.checkpoint.frozen import digest
 from lightning_zero.checkpoint.integrity import check_directory, check_zip
 from lightning_zero.checkpoint.locations import RemoteLocation, checkpoint_location
 from lightning_zero.checkpoint.manifest import META_NAME, PathLike
@@ -88,7 +89,8 @@ def _verify_directory(path: Folder, weights_only: bool) -> str:
         _check_items(path.path, items)  # format 1: local directories only (written before URLs were)
         checked = "sizes, and each DCP item's zip checksums (format 1: no file checksums recorded)"
     total = format_bytes(sum(manifest.files.values()))
-    return f"{path}: OK ({len(manifest.files)} files, {total}; {checked}; DCP metadata read by its restricted unpickler; {pickled})"
+    frozen = f"; frozen weights left out ({len(manifest.frozen)} tensors, fingerprint {digest(manifest.frozen)})" if manifest.frozen else ""
+    return f"{path}: OK ({len(manifest.files)} files, {total}; {checked}; DCP metadata read by its restricted unpickler; {pickled}{frozen})"
 
 
 def _check_pickle(file: Any, weights_only: bool, load: Callable[[], Any], label: str = "") -> str:

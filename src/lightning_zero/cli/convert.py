@@ -10,6 +10,7 @@ import argparse
 import os
 
 from lightning_zero.cli.arguments import Subcommand, add_weights_only_argument
+from lightning_zero.cli.frozen_base import add_base_arguments, base_options
 from lightning_zero.sizing import format_bytes
 
 
@@ -22,13 +23,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also write the full optimizer state (in DDP's format), so training can resume from the file",
     )
     add_weights_only_argument(parser, "unpickle meta.pt as torch.load(weights_only=False) does, which can run code")
+    add_base_arguments(parser)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # torch.distributed.checkpoint and DTensor (~0.9 s): imported by this subcommand alone
     from lightning_zero.checkpoint import UntrustedCheckpointError, convert_checkpoint
     try:
-        out = convert_checkpoint(args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only)
+        out = convert_checkpoint(
+            args.src, args.dst, include_optimizer=args.with_optimizer, weights_only=args.weights_only, **base_options(args)
+        )
     except (OSError, ValueError, UntrustedCheckpointError) as err:  # missing, damaged (CorruptCheckpointError), a full disk
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
     size = out.fs.size(out.path) if hasattr(out, "fs") else os.path.getsize(out)  # a URL's object, or a local file

@@ -59,6 +59,10 @@ class ZeroFabricStrategy(DDPStrategy):
     has no end of ``fit``: the save in flight is waited for (and a failure raised, on every rank) by
     the next ``fabric.save`` / ``fabric.load``, by ``wait_for_checkpoint()``, by ``teardown()``, and
     at the latest when the process exits (a failure no one waited for is then logged).
+
+    ``save_frozen=False``: ``fabric.save`` leaves the frozen parameters out of sharded checkpoints, as
+    ``ZeroStrategy``'s option does; ``fabric.load`` keeps the module's own once they match the
+    checkpoint's fingerprint of them.
     """
 
     strategy_name = "zero_fabric"
@@ -82,6 +86,7 @@ class ZeroFabricStrategy(DDPStrategy):
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
+        save_frozen: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -95,7 +100,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._modules = ShardedModules()
         self._checkpoints = FabricCheckpointing(self._modules, self._checkpointing)
         super().__init__(

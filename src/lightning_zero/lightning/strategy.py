@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_state_dict_type
+from lightning_zero.checkpoint.checkpointing import StateDictType, ZeroCheckpointing, check_save_frozen, check_state_dict_type
 from lightning_zero.checkpoint.errors import CheckpointWriteError, UntrustedCheckpointError
 from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.checkpoint.manifest import PathLike
@@ -117,6 +117,11 @@ class ZeroStrategy(ZeroStepHooks):
             at the end of ``fit`` or at teardown, and the previous checkpoint stays. ``fit``'s end,
             teardown, loads and a preemption stop wait for it; ``wait_for_checkpoint()`` does too.
             A ``state_dict_type="full"`` file is always written synchronously. See docs/checkpoints.md.
+        save_frozen: False: sharded checkpoints leave out the parameters that do not require gradients
+            (a fine-tuned model's frozen base: LoRA, adapters), holding only their fingerprint (names,
+            shapes, dtypes, a checksum). A resume keeps the frozen weights the module loaded itself
+            (``from_pretrained``) and refuses them, naming each, where they differ from the fingerprint;
+            ``lightning-zero convert --base`` merges them back. Needs ``state_dict_type="sharded"``.
         start_method: how the Trainer starts the ranks, as for ``DDPStrategy``: "popen" (default)
             re-runs the script once per rank; "spawn", "fork" and "forkserver" start them from the
             calling process (``fork`` is what notebooks need), which gets back rank 0's final
@@ -151,6 +156,7 @@ class ZeroStrategy(ZeroStepHooks):
         shard_group_size: ShardGroupSize = None,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
+        save_frozen: bool = True,
         start_method: StartMethod = "popen",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -170,7 +176,7 @@ class ZeroStrategy(ZeroStepHooks):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save)
+        self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
         # `trainer.save_checkpoint` still finds the optimizer's shards
@@ -206,6 +212,7 @@ class ZeroStrategy(ZeroStepHooks):
     @state_dict_type.setter
     def state_dict_type(self, value: StateDictType) -> None:
         self._checkpointing.state_dict_type = check_state_dict_type(value)
+        check_save_frozen(self._checkpointing.save_frozen, value)  # False needs sharded saves
 
     @property
     def engine(self) -> Optional[ZeroEngine]:
