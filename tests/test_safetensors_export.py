@@ -269,8 +269,10 @@ def test_a_destination_the_export_did_not_write_is_refused(results, tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(FileExistsError, match="is a file"):
         export_safetensors(src, tmp_path / "a_file")
-    with pytest.raises(FileExistsError, match="exists and is not"):
+    with pytest.raises(ValueError, match="is inside the checkpoint"):
         export_safetensors(src, src)  # the checkpoint itself
+    with pytest.raises(ValueError, match="is inside the checkpoint"):
+        export_safetensors(src, Path(src, "hf"))
     with pytest.raises(ValueError, match="must be a local path, got the URL 's3://bucket/hf'"):
         export_safetensors(src, "s3://bucket/hf")
     with pytest.raises(ValueError, match="dtype 'int8' is not one the export writes; give one of 'bf16', 'fp16', 'fp32'"):
