@@ -326,7 +326,7 @@ def test_cli_exports_with_every_option(results, tmp_path, capsys):
     )  # fmt: skip
     assert status == 0, stderr
     lines = stdout.splitlines()
-    assert lines[0].startswith(f"wrote {out} (") and " files, " in lines[0], stdout
+    assert lines[0].startswith(f"wrote {out} (2 safetensors files and an index, ") and lines[0].endswith(" of weights)"), stdout
     assert lines[1] == "tied, written once: lm_head.weight (as model.embed_tokens.weight)"
     assert "config.json" in _files(out) and "model.safetensors.index.json" in _files(out)
     with safe_open(str(out / "model-00001-of-00002.safetensors"), framework="pt") as f:

@@ -85,7 +85,9 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except (OSError, ValueError, ImportError) as err:  # no safetensors, a damaged checkpoint, a prefix that maps nothing
         parser.exit(2, f"lightning-zero convert: error: {err}\n")
-    print(f"wrote {exported.out_dir} ({len(exported.files)} files, {format_bytes(exported.total_size)} of weights)")
+    weight_files = [name for name in exported.files if name.endswith(".safetensors")]
+    index = " and an index" if len(weight_files) < len(exported.files) else ""
+    print(f"wrote {exported.out_dir} ({len(weight_files)} safetensors files{index}, {format_bytes(exported.total_size)} of weights)")
     if exported.tied:
         print("tied, written once: " + ", ".join(f"{alias} (as {name})" for alias, name in exported.tied.items()))
     if exported.outside_prefix:
