@@ -240,7 +240,8 @@ def test_missing_safetensors_package_is_named_with_its_pip_command(results, tmp_
 def test_a_prefix_that_maps_no_name_lists_the_names_present(results, tmp_path):
     from lightning_zero.checkpoint import export_safetensors
 
-    with pytest.raises(ValueError, match=r"strip_prefix 'encoder\.' maps no name .* its names are 'model\.model\.embed_tokens\.weight', .* and \d+ more"):
+    listed = r"strip_prefix 'encoder\.' maps no name .* its names are 'model\.model\.embed_tokens\.weight', .* and \d+ more"
+    with pytest.raises(ValueError, match=listed):
         export_safetensors(results["zero1_untied_several_files"][0]["path"], tmp_path / "out", strip_prefix="encoder.")
     assert os.listdir(tmp_path) == []
 
@@ -352,3 +353,24 @@ def test_cli_errors_are_one_line(results, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     status, _, stderr = _cli(capsys, src, str(tmp_path / "hf"), "--format", "safetensors")
     assert status == 2 and stderr.endswith("pip install safetensors\n") and stderr.count("\n") == 1
+
+
+def test_weights_the_checkpoint_lacks_come_from_base(results, tmp_path):
+    """A manifest naming a parameter that no shard holds (as a save without frozen weights would):
+    refused, naming it, unless ``base`` gives it."""
+    from safetensors.torch import load_file
+
+    from lightning_zero.checkpoint import CorruptCheckpointError, export_safetensors
+
+    src = tmp_path / "lacking.ckpt"
+    shutil.copytree(results["zero1_untied_several_files"][0]["path"], src)
+    manifest = json.loads((src / "lightning_zero.json").read_text())
+    manifest["params"]["model.extra.weight"] = [2, 3]
+    (src / "lightning_zero.json").write_text(json.dumps(manifest))
+    lacking = r"lists 'model\.extra\.weight' in its manifest but holds no tensor for it; pass the weights it lacks as `base`"
+    with pytest.raises(CorruptCheckpointError, match=lacking):
+        export_safetensors(src, tmp_path / "hf", strip_prefix="model.")
+    base = {"extra.weight": torch.ones(2, 3, dtype=torch.float64)}
+    export_safetensors(src, tmp_path / "hf", strip_prefix="model.", base=base, dtype="fp32")
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(written["extra.weight"], torch.ones(2, 3)) and len(written) == 22  # 21 of the Llama

@@ -371,4 +371,7 @@ def _output_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]
         return dtype
     if isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
-    raise ValueError(f"dtype {dtype!r} is not one the export writes; give one of {', '.join(map(repr, DTYPES))}, a floating-point torch dtype, or None to keep the checkpoint's.")
+    raise ValueError(
+        f"dtype {dtype!r} is not one the export writes; give one of {', '.join(map(repr, DTYPES))}, a floating-point"
+        " torch dtype, or None to keep the checkpoint's."
+    )
