@@ -152,6 +152,8 @@ def export_safetensors(
 # ---- what is written ---------------------------------------------------------------------------
 @dataclass
 class _Selection:
+    """What ``_select`` picked from the checkpoint (``tied`` and ``outside_prefix`` as in ``ExportedModel``)."""
+
     entries: list[_Entry]
     """Every tensor to write, in the checkpoint's order (parameters, then buffers)."""
     tied: dict[str, str]
