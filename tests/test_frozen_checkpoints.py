@@ -349,6 +349,19 @@ def test_convert_with_and_without_base(results: GroupResults, shared_dir: Path, 
         assert code == 0 and FROZEN_KEY not in full, out
         assert sorted(full["state_dict"]) == sorted(saved) and all(torch.equal(saved[k], full["state_dict"][k]) for k in saved)
 
+    # --format safetensors: the base merged in the same way, names as Hugging Face's (--strip-prefix)
+    from safetensors.torch import load_file
+
+    code, out = _cli("convert", src, str(tmp_path / "hf"), "--format", "safetensors", "--strip-prefix", "model.", capsys=capsys)
+    assert code == 2 and "--base" in out, out
+    code, out = _cli(
+        "convert", src, str(tmp_path / "hf"), "--format", "safetensors", "--strip-prefix", "model.", "--base", str(tmp_path / "base.pt"),
+        capsys=capsys,
+    )  # fmt: skip
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert code == 0 and sorted(exported) == sorted(k[len("model.") :] for k in saved), out
+    assert all(torch.equal(saved["model." + k], v) for k, v in exported.items())
+
     missing = dict(frozen)
     del missing[ALTERED]
     torch.save(missing, tmp_path / "missing.pt")
@@ -359,6 +372,11 @@ def test_convert_with_and_without_base(results: GroupResults, shared_dir: Path, 
     torch.save(reshaped, tmp_path / "reshaped.pt")
     code, out = _cli("convert", src, str(tmp_path / "bad.ckpt"), "--base", str(tmp_path / "reshaped.pt"), capsys=capsys)
     assert code == 2 and f"{ALTERED}: shape [32, 3], saved with [32, 64]" in out and not (tmp_path / "bad.ckpt").exists(), out
+    code, out = _cli(
+        "convert", src, str(tmp_path / "hf"), "--format", "safetensors", "--strip-prefix", "model.", "--base", str(tmp_path / "reshaped.pt"),
+        capsys=capsys,
+    )  # fmt: skip
+    assert code == 2 and f"{ALTERED}: shape [32, 3], saved with [32, 64]" in out, out
 
     retyped = dict(frozen, **{ALTERED: frozen[ALTERED].double()})
     torch.save(retyped, tmp_path / "retyped.pt")

@@ -63,11 +63,9 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
     return tensors
 
 
-def merge_base(checkpoint: dict[str, Any], base: Mapping[str, Tensor], source: str, base_name: str) -> None:
-    """Put the frozen weights from ``base`` into ``checkpoint`` (a single-file form with ``FROZEN_KEY``)
-    in place, once every one matches the fingerprint; refuses naming each one that differs or is missing."""
-    left_out = checkpoint.pop(FROZEN_KEY)
-    recorded: FrozenRecord = left_out["fingerprint"]
+def check_base(recorded: FrozenRecord, base: Mapping[str, Tensor], source: str, base_name: str) -> None:
+    """Every recorded frozen weight is in ``base`` (by the checkpoint's names) and matches its
+    fingerprint; refuses naming each one that differs or is missing."""
     found = {name: record_of(base[name]) for name in recorded if name in base}
     refuse_differences(
         differences(recorded, found),
@@ -76,6 +74,14 @@ def merge_base(checkpoint: dict[str, Any], base: Mapping[str, Tensor], source: s
         "give the base the model was fine-tuned from (the same weights and dtype); where its names lack a"
         " prefix the checkpoint's have, add it with `--base-prefix` (e.g. `--base-prefix model.`).",
     )
+
+
+def merge_base(checkpoint: dict[str, Any], base: Mapping[str, Tensor], source: str, base_name: str) -> None:
+    """Put the frozen weights from ``base`` into ``checkpoint`` (a single-file form with ``FROZEN_KEY``)
+    in place, once every one matches the fingerprint (``check_base``)."""
+    left_out = checkpoint.pop(FROZEN_KEY)
+    recorded: FrozenRecord = left_out["fingerprint"]
+    check_base(recorded, base, source, base_name)
     _put_back(checkpoint["state_dict"], {name: base[name] for name in recorded}, left_out["aliases"])
 
 
