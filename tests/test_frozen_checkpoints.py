@@ -149,6 +149,27 @@ for _name in STAGES:
 
 
 @GROUP.case
+def async_save(ctx: RankContext) -> list[str]:
+    """An asynchronous save (async_save=True) leaves the frozen weights out the same way: the keys
+    the checkpoint's DCP metadata holds."""
+    from datetime import timedelta
+
+    from lightning_helpers import make_trainer
+
+    import lightning_zero
+    from lightning_zero.checkpoint.storage import read_dcp_metadata
+
+    L.seed_everything(0, verbose=False)
+    strategy = lightning_zero.ZeroStrategy(stage=2, save_frozen=False, async_save=True, timeout=timedelta(seconds=60))
+    trainer = make_trainer(strategy, max_steps=-1, max_epochs=1)
+    trainer.fit(LoraLlama(), token_batches())
+    path = os.path.join(ctx.tmpdir, "async")
+    trainer.save_checkpoint(path)
+    strategy.wait_for_checkpoint()
+    return sorted(k for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("model/"))
+
+
+@GROUP.case
 def other_stage(ctx: RankContext) -> list[str]:
     """zero1's checkpoint resumed at zero3 and zero3's at zero1: the saved weights at the start."""
     import lightning_zero  # noqa: F401 - registers the strategies in the rank
@@ -257,6 +278,11 @@ def test_resume_is_bitwise_and_small(results: GroupResults, shared_dir: Path, na
 def test_changed_base_is_refused_naming_it(results: GroupResults, name: str) -> None:
     for r in results[f"round_trip_{name}"]:
         assert "FrozenWeightsMismatchError" in r["refused"] and ALTERED in r["refused"] and "content differs" in r["refused"], r["refused"]
+
+
+def test_async_save_leaves_them_out_too(results: GroupResults) -> None:
+    trainable = sorted(f"model/{n}" for n, p in LoraLlama().named_parameters() if p.requires_grad)
+    assert results["async_save"] == [trainable, trainable]
 
 
 def test_resume_at_another_stage(results: GroupResults) -> None:

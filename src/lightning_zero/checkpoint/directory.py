@@ -155,7 +155,10 @@ def load_directory(
     """Load the weights (and the ``optimizers``' state, when given) straight into this rank's
     chunks, at any world size and stage; returns the rest of the checkpoint for Lightning, with
     empty ``state_dict`` / ``optimizer_states`` entries (already restored). Every file is checked
-    against its checksum first, each rank checking a share. ``weights_only``: how meta.pt is unpickled,
+    against its checksum first, each rank checking a share; where the frozen weights were left out
+    (``save_frozen=False``), the module's own are kept, once they match the checkpoint's fingerprint
+    of them (``frozen.py``; refused on every rank before anything is loaded otherwise).
+    ``weights_only``: how meta.pt is unpickled,
     as for a checkpoint file (see [Note: untrusted checkpoints] in ``pickles.py``).
 
     ``averaging_states``: for a fit resumed with a weight-averaging callback, the checkpoint's
