@@ -181,6 +181,42 @@ def trainer_keep_all(ctx: RankContext) -> dict:
     return _trainer_run(ctx, math.inf)
 
 
+def _fabric_run(ctx: RankContext, keep_mb: float) -> dict:
+    """The Fabric loop of a user accumulating gradients with ``no_backward_sync``."""
+    from fabric_loop import fabric_for
+    from fabric_loop import full_weights as fabric_weights
+
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
+
+    fabric = fabric_for("zero3", keep_frozen_units_mb=keep_mb)
+    torch.manual_seed(0)
+    model = LoraStack()
+    sizes = _sizes(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    per_step = []
+    for step in range(STEPS):
+        COLLECTIVE_STATS.reset()
+        for micro in range(MICRO_BATCHES):
+            x, y = _batch(fabric.global_rank, step, micro)
+            with fabric.no_backward_sync(model, enabled=micro < MICRO_BATCHES - 1):
+                fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+        per_step.append((COLLECTIVE_STATS.calls["all_gather"], COLLECTIVE_STATS.bytes["all_gather"]))
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(sizes=sizes, per_step=per_step, weights=fabric_weights(fabric, model))
+
+
+@GROUP.case
+def fabric_default(ctx: RankContext) -> dict:
+    return _fabric_run(ctx, 0)
+
+
+@GROUP.case
+def fabric_keep_all(ctx: RankContext) -> dict:
+    return _fabric_run(ctx, math.inf)
+
+
 @GROUP.case
 def engine_default(ctx: RankContext) -> dict:
     return _accumulate(0)
@@ -310,3 +346,10 @@ def test_strategies_pass_the_budget_through() -> None:
         assert make(stage=3, keep_frozen_units_mb=math.inf).zero_config.kept_frozen_bytes == math.inf
         assert make(stage=3, keep_frozen_units_mb=1.5).zero_config.kept_frozen_bytes == 1.5 * 2**20
         assert make(stage=3).zero_config.keep_frozen_units_mb == 0  # default: regather per use
+
+
+def test_fabric_accumulation_keeps_frozen_units(results: GroupResults) -> None:
+    for default, kept in zip(results["fabric_default"], results["fabric_keep_all"]):
+        _assert_same_weights(default["weights"], kept["weights"])
+        assert default["per_step"] == [_expected_gathers(default["sizes"], [])] * STEPS
+        assert kept["per_step"] == [_expected_gathers(default["sizes"], [0, 1, 2])] * STEPS
