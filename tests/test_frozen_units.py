@@ -171,14 +171,8 @@ def _trainer_run(ctx: RankContext, keep_mb: float) -> dict:
     )  # fmt: skip
 
 
-@GROUP.case
-def trainer_default(ctx: RankContext) -> dict:
-    return _trainer_run(ctx, 0)
-
-
-@GROUP.case
-def trainer_keep_all(ctx: RankContext) -> dict:
-    return _trainer_run(ctx, math.inf)
+GROUP.case(_trainer_run, name="trainer_default", keep_mb=0)
+GROUP.case(_trainer_run, name="trainer_keep_all", keep_mb=math.inf)
 
 
 def _fabric_run(ctx: RankContext, keep_mb: float) -> dict:
@@ -207,14 +201,8 @@ def _fabric_run(ctx: RankContext, keep_mb: float) -> dict:
     return dict(sizes=sizes, per_step=per_step, weights=fabric_weights(fabric, model))
 
 
-@GROUP.case
-def fabric_default(ctx: RankContext) -> dict:
-    return _fabric_run(ctx, 0)
-
-
-@GROUP.case
-def fabric_keep_all(ctx: RankContext) -> dict:
-    return _fabric_run(ctx, math.inf)
+GROUP.case(_fabric_run, name="fabric_default", keep_mb=0)
+GROUP.case(_fabric_run, name="fabric_keep_all", keep_mb=math.inf)
 
 
 @GROUP.case
