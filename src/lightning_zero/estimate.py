@@ -21,8 +21,11 @@ Model states only: weights, gradients and optimizer states. A real run also need
   (see [Note: reads at rest] in ``engine/shards/at_rest.py``),
 - the caching allocator's fragmentation and the CUDA context (roughly 0.5-1 GB per device),
 - per-parameter padding of shards (at most N-1 elements per parameter, see `shard_numel`),
-- frozen parameters, which are counted here as if trained (an upper bound: they have no gradients
-  and no optimizer state),
+- with `frozen_params` at stage 3, what the engine keeps of a frozen weight beyond its chunk in the
+  weights' dtype: a half-precision frozen weight's chunk is kept in fp32 (2 B more per element / N),
+  and with offload a host copy of it too (see [Note: frozen parameters]),
+- frozen parameters not given as `frozen_params`, which are then counted as if trained (an upper
+  bound: they have no gradients and no optimizer state),
 - on the host, with offload: torch's caching host allocator rounds every pinned buffer (one per
   bucket or unit and kind) up to a power of two, up to twice the pinned figure; a second pinned
   gradient buffer per bucket while gradients accumulate over micro-batches (or when
@@ -82,6 +85,18 @@ it only the buckets read in at a time: min(buffer_count, buckets) · `offload_ch
 (the optimizer's stream; the gathers read `prefetch_units` + 1 units ahead). The gradient chunk stays
 in host memory.
 
+[Note: frozen parameters]
+Of the Ψ parameters, `frozen_params` (Ψ_f) require no gradient (a fine-tuned model's frozen base):
+no optimizer holds them, so they have no gradients and no optimizer state, and only their weights
+cost memory: at stages 1-2 every rank holds them whole on its device (w·Ψ_f: they are in no
+optimizer, so in no shard), at stage 3 one chunk each, w·Ψ_f/N (on the host with `offload_params`
+and fp32 weights, where the host chunk is the only copy). Gradients and optimizer state are priced
+on the trainable Ψ - Ψ_f only. `memory_report()` counts the same bytes (its `frozen_parameters`).
+At stage 3, `keep_frozen_units_mb` keeps the full weights of all-frozen units gathered from their
+first forward in a step until its optimizer step: at most min(budget, w·Ψ_f) more on each device
+during forward and backward, freed before the optimizer step (`MemoryEstimate.kept_frozen_units_per_rank`,
+in no total, charged by `sizing.fits`; `memory_report().kept_frozen_units` measures it mid-step).
+
 [Note: whole-tensor optimizer state]
 An optimizer that looks across whole tensors (Muon, Adafactor, LAMB, SOAP, any class the engine does
 not know; see docs/optimizers.md) steps each of its parameters whole on one owner rank
@@ -103,10 +118,11 @@ leaves those layouts out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from lightning_zero.engine.config import ZeroConfig, ZeroStage, check_shard_group_size
+from lightning_zero.engine.config import ZeroConfig, ZeroStage, check_kept_budget, check_shard_group_size
 from lightning_zero.engine.memory import StateBytes
 from lightning_zero.engine.offload.disk_tier import STATE_SLOTS
 from lightning_zero.engine.optimizer.tensor_owners import plan_owners
@@ -114,7 +130,8 @@ from lightning_zero.estimate_schemes import FP32_BYTES, LAYOUTS, Layout, Precisi
 
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
-    "stage 3's gathered units (full weights of the running and the prefetched unit), "
+    "stage 3's gathered units (full weights of the running and the prefetched unit; those "
+    "keep_frozen_units_mb keeps are the '+ kept frozen' column where given), "
     "communication buckets, allocator fragmentation and the CUDA context; with offload, pinned buffers "
     "are rounded up to a power of two; with NVMe, the page cache the files pass through. Leave a margin."
 )
@@ -235,11 +252,21 @@ class MemoryEstimate:
     """With a whole-tensor optimizer (`OwnedParameters`): the full weights and gradients the busiest
     owner holds while it steps, on the device, or on the host with offload; in no total (see [Note:
     whole-tensor optimizer state])."""
+    kept_frozen_units_per_rank: int = 0
+    """Stage 3 with `keep_frozen_units_mb`: the full weights of all-frozen units kept gathered through a
+    step's micro-batches, min(budget, w·Ψ_f) on each device at most; freed before the optimizer step,
+    so in no total (see [Note: frozen parameters])."""
     host_step_rollback_per_rank: int = 0
     """With CPU offload (not NVMe) and `overlap_host_step`: the rollback copies of the master chunk and
     optimizer state the host step during backward keeps for each rank, in ordinary host memory; kept
     only where clipping or a hook between backward and the step may change the step, so in no total
     (see [Note: offloaded state]). 0 elsewhere, and with `rollback_copies=False`."""
+
+    @property
+    def device_during_backward(self) -> int:
+        """Bytes on each device while forward and backward run: `device`, plus the frozen units kept
+        gathered (`kept_frozen_units_per_rank`)."""
+        return self.device.total + self.kept_frozen_units_per_rank
 
     @property
     def device_during_step(self) -> int:
@@ -290,8 +317,10 @@ def estimate(
     nvme: NvmeStaging = NvmeStaging(),
     owned: Optional[OwnedParameters] = None,
     rollback_copies: bool = True,
+    frozen_params: int = 0,
+    keep_frozen_units_mb: float = 0,
 ) -> MemoryEstimate:
-    """Model-state bytes of `num_params` (Ψ) parameters in `layout`, with N = `topology.sharding_ranks`
+    """Model-state bytes of `num_params` (Ψ) parameters in `layout`, `frozen_params` of them frozen, with N = `topology.sharding_ranks`
     (all ranks, or with hybrid sharding the shard group's).
 
     Per device, with w, g, o the scheme's bytes per parameter:
@@ -302,38 +331,50 @@ def estimate(
     state on NVMe]. With `owned` (some or all of the Ψ parameters, stepped by a whole-tensor
     optimizer) each rank keeps the moments of the parameters it owns instead of its chunk of
     theirs, and holds their full weights and gradients while it steps: see [Note: whole-tensor
-    optimizer state]. `rollback_copies`: whether the host step during backward keeps its rollback
+    optimizer state]. Frozen parameters cost their weights only, and at stage 3 the ones
+    `keep_frozen_units_mb` keeps gathered: see [Note: frozen parameters].
+    `rollback_copies`: whether the host step during backward keeps its rollback
     copies (CPU offload only): True, the engine's default in a plain loop or Fabric, an upper bound;
     False with `overlap_host_step=False`, or in the Lightning Trainer with no gradient clipping and no
     hook between backward and the step.
     """
     if num_params < 1:
         raise ValueError(f"the number of parameters must be at least 1, got {num_params}")
+    if not 0 <= frozen_params <= num_params:
+        raise ValueError(f"the frozen parameters must be between 0 and the model's {num_params:,} parameters, got {frozen_params:,}")
+    trainable = num_params - frozen_params
+    check_kept_budget(keep_frozen_units_mb)
+    kept = 0
+    if layout.stage is ZeroStage.PARAMETERS and keep_frozen_units_mb > 0:
+        kept = scheme.weight_bytes * frozen_params
+        kept = kept if math.isinf(keep_frozen_units_mb) else min(kept, int(keep_frozen_units_mb * 2**20))
     stage = layout.stage
     if owned is not None and stage is ZeroStage.NOTHING:
         owned = None  # DDP steps every parameter whole on every rank: nothing changes
     if owned is not None:
-        if owned.total > num_params:
-            raise ValueError(f"the whole-tensor optimizer's {owned.total:,} elements exceed the model's {num_params:,} parameters")
+        if owned.total > trainable:
+            not_frozen = " that are not frozen" if frozen_params else ""
+            raise ValueError(f"the whole-tensor optimizer's {owned.total:,} elements exceed the model's {trainable:,} parameters{not_frozen}")
         if layout.state_on_disk:
             raise ValueError("offload_optimizer='nvme' does not stream a whole-tensor optimizer's state (the engine refuses it)")
     ranks = topology.sharding_ranks
-    shard = shard_numel(num_params, ranks)
+    shard = shard_numel(num_params, ranks)  # of the weights: every parameter's
+    trained_shard = shard_numel(trainable, ranks)  # of gradients and optimizer state: the trainable ones'
     # the elements whose moments a rank keeps: its shard, or its shard of the chunk path's
     # parameters plus the busiest owner's whole ones
     owned_elements = 0 if owned is None else owned.busiest(ranks)
-    moment_elements = shard if owned is None else shard_numel(num_params - owned.total, ranks) + owned_elements
+    moment_elements = trained_shard if owned is None else shard_numel(trainable - owned.total, ranks) + owned_elements
 
-    def held(sharded: bool) -> int:
-        return shard if sharded else num_params
+    def held(sharded: bool, count: int = num_params) -> int:
+        return shard_numel(count, ranks) if sharded else count
 
     if not layout.offload_optimizer:
-        optimizer_state = scheme.optimizer_bytes * held(stage.shards_optimizer_state)
+        optimizer_state = scheme.optimizer_bytes * held(stage.shards_optimizer_state, trainable)
         if owned is not None:
-            optimizer_state = scheme.master_bytes * shard + scheme.moment_bytes * moment_elements
+            optimizer_state = scheme.master_bytes * trained_shard + scheme.moment_bytes * moment_elements
         device = StateBytes(
             parameters=scheme.weight_bytes * held(stage.shards_parameters),
-            gradients=scheme.gradient_bytes * held(stage.shards_gradients),
+            gradients=scheme.gradient_bytes * held(stage.shards_gradients, trainable),
             optimizer_state=optimizer_state,
         )
         step_dtype_bytes = FP32_BYTES if scheme.master_bytes else scheme.weight_bytes  # the master dtype
@@ -343,21 +384,25 @@ def estimate(
             host_per_rank=StateBytes(),
             devices_per_node=topology.devices,
             step_transient_per_rank=2 * step_dtype_bytes * owned_elements,
+            kept_frozen_units_per_rank=kept,
         )
 
-    chunk = scheme.offload_chunk_bytes * shard  # the master chunk; the gradient chunk is as large
-    # fp32 weights with offload_params: the host's master chunk is the weight's only copy
+    chunk = scheme.offload_chunk_bytes * trained_shard  # the master chunk; the gradient chunk is as large
+    # fp32 weights with offload_params: the host's chunk is the weight's only copy, frozen ones' too
     host_only_weights = layout.offload_params and scheme.weight_bytes == scheme.offload_chunk_bytes
+    weight_chunks = scheme.offload_chunk_bytes * shard
     device = StateBytes(
         parameters=0 if host_only_weights else scheme.weight_bytes * held(stage.shards_parameters),
-        gradients=0 if stage.shards_gradients else scheme.gradient_bytes * num_params,
+        gradients=0 if stage.shards_gradients else scheme.gradient_bytes * trainable,
     )
     moments = scheme.moment_bytes * moment_elements
-    in_host = nvme.host_bytes(num_params, scheme, topology.sharding_ranks) if layout.state_on_disk else moments
+    in_host = nvme.host_bytes(trainable, scheme, topology.sharding_ranks) if layout.state_on_disk and trainable else moments
     # the master chunk: all of it in host memory, or with the parameters on NVMe the buckets read in
-    master = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else chunk
+    window = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else 0
+    master = window or chunk
+    host_weights = (window or weight_chunks) if host_only_weights else 0
     host = StateBytes(
-        parameters=master if host_only_weights else 0,
+        parameters=host_weights,
         gradients=chunk,
         optimizer_state=(0 if host_only_weights else master) + in_host,
     )
@@ -366,16 +411,17 @@ def estimate(
     # state]; moments on NVMe keep their last committed slot instead
     steps_during_backward = layout.offload_optimizer and not layout.params_on_disk and owned is None
     saved = scheme.offload_chunk_bytes + (0 if layout.state_on_disk else scheme.moment_bytes)
-    rollback = saved * shard if rollback_copies and steps_during_backward else 0
+    rollback = saved * trained_shard if rollback_copies and steps_during_backward else 0
     return MemoryEstimate(
         layout=layout,
         device=device,
         host_per_rank=host,
         devices_per_node=topology.devices,
-        pinned_per_rank=chunk + master,
-        disk_per_rank=(STATE_SLOTS * moments if layout.state_on_disk else 0) + (chunk if layout.params_on_disk else 0),
+        pinned_per_rank=chunk + (host_weights if host_only_weights else master),
+        disk_per_rank=(STATE_SLOTS * moments if layout.state_on_disk else 0) + (weight_chunks if layout.params_on_disk else 0),
         step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
         host_step_rollback_per_rank=rollback,
+        kept_frozen_units_per_rank=kept,
     )
 
 
@@ -386,8 +432,13 @@ def estimate_all(
     nvme: NvmeStaging = NvmeStaging(),
     owned: Optional[OwnedParameters] = None,
     rollback_copies: bool = True,
+    frozen_params: int = 0,
+    keep_frozen_units_mb: float = 0,
 ) -> tuple[MemoryEstimate, ...]:
     """`estimate` for every layout in `LAYOUTS`, in their order of preference; with `owned` (a
     whole-tensor optimizer) without the NVMe layouts, which refuse it."""
     layouts = [layout for layout in LAYOUTS if owned is None or not layout.state_on_disk]
-    return tuple(estimate(num_params, layout, scheme, topology, nvme, owned, rollback_copies) for layout in layouts)
+    return tuple(
+        estimate(num_params, layout, scheme, topology, nvme, owned, rollback_copies, frozen_params, keep_frozen_units_mb)
+        for layout in layouts
+    )

@@ -21,10 +21,11 @@ _DECIMAL_UNITS = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3), (
 def fits(candidate: MemoryEstimate, gpu_memory: int, host_memory: Optional[int] = None) -> bool:
     """Whether the model states fit in `gpu_memory` bytes per device (and `host_memory` per node, if
     given), with a whole-tensor optimizer also while it steps (`MemoryEstimate.device_during_step`),
+    with frozen units kept gathered also during backward (`MemoryEstimate.device_during_backward`),
     and on the host with the host step's rollback copies where the estimate counts them
     (`MemoryEstimate.host_during_step`). Only model states: see the module's note for what else
     needs room."""
-    if candidate.device_during_step > gpu_memory:
+    if max(candidate.device_during_step, candidate.device_during_backward) > gpu_memory:
         return False
     return host_memory is None or candidate.host_during_step <= host_memory
 

@@ -36,6 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="keyword arguments for --model's constructor as a JSON object, e.g. '{\"n_layer\": 12}'",
     )
+    parser.add_argument(
+        "--frozen-params",
+        type=parse_count,
+        default=0,
+        metavar="N",
+        help="of the parameters, how many are frozen (e.g. 7B under LoRA adapters): they cost their weights"
+        " only, no gradients and no optimizer state; whole on every device at stages 0-2, 1/N at stage 3"
+        " (default: 0)",
+    )
+    parser.add_argument(
+        "--keep-frozen-units-mb",
+        type=_kept_budget,
+        default=0.0,
+        metavar="MiB",
+        help="stage 3's keep_frozen_units_mb: MiB per device of frozen units' full weights kept gathered from"
+        " their first forward until the optimizer step ('inf': all of them); priced as min(it, the frozen"
+        " weights) in the '+ kept frozen' column, which 'fits' counts (needs --frozen-params; default: 0)",
+    )
     parser.add_argument("--devices", type=positive_int, required=True, metavar="N", help="devices (ranks) per node")
     parser.add_argument("--nodes", type=positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
     parser.add_argument(
@@ -120,6 +138,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         numels = _parameter_numels(args.model, args.init_args, parser)
         num_params = sum(numels)
         owned = est.OwnedParameters(numels) if args.whole_tensor_optimizer else None
+    if args.frozen_params > num_params:
+        parser.error(f"--frozen-params: {args.frozen_params:,} is more than the model's {num_params:,} parameters")
+    if args.keep_frozen_units_mb and not args.frozen_params:
+        parser.error("--keep-frozen-units-mb needs --frozen-params: only frozen units are kept")
+    if args.frozen_params and owned is not None:
+        parser.error("--frozen-params with --whole-tensor-optimizer: which parameters are frozen is unknown; leave one out")
     scheme = precision_scheme(args.precision)
     try:
         shard_group_size = resolve_shard_group_size(args.shard_group_size, args.devices * args.nodes, args.devices)
@@ -131,7 +155,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(f"--nvme-buffer-count: {error}")
     rollback_copies = not args.no_rollback
-    estimates = est.estimate_all(num_params, scheme, topology, nvme, owned, rollback_copies)
+    estimates = est.estimate_all(
+        num_params, scheme, topology, nvme, owned, rollback_copies, args.frozen_params, args.keep_frozen_units_mb
+    )
     recommendation = largest = None
     if args.gpu_memory is not None:
         recommendation = sizing.recommend(estimates, args.gpu_memory, args.host_memory)
@@ -139,12 +165,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             largest = sizing.largest_model(
                 scheme, topology, args.gpu_memory, args.host_memory, nvme=nvme, rollback_copies=rollback_copies
             )
-    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest, owned, rollback_copies)
+    report = _EstimateReport(num_params, scheme, topology, estimates, recommendation, largest, owned, rollback_copies, args.frozen_params)
     if sys.stdout.isatty():
         _print_rich(report)
     else:
         _print_plain(report)
     return 0
+
+
+def _kept_budget(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a number of MiB, 0 or more, or 'inf', got {text!r}")
+    return value
 
 
 def _shard_group_size(text: str) -> Union[int, str]:
@@ -173,12 +206,15 @@ class _EstimateReport:
     largest: Optional[sizing.LargestModel]
     owned: Optional[est.OwnedParameters] = None
     rollback_copies: bool = True
+    frozen_params: int = 0
 
     @property
     def title(self) -> str:
         s, t = self.scheme, self.topology
         return (
-            f"Model states of {self.num_params:,} parameters, precision {s.name} "
+            f"Model states of {self.num_params:,} parameters"
+            + (f" ({self.frozen_params:,} frozen: weights only)" if self.frozen_params else "")
+            + f", precision {s.name} "
             f"({s.weight_bytes} B weights + {s.gradient_bytes} B gradients + {s.optimizer_bytes} B optimizer "
             f"per parameter), {t.devices} device(s) x {t.nodes} node(s) = {t.world_size} data-parallel ranks"
             + (
@@ -199,6 +235,11 @@ class _EstimateReport:
             f" owning {owned.busiest(ranks):,} elements (Ψ/N = {owned.total / ranks:,.0f}, largest parameter"
             f" {owned.largest:,})"
         )
+
+    @property
+    def keeps_frozen_units(self) -> bool:
+        """Stage 3's rows price frozen units kept gathered (``--keep-frozen-units-mb``)."""
+        return any(e.kept_frozen_units_per_rank for e in self.estimates)
 
     @property
     def unit(self) -> tuple[str, int]:
@@ -222,6 +263,8 @@ class _EstimateReport:
         ]
         if self.owned:
             headers.append(f"+ owner's step ({unit})")
+        if self.keeps_frozen_units:
+            headers.append(f"+ kept frozen ({unit})")
         return headers + (["fits"] if self.recommendation else [])
 
     @property
@@ -247,6 +290,8 @@ class _EstimateReport:
             ]
             if self.owned:
                 row.append(number(e.step_transient_per_rank) if e.step_transient_per_rank else "-")
+            if self.keeps_frozen_units:
+                row.append(number(e.kept_frozen_units_per_rank) if e.kept_frozen_units_per_rank else "-")
             if self.recommendation:
                 r = self.recommendation
                 row.append("yes" if sizing.fits(e, r.gpu_memory, r.host_memory) else "no")

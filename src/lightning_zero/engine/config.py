@@ -47,7 +47,7 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
 and the options each one stands for."""
 
 ENGINE_STAGES = (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
-STAGE_3_OPTIONS = ("unit_classes", "min_unit_params", "prefetch_units", "check_units_every_gather")
+STAGE_3_OPTIONS = ("unit_classes", "min_unit_params", "prefetch_units", "check_units_every_gather", "keep_frozen_units_mb")
 """Options of how stage 3 gathers parameters; at stages 1-2 they would do nothing."""
 
 
@@ -92,6 +92,21 @@ def resolve_shard_group_size(shard_group_size: ShardGroupSize, world_size: int, 
     size = ranks_per_node if shard_group_size == "node" else int(shard_group_size)
     check_shard_group_size(size, world_size)
     return None if size == world_size else size
+
+
+def check_kept_budget(keep_frozen_units_mb: float) -> None:
+    """``ZeroConfig.keep_frozen_units_mb``: a number of MiB, 0 or more (``math.inf`` allowed)."""
+    value = keep_frozen_units_mb
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"`keep_frozen_units_mb` must be a number of MiB (0: free frozen units after each use; math.inf:"
+            f" keep every all-frozen unit until the optimizer step), got {value!r}."
+        )
+    if not value >= 0:  # also NaN
+        raise ValueError(
+            f"`keep_frozen_units_mb` must be 0 or more MiB per rank (0 frees frozen units after each use, as"
+            f" without it; math.inf keeps every all-frozen unit until the optimizer step), got {value!r}."
+        )
 
 
 def check_offload(stage: ZeroStage, offload_optimizer: "OffloadTier", offload_params: "OffloadTier") -> None:
@@ -147,6 +162,15 @@ class ZeroConfig:
     units from a hang into an error at the first unit where they disagree; on an accelerator it
     costs a host sync per gather. None (default): on where parameters live in host memory (CPU
     training, where reading the tags waits for nothing), off on accelerators."""
+
+    keep_frozen_units_mb: float = 0.0
+    """Stage 3: MiB per rank of gathered weights of all-frozen units (no parameter of theirs requires
+    a gradient) kept gathered from their first gather in a training step until the optimizer step,
+    instead of gathered again for every forward and backward: with gradient accumulation over K
+    micro-batches such a unit costs 1 all-gather per optimizer step instead of up to 2K. Units are
+    kept in order of first use while their gathered bytes fit; the others behave as with 0. 0 (the
+    default): every unit is freed after each use. ``math.inf``: every all-frozen unit is kept.
+    See [Note: kept frozen units] in ``engine/parameters/kept_units.py``."""
 
     offload_optimizer: OffloadTier = False
     """True (or "cpu"): keep the optimizer state and fp32 master chunks in host memory (pinned on
@@ -240,6 +264,7 @@ class ZeroConfig:
                 f" `offload_optimizer='nvme'` (got `offload_optimizer={self.offload_optimizer!r}`)."
                 " `strategy='zero3_offload_nvme_params'` sets both."
             )
+        check_kept_budget(self.keep_frozen_units_mb)
         for name in ("min_unit_params", "prefetch_units"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -326,6 +351,11 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
+
+    @property
+    def kept_frozen_bytes(self) -> float:
+        """``keep_frozen_units_mb`` in bytes (``math.inf`` stays infinite)."""
+        return self.keep_frozen_units_mb * 2**20
 
 
 def config_from_options(options: Mapping[str, Any]) -> ZeroConfig:

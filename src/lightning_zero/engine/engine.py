@@ -23,8 +23,11 @@ strategy or a plain training loop can call them the same way (one process per GP
         engine.finish_evaluation()
 
 ``end_step`` has this one place: after the last backward of a step (with gradient accumulation,
-after the last micro-batch's), before the optimizer step, and after each evaluation step. Stage 3
-then frees the root unit, so ``after_optimizer_step`` has nothing gathered to refresh.
+after the last micro-batch's, or after every micro-batch's as the strategies call it, with
+``sync_gradients`` False on those that only accumulate), before the optimizer step, and after each
+evaluation step. Stage 3 then frees the root unit, so ``after_optimizer_step`` has nothing gathered
+to refresh; the frozen units ``keep_frozen_units_mb`` keeps are freed at the step's last ``end_step``
+(see [Note: kept frozen units] in ``parameters/kept_units.py``).
 """
 
 from __future__ import annotations
@@ -258,7 +261,7 @@ class ZeroEngine:
     def begin_evaluation_step(self) -> None:
         """Before each evaluation (validation, test, predict) step, instead of ``begin_step``."""
         self.residency.announce_evaluation_step()
-        self.residency.begin_step()
+        self.residency.begin_step(evaluation=True)
 
     def finish_evaluation(self) -> None:
         """After this rank's last evaluation step of a loop (on every rank): ranks may run
@@ -308,8 +311,9 @@ class ZeroEngine:
 
     def end_step(self) -> None:
         """After a step's last backward and before its optimizer step, or after an evaluation step
-        (stage 3 frees the root unit; see the module docstring)."""
-        self.residency.end_step()
+        (stage 3 frees the root unit; see the module docstring). A step whose backward ran with
+        ``sync_gradients`` False only accumulated: stage 3 keeps what ``keep_frozen_units_mb`` keeps."""
+        self.residency.end_step(before_optimizer_step=self.sync_gradients)
         self._read_from_device()  # an evaluation step's unit tags (nothing is left after a backward)
 
     def _read_from_device(self) -> None:

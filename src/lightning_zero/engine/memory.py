@@ -23,7 +23,8 @@ class StateBytes:
     """Bytes of model state in one place, by kind."""
 
     parameters: int = 0
-    """Weights: full tensors where they exist now, and chunks that are the only copy of a weight."""
+    """Weights: full tensors where they exist now, and chunks that are the only copy of a weight;
+    frozen weights too (see ``MemoryReport.frozen_parameters``)."""
     gradients: int = 0
     """Full-size ``param.grad`` tensors and gradient chunks."""
     optimizer_state: int = 0
@@ -97,6 +98,17 @@ class MemoryReport:
     keeps that much reserved for the copy stream once they are freed. Not model state, beside
     ``comm_buffers``; 0 without offload, and where host and device are one memory."""
 
+    frozen_device: int = 0
+    """Of ``device.parameters``: the weights that require no gradient (see ``frozen_parameters``)."""
+    frozen_host: int = 0
+    """Of ``host.parameters``: the weights that require no gradient, where they live in host memory
+    (stage 3 with ``offload_params`` and fp32 weights, whose host chunk is their only copy)."""
+    kept_frozen_units: int = 0
+    """Of ``device.parameters``: the full weights of all-frozen units kept gathered until the
+    optimizer step (stage 3's ``keep_frozen_units_mb``, see [Note: kept frozen units] in
+    ``engine/parameters/kept_units.py``); at most the budget, 0 between optimizer steps. Counted in
+    ``parameters`` and ``frozen_device`` already, not in addition."""
+
     host_step_rollback: int = 0
     """Bytes of host memory holding rollback copies for the host step taken during backward (CPU
     offload with ``overlap_host_step``; see [Note: the host step during backward] in
@@ -108,6 +120,17 @@ class MemoryReport:
     @property
     def parameters(self) -> int:
         return self.device.parameters + self.host.parameters
+
+    @property
+    def frozen_parameters(self) -> int:
+        """Bytes of the weights that require no gradient (frozen), part of ``parameters``: at stages
+        1-2 every rank holds them whole on its device (they are in no optimizer, so in no shard);
+        at stage 3 this rank's chunks (about 1/N), on the host with ``offload_params`` and fp32
+        weights, plus the full weights of frozen units gathered now (``kept_frozen_units``). Frozen
+        weights have no gradients and no optimizer state. At stage 3 a half-precision frozen
+        weight's chunk is kept in fp32, the engine's master dtype (4 B per element / N; with
+        offload a half copy of it on the device too): counted here, not as optimizer state."""
+        return self.frozen_device + self.frozen_host
 
     @property
     def gradients(self) -> int:
@@ -140,8 +163,11 @@ def measure(
     waiting_gradients: int = 0,
     unpacked_gradients: int = 0,
     host_step_rollback: int = 0,
+    kept_frozen_units: int = 0,
 ) -> MemoryReport:
-    """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now.
+    """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now,
+    and ``module``'s parameters the engine does not shard (frozen ones in no optimizer, at stages
+    1-2): full tensors on every rank, counted as device parameters.
     ``host_gradient_buffers``: offloaded buckets' gradient rows, held for good (see
     ``host_chunks.py``); counted whole, also between steps, and the gradients viewing them not again.
     ``averages``: the tensors of weight averages, each with where it counts (``place_of``).
@@ -160,18 +186,31 @@ def measure(
         return place_of(t, sp.offloaded, sp.device)
 
     counts = {"device": Counter(), "host": Counter()}
+    frozen = Counter()  # parameter bytes of weights that require no gradient, by place
     counts["host"]["gradients"] += sum(nbytes(b) for b in host_gradient_buffers)
     counts["host"]["optimizer_state"] += staging_bytes
     held = {b.untyped_storage().data_ptr() for b in host_gradient_buffers}
+    managed = {id(sp.param) for sp in params}
+    for p in module.parameters():
+        if id(p) not in managed:  # whole on every rank, on its device
+            counts["device"]["parameters"] += nbytes(p)
+            frozen["device"] += 0 if p.requires_grad else nbytes(p)
     for sp in params:
-        counts["device"]["parameters"] += nbytes(sp.param) + nbytes(sp.device_chunk)
+        weights = nbytes(sp.param) + nbytes(sp.device_chunk)
+        counts["device"]["parameters"] += weights
+        if not sp.param.requires_grad:
+            frozen["device"] += weights
         if not isinstance(sp.param.grad, ShardedGradient):  # a view of the chunk counted below
             counts["device"]["gradients"] += nbytes(sp.param.grad)
         if sp.shard.grad is not None and sp.shard.grad.untyped_storage().data_ptr() not in held:
             counts[place(sp.shard.grad, sp)]["gradients"] += nbytes(sp.shard.grad)
         if not sp.aliases_param:
             only_copy = not sp.keeps_full and not sp.holds_master_copy and sp.device_chunk is None
-            counts[place(sp.shard, sp)]["parameters" if only_copy else "optimizer_state"] += nbytes(sp.shard)
+            # stage 3: a frozen weight's chunk is a weight whatever its dtype (no optimizer steps it)
+            frozen_chunk = not sp.keeps_full and not sp.param.requires_grad
+            counts[place(sp.shard, sp)]["parameters" if only_copy or frozen_chunk else "optimizer_state"] += nbytes(sp.shard)
+            if frozen_chunk:
+                frozen[place(sp.shard, sp)] += nbytes(sp.shard)
     for optimizer, optimizer_params in optimizers:
         for sp in optimizer_params:
             for t in (optimizer.state.get(sp.shard) or {}).values():
@@ -190,6 +229,9 @@ def measure(
         waiting_gradients=waiting_gradients,
         unpacked_gradients=unpacked_gradients,
         host_step_rollback=host_step_rollback,
+        frozen_device=frozen["device"],
+        frozen_host=frozen["host"],
+        kept_frozen_units=kept_frozen_units,
     )
 
 
@@ -207,4 +249,5 @@ def working_memory(residency: ParameterResidency, disk: Optional[DiskTier], grad
         copy_buffers=copies.temporaries.most_bytes if copies is not None else 0,
         waiting_gradients=grad_sync.waiting_peak_bytes,
         unpacked_gradients=grad_sync.unpacked_peak_bytes,
+        kept_frozen_units=residency.kept_frozen_bytes,
     )

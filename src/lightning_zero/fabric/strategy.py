@@ -75,6 +75,7 @@ class ZeroFabricStrategy(DDPStrategy):
         min_unit_params: int = 0,
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
+        keep_frozen_units_mb: float = 0.0,
         offload_optimizer: OffloadTier = False,
         offload_params: OffloadTier = False,
         nvme_path: Optional[str] = None,

@@ -79,11 +79,12 @@ Lightning precision]."""
 
 
 def estimate_per_rank(
-    num_params: int, strategy: ZeroStrategy, precision: str, devices: int, nodes: int
+    num_params: int, strategy: ZeroStrategy, precision: str, devices: int, nodes: int, frozen_params: int = 0
 ) -> Optional[MemoryReport]:
-    """The estimator's prediction for one rank of `strategy` training `num_params` parameters, as a
-    report of the engine's kind (buffers 0), or None when `precision` has no scheme (see
-    `PRECISION_SCHEMES`)."""
+    """The estimator's prediction for one rank of `strategy` training `num_params` parameters,
+    `frozen_params` of them frozen (weights only: see [Note: frozen parameters] in
+    `lightning_zero.estimate`), as a report of the engine's kind (buffers 0), or None when
+    `precision` has no scheme (see `PRECISION_SCHEMES`)."""
     scheme = PRECISION_SCHEMES.get(precision)
     if scheme is None:
         return None
@@ -94,8 +95,16 @@ def estimate_per_rank(
     buckets = strategy.engine.buckets if strategy.engine is not None else ()
     bucket_bytes = max((b.param_bytes for b in buckets), default=config.bucket_bytes)
     nvme = est.NvmeStaging(bucket_bytes=bucket_bytes, buffer_count=config.nvme_buffer_count)
-    predicted = est.estimate(num_params, layout, scheme, est.Topology(devices, nodes, shard_group_size), nvme)
-    return MemoryReport(device=predicted.device, host=predicted.host_per_rank, disk=predicted.disk_per_rank)
+    topology = est.Topology(devices, nodes, shard_group_size)
+    predicted = est.estimate(
+        num_params, layout, scheme, topology, nvme, frozen_params=frozen_params, keep_frozen_units_mb=config.keep_frozen_units_mb
+    )
+    return MemoryReport(
+        device=predicted.device,
+        host=predicted.host_per_rank,
+        disk=predicted.disk_per_rank,
+        kept_frozen_units=predicted.kept_frozen_units_per_rank,
+    )
 
 
 class ZeroMemoryMonitor(Callback):
@@ -144,10 +153,14 @@ class ZeroMemoryMonitor(Callback):
             )
             return
         assert strategy.engine is not None  # checked above; for type checkers
-        # the parameters the engine manages, at their full size
-        num_params = sum(sp.layout.numel for sp in strategy.engine.params)
+        # every parameter at its full size (at stage 3 too: a chunk keeps its parameter's shape), the
+        # frozen ones in no optimizer included (stages 1-2 keep them whole, outside the engine)
+        managed = {id(sp.param): sp.layout.numel for sp in strategy.engine.params}
+        params = list(pl_module.parameters())
+        num_params = sum(managed.get(id(p), p.numel()) for p in params)
+        frozen = sum(managed.get(id(p), p.numel()) for p in params if not p.requires_grad)
         precision = str(trainer.precision)
-        self._estimate = estimate_per_rank(num_params, strategy, precision, trainer.num_devices, trainer.num_nodes)
+        self._estimate = estimate_per_rank(num_params, strategy, precision, trainer.num_devices, trainer.num_nodes, frozen)
         if self._estimate is None:
             self._warn_once(
                 f"ZeroMemoryMonitor logs no estimate for precision {precision!r}: the estimator has no"

@@ -72,6 +72,11 @@ class ZeroStrategy(ZeroStepHooks):
             each all-gather rather than once per backward; turns a hang from ranks whose forwards
             run different numbers of units into an error naming them. Default (None): on for CPU
             training, where it is free; off on GPUs, where it is a host sync per gather.
+        keep_frozen_units_mb: stage 3: MiB per rank of gathered weights of all-frozen units (a
+            fine-tuned model's frozen base) kept from their first gather in a step until the
+            optimizer step, so that with gradient accumulation each is gathered once per optimizer
+            step instead of in every micro-batch's forward and backward; units are kept in order
+            of first use while they fit. 0 (default): freed after each use. ``math.inf``: all.
         offload_optimizer: True (or "cpu"): keep optimizer state and fp32 master chunks in host
             memory and step the optimizer there (any stage). "nvme": as True, but the optimizer's
             own state (Adam's moments) lives in files under ``nvme_path``, stepped one bucket at a
@@ -145,6 +150,7 @@ class ZeroStrategy(ZeroStepHooks):
         min_unit_params: int = 0,
         prefetch_units: int = 1,
         check_units_every_gather: Optional[bool] = None,
+        keep_frozen_units_mb: float = 0.0,
         offload_optimizer: OffloadTier = False,
         offload_params: OffloadTier = False,
         nvme_path: Optional[str] = None,

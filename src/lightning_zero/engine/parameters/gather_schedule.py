@@ -20,7 +20,10 @@ its parameters may be used anywhere in the step):
   [Note: readiness per unit] in ``gradients/unit_readiness.py``);
 - the end of U's backward is also told to the gradient sync (``unit_backward_ended``): U's
   gradient buckets may be reduced from then on;
-- anything still gathered when backward ends is freed there.
+- anything still gathered when backward ends is freed there;
+- except that all-frozen units within ``keep_frozen_units_mb`` stay gathered from their first
+  forward until the optimizer step (``KeptFrozenUnits``, see [Note: kept frozen units] in
+  ``kept_units.py``): every "free" above skips them, and their later gathers find them gathered.
 
 With ``offload_params="nvme"`` each gather's chunks are read from disk first: the unit after those
 being prefetched (in forward order, and in the backward queue) is read ahead (``Unit.read_ahead``),
@@ -68,6 +71,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.engine.shards.host_work import HOST_WORK
+from lightning_zero.engine.parameters.kept_units import KeptFrozenUnits
 from lightning_zero.engine.parameters.module_hooks import ModuleHooks
 from lightning_zero.engine.parameters.unit import Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -144,10 +148,12 @@ def _through(target: _Target, tree: Any) -> tuple[Any, bool]:
 class GatherSchedule:
     """Registers and runs the stage-3 hooks for ``units`` (the root first)."""
 
-    def __init__(self, units: Sequence[Unit], prefetch_units: int) -> None:
+    def __init__(self, units: Sequence[Unit], prefetch_units: int, kept_frozen_bytes: float = 0) -> None:
         self.units = list(units)
         self.root = self.units[0]
         self.prefetch_units = prefetch_units
+        self.kept = KeptFrozenUnits(self.units, kept_frozen_bytes)
+        self._kept_indices = self.kept.indices  # looked up at every free
         self._hooks = ModuleHooks()  # left out of pickles and copies of the modules (module_hooks.py)
         self._forward_order: list[int] = []  # unit indices in the order their forward ran
         self._previous_order: list[int] = []
@@ -181,7 +187,8 @@ class GatherSchedule:
             HOST_WORK.hook_registrations += 2
 
     # ---- step boundaries -----------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, evaluation: bool = False) -> None:
+        self.kept.begin(training=not evaluation)
         if self._forward_order:
             self._previous_order = self._forward_order
         self._forward_order = []
@@ -193,8 +200,13 @@ class GatherSchedule:
 
     def end_backward(self) -> None:
         for unit in self.units[1:]:
-            unit.reshard()
+            self._free(unit)
         self._forget_backward()
+
+    def _free(self, unit: Unit) -> None:
+        """``unit``'s use in this step is over: free it, unless it is kept until the optimizer step."""
+        if unit.index not in self._kept_indices:
+            unit.reshard()
 
     def finish_backward_gathers(self) -> None:
         """Gather (and free) the units this rank's backward never reached, in queue order, so that
@@ -214,9 +226,13 @@ class GatherSchedule:
         self._called_with_grad.clear()
         self._backward_queue, self._queue_position, self._issued = None, {}, 0
 
-    def end_step(self) -> None:
+    def end_step(self, before_optimizer_step: bool = True) -> None:
+        """After a step's backward (or an evaluation step): free every unit, but those kept while
+        the step only accumulated (``before_optimizer_step`` False)."""
+        if before_optimizer_step:
+            self.kept.release()
         for unit in self.units:
-            unit.reshard()
+            self._free(unit)
 
     def replay_evaluation_step(self) -> None:
         """Issue the gathers of an evaluation step without running it: those of this rank's last
@@ -226,11 +242,13 @@ class GatherSchedule:
         self.root.unshard()
         for index in order:
             self.units[index].unshard()
-            self.units[index].reshard()
+            self._free(self.units[index])
         self.root.reshard()
 
     def refresh_gathered(self) -> None:
-        """After an optimizer step: gathered units hold stale weights; gather them anew."""
+        """After an optimizer step: gathered units hold stale weights; gather them anew (kept
+        frozen units are freed: the next step gathers them again)."""
+        self.kept.release()
         for unit in self.units:
             if unit.state is not UnitState.SHARDED:
                 unit.reshard()
@@ -239,9 +257,12 @@ class GatherSchedule:
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
         ends: _Target = (self._ref, GatherSchedule._call_backward_ended, unit.index)
+        kept = self.kept
 
         def eager(module: Any, args: Any, kwargs: Any) -> Any:
             unit.unshard()
+            if kept.keeping:
+                kept.used(unit)
             self._forward_order.append(unit.index)
             self._prefetch_after(unit.index, len(self._forward_order) - 1)
             if not torch.is_grad_enabled():
@@ -260,9 +281,11 @@ class GatherSchedule:
 
     def _post_forward(self, unit: Unit):
         begins: _Target = (self._ref, GatherSchedule._pre_backward, unit.index)
+        kept_indices = self._kept_indices
 
         def eager(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-            unit.reshard()
+            if unit.index not in kept_indices:
+                unit.reshard()
             if not torch.is_grad_enabled():
                 return None
             inputs_with_grad = self._inputs_with_grad.pop() if self._inputs_with_grad else False
@@ -282,7 +305,7 @@ class GatherSchedule:
         if remaining <= 0 and not self._grads_pending.get(unit.index):
             if self.unit_backward_ended is not None:
                 self.unit_backward_ended(unit.index)  # its gradients are in: its buckets may launch
-            unit.reshard()
+            self._free(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         queue = self._queue()
@@ -321,7 +344,7 @@ class GatherSchedule:
             return
         pending.discard(id(param))
         if not pending and self._backward_calls_pending.get(unit.index, 0) <= 0:
-            unit.reshard()
+            self._free(unit)
 
     def _prefetch_after(self, index: int, position: int) -> None:
         order = self._previous_order
@@ -333,5 +356,6 @@ class GatherSchedule:
             self.units[later].read_ahead()
 
     def close(self) -> None:
+        self.kept.release()
         self._hooks.remove()
 

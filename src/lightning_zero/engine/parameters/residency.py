@@ -73,8 +73,8 @@ class ParameterResidency(abc.ABC):
         """Every offloaded bucket (at stage 3 also those of frozen parameters)."""
         return [b for b in self.grad_buckets if b.host is not None]
 
-    def begin_step(self) -> None:
-        """Before a training or evaluation step."""
+    def begin_step(self, evaluation: bool = False) -> None:
+        """Before a training or evaluation (``evaluation``) step."""
 
     def announce_evaluation_step(self) -> None:
         """Before an evaluation step: stage 3 tells ranks that ran out of batches that this one
@@ -90,8 +90,15 @@ class ParameterResidency(abc.ABC):
     def end_backward(self) -> None:
         """After each backward, once the gradients are reduced."""
 
-    def end_step(self) -> None:
-        """After a step's last backward (or after an evaluation step)."""
+    def end_step(self, before_optimizer_step: bool = True) -> None:
+        """After a step's backward (or after an evaluation step); ``before_optimizer_step``: the
+        backward was the last before the optimizer step (False: a micro-batch that only accumulates)."""
+
+    @property
+    def kept_frozen_bytes(self) -> int:
+        """Bytes of full weights of all-frozen units kept gathered until the optimizer step (stage 3's
+        ``keep_frozen_units_mb``; 0 here)."""
+        return 0
 
     @property
     def gradient_listener(self) -> Optional[Any]:

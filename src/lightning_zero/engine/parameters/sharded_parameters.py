@@ -98,7 +98,7 @@ class ShardedParameters(ParameterResidency):
             b.buffer_bytes for b in self.units[0].buckets
         ]
         self.pool.capacity_bytes = max(regular, default=0)
-        self.schedule = GatherSchedule(self.units, config.prefetch_units)
+        self.schedule = GatherSchedule(self.units, config.prefetch_units, config.kept_frozen_bytes)
         if offload and config.overlap_host_step and not config.params_on_disk:
             self.copies_back = ChunksBack(self.buckets_with_host, device)
         ParameterAtRest.names.update({id(p.param): p.name for p in self.params})
@@ -125,9 +125,9 @@ class ShardedParameters(ParameterResidency):
     def gradient_listener(self) -> GatherSchedule:
         return self.schedule
 
-    def begin_step(self) -> None:
+    def begin_step(self, evaluation: bool = False) -> None:
         self.reads.trained_here()
-        self.schedule.begin_step()
+        self.schedule.begin_step(evaluation)
 
     def announce_evaluation_step(self) -> None:
         self.join.announce_step()
@@ -205,8 +205,12 @@ class ShardedParameters(ParameterResidency):
         if self._releases_idle_buffers:
             self.pool.release_idle()  # every gather and reduction of the backward is finished
 
-    def end_step(self) -> None:
-        self.schedule.end_step()
+    def end_step(self, before_optimizer_step: bool = True) -> None:
+        self.schedule.end_step(before_optimizer_step)
+
+    @property
+    def kept_frozen_bytes(self) -> int:
+        return self.schedule.kept.held_bytes
 
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
         mine = {id(p) for p in optimizer_params}
