@@ -432,3 +432,22 @@ def test_fingerprint_is_split_independent() -> None:
     b = a.clone()
     b[[3, 4]] = b[[4, 3]]  # a swap changes it
     assert checksum(a) != checksum(b)
+
+
+def test_fingerprint_parts_are_summed_again_only_after_the_weights_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank sums a frozen weight once per run: again only after a load or an in-place edit (its
+    version counter), never for a save that follows a save."""
+    from lightning_zero.checkpoint import frozen
+
+    summed: list[int] = []
+    real = frozen.partial_checksum
+    monkeypatch.setattr(frozen, "partial_checksum", lambda values, start: summed.append(values.numel()) or real(values, start))
+    module = torch.nn.Linear(8, 4)
+    module.requires_grad_(False)
+    first = frozen.fingerprint(module, None, None, frozen.frozen_names(module))
+    assert frozen.fingerprint(module, None, None, frozen.frozen_names(module)) == first and len(summed) == 2
+    with torch.no_grad():
+        module.weight.mul_(2)  # an edit through the parameter moves its version counter
+    edited = frozen.fingerprint(module, None, None, frozen.frozen_names(module))
+    assert len(summed) == 3 and edited["weight"]["checksum"] != first["weight"]["checksum"]
+    assert edited["weight"]["checksum"] == frozen.checksum(module.weight) and edited["bias"] == first["bias"]
