@@ -7,6 +7,7 @@ Like ``engine/comm/collectives.py`` for communication, this package is the one p
 
 from lightning_zero.checkpoint.convert import checkpoint_file, convert_checkpoint, full_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UntrustedCheckpointError
+from lightning_zero.checkpoint.frozen import FrozenWeightsMismatchError
 from lightning_zero.checkpoint.manifest import Manifest, is_sharded_checkpoint
 from lightning_zero.checkpoint.safetensors_export import ExportedModel, export_safetensors
 from lightning_zero.checkpoint.verify import verify_checkpoint
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "ExportedModel",
+    "FrozenWeightsMismatchError",
     "Manifest",
     "UntrustedCheckpointError",
     "checkpoint_file",
