@@ -90,7 +90,8 @@ cost memory: at stages 1-2 every rank holds them whole on its device (w·Ψ_f: t
 optimizer, so in no shard), at stage 3 one chunk each, w·Ψ_f/N in the weights' own dtype (a frozen
 half-precision weight has no fp32 master: 2 B per element / N for a bf16 base, see [Note: frozen
 chunks] in ``engine/shards/sharded_param.py``). With `offload_params` that chunk is on the host,
-its only copy (the device keeps none; with `offload_params="nvme"` it is in the file between uses).
+its only copy (the device keeps none; with `offload_params="nvme"` it is in the file between uses);
+with only the optimizer offloaded it stays on the device, its only copy (no host step reads it).
 Gradients and optimizer state are priced on the trainable Ψ - Ψ_f only. `memory_report()` counts the
 same bytes (its `frozen_parameters`).
 At stage 3, `keep_frozen_units_mb` keeps the full weights of all-frozen units gathered from their
