@@ -21,9 +21,6 @@ Model states only: weights, gradients and optimizer states. A real run also need
   (see [Note: reads at rest] in ``engine/shards/at_rest.py``),
 - the caching allocator's fragmentation and the CUDA context (roughly 0.5-1 GB per device),
 - per-parameter padding of shards (at most N-1 elements per parameter, see `shard_numel`),
-- with `frozen_params` at stage 3, what the engine keeps of a frozen weight beyond its chunk in the
-  weights' dtype: a half-precision frozen weight's chunk is kept in fp32 (2 B more per element / N),
-  and with offload a host copy of it too (see [Note: frozen parameters]),
 - frozen parameters not given as `frozen_params`, which are then counted as if trained (an upper
   bound: they have no gradients and no optimizer state),
 - on the host, with offload: torch's caching host allocator rounds every pinned buffer (one per
@@ -46,9 +43,10 @@ the operating system can never swap or reclaim it. The pinned figure is for CUDA
 CPU-only one the same bytes are plain memory.
 What stays on the device: the weights (full at stages 1-2; at stage 3 the chunk the all-gather
 sends, in the weights' dtype) and, at stage 1, the full gradients. Stage 3 with `offload_params` and
-half-precision weights still keeps the half chunk on the device (the cast happens there); with fp32
-weights the host's fp32 chunk is the only copy of the weight (counted as parameters, as
-`memory_report()` does) and the device keeps no model state at all.
+trained half-precision weights still keeps the half chunk on the device (the cast happens there);
+with fp32 weights, and for frozen weights in any dtype, the host's chunk is the only copy of the
+weight (counted as parameters, as `memory_report()` does): fp32 weights leave no model state on the
+device at all.
 With `overlap_host_step` (the engine's default, CPU offload only) each bucket steps during backward,
 before anything after backward (clipping by norm, a hook that edits gradients or the learning rate)
 can change the step; to undo such a step bit for bit the engine keeps rollback copies of each
@@ -89,9 +87,13 @@ in host memory.
 Of the Ψ parameters, `frozen_params` (Ψ_f) require no gradient (a fine-tuned model's frozen base):
 no optimizer holds them, so they have no gradients and no optimizer state, and only their weights
 cost memory: at stages 1-2 every rank holds them whole on its device (w·Ψ_f: they are in no
-optimizer, so in no shard), at stage 3 one chunk each, w·Ψ_f/N (on the host with `offload_params`
-and fp32 weights, where the host chunk is the only copy). Gradients and optimizer state are priced
-on the trainable Ψ - Ψ_f only. `memory_report()` counts the same bytes (its `frozen_parameters`).
+optimizer, so in no shard), at stage 3 one chunk each, w·Ψ_f/N in the weights' own dtype (a frozen
+half-precision weight has no fp32 master: 2 B per element / N for a bf16 base, see [Note: frozen
+chunks] in ``engine/shards/sharded_param.py``). With `offload_params` that chunk is on the host,
+its only copy (the device keeps none; with `offload_params="nvme"` it is in the file between uses);
+with only the optimizer offloaded it stays on the device, its only copy (no host step reads it).
+Gradients and optimizer state are priced on the trainable Ψ - Ψ_f only. `memory_report()` counts the
+same bytes (its `frozen_parameters`).
 At stage 3, `keep_frozen_units_mb` keeps the full weights of all-frozen units gathered from their
 first forward in a step until its optimizer step: at most min(budget, w·Ψ_f) more on each device
 during forward and backward, freed before the optimizer step (`MemoryEstimate.kept_frozen_units_per_rank`,
@@ -390,9 +392,13 @@ def estimate(
     chunk = scheme.offload_chunk_bytes * trained_shard  # the master chunk; the gradient chunk is as large
     # fp32 weights with offload_params: the host's chunk is the weight's only copy, frozen ones' too
     host_only_weights = layout.offload_params and scheme.weight_bytes == scheme.offload_chunk_bytes
-    weight_chunks = scheme.offload_chunk_bytes * shard
+    # with offload_params a frozen weight's chunk, in the weights' dtype, is on the host only (see
+    # [Note: frozen parameters])
+    frozen_shard = shard_numel(frozen_params, ranks) if layout.offload_params else 0
+    weight_chunks = scheme.offload_chunk_bytes * (shard - frozen_shard) + scheme.weight_bytes * frozen_shard
+    frozen_host = scheme.weight_bytes * frozen_shard if not (host_only_weights or layout.params_on_disk) else 0
     device = StateBytes(
-        parameters=0 if host_only_weights else scheme.weight_bytes * held(stage.shards_parameters),
+        parameters=0 if host_only_weights else scheme.weight_bytes * (held(stage.shards_parameters) - frozen_shard),
         gradients=0 if stage.shards_gradients else scheme.gradient_bytes * trainable,
     )
     moments = scheme.moment_bytes * moment_elements
@@ -400,7 +406,7 @@ def estimate(
     # the master chunk: all of it in host memory, or with the parameters on NVMe the buckets read in
     window = nvme.chunk_window_bytes(num_params, scheme, topology.sharding_ranks) if layout.params_on_disk else 0
     master = window or chunk
-    host_weights = (window or weight_chunks) if host_only_weights else 0
+    host_weights = (window or weight_chunks) if host_only_weights else frozen_host
     host = StateBytes(
         parameters=host_weights,
         gradients=chunk,
@@ -417,7 +423,7 @@ def estimate(
         device=device,
         host_per_rank=host,
         devices_per_node=topology.devices,
-        pinned_per_rank=chunk + (host_weights if host_only_weights else master),
+        pinned_per_rank=chunk + (host_weights if host_only_weights else master + frozen_host),
         disk_per_rank=(STATE_SLOTS * moments if layout.state_on_disk else 0) + (weight_chunks if layout.params_on_disk else 0),
         step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
         host_step_rollback_per_rank=rollback,

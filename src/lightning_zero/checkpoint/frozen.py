@@ -17,9 +17,11 @@ engine shards the parameter (stage 3), its ``torch.chunk`` share of the flat ten
 holds it whole (stages 1-2) — and one gather of Python integers adds the ranks' parts. No rank ever
 holds more than it trains with, and the value depends neither on the world size nor on the stage,
 as a checkpoint that loads at another world size or stage needs. (With hybrid sharding the shard
-groups hold the same chunks: only the first one counts them.) A master chunk (fp32 for a half
-precision parameter) is cast back to the parameter's dtype first: it was made from it and a frozen
-parameter is never stepped, so the cast is exact.
+groups hold the same chunks: only the first one counts them.) A chunk is summed in the parameter's
+dtype: a frozen parameter's chunk is kept in it (see [Note: frozen chunks] in
+``engine/shards/sharded_param.py``), and a chunk in another dtype (an fp32 master, were one kept)
+is cast back first: it was made from the parameter and a frozen one is never stepped, so the cast
+is exact.
 
 It is a fingerprint, not a cryptographic hash: it catches a different or edited base, not an
 adversary.

@@ -33,8 +33,7 @@ from lightning_zero.engine.comm.copy_memory import PinnedBlocks
 from lightning_zero.engine.offload.scratch_files import PendingIO, ScratchFile
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.partition import ChunkLayout
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+from lightning_zero.engine.shards.sharded_param import master_dtype_of
 
 
 class ChunkOnDisk(ParameterAtRest):
@@ -59,7 +58,7 @@ def master_bytes_needed(module: nn.Module, world_size: int) -> int:
     ``offload_params="nvme"`` writes to disk, known before the model is materialized."""
     total = 0
     for p in module.parameters():
-        itemsize = 4 if p.dtype in _HALF_DTYPES else p.element_size()
+        itemsize = master_dtype_of(p).itemsize  # a frozen one's in its own dtype (see [Note: frozen chunks])
         total += ChunkLayout(p.numel(), world_size).padded_chunk_numel * itemsize
     return total
 

@@ -4,7 +4,8 @@
 torch's ``AveragedModel``, and Lightning's weight-averaging callbacks built on it, keep a full copy
 of the module and average every parameter in place. Here each rank keeps only its chunk of each
 parameter's average ([Note: chunk layout] in ``partition.py``), in the dtype of the chunk the
-optimizer steps (fp32 where the weights are half precision) and, unless told otherwise, where that
+optimizer steps (fp32 where the weights are half precision and trained; a frozen weight's own
+dtype, see [Note: frozen chunks] in ``sharded_param.py``) and, unless told otherwise, where that
 chunk lives (host memory with offload): 1/N of a full copy per rank, at every stage. An update
 reads this rank's chunks of the training weights (the optimizer's, so no communication, at stage 3
 neither) and applies the averaging function to them.

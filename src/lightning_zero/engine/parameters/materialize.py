@@ -22,7 +22,7 @@ for an eager build.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +104,21 @@ def _shard_unit(
     params = [root.get_parameter(name) for name in names]
     _broadcast_from_first_rank([p.data for p in params], comm)  # as DDP does
     shards = [
-        ShardedParam(name, p, rank, world_size, keep_full=False, host=host, keep_device_chunk=keep_device_chunks)
+        ShardedParam(name, p, rank, world_size, keep_full=False, **_chunk_place(p, host, keep_device_chunks))
         for name, p in zip(names, params)
     ]
     for shard in shards:
         shard.rest_until_attached()
     return shards
+
+
+def _chunk_place(p: nn.Parameter, host: Optional[torch.device], keep_device_chunks: bool) -> dict[str, Any]:
+    """Where ``p``'s chunk lives: with only the optimizer offloaded (``keep_device_chunks``) a frozen
+    parameter's chunk stays on the device, its one copy, since no host step reads it; otherwise as
+    ``host`` and ``keep_device_chunks`` say (see [Note: frozen chunks] in ``sharded_param.py``)."""
+    if keep_device_chunks and not p.requires_grad:
+        return dict(host=None, keep_device_chunk=False)
+    return dict(host=host, keep_device_chunk=keep_device_chunks)
 
 
 def _has_meta_tensors(m: nn.Module) -> bool:

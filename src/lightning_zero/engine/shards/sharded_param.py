@@ -1,4 +1,21 @@
-"""Per-parameter state, kept in one typed object rather than attributes stuck onto ``nn.Parameter``."""
+"""Per-parameter state, kept in one typed object rather than attributes stuck onto ``nn.Parameter``.
+
+[Note: frozen chunks]
+A trained half-precision parameter's chunk is an fp32 master copy: the optimizer steps it, and a
+gather casts it back to the parameter dtype (or, offloaded, keeps a device copy in that dtype).
+A frozen parameter (``requires_grad=False`` at setup) is never stepped: its chunk holds the
+parameter's own values in its own dtype, 2 B/param/N for a bf16 base instead of 4, and offloaded
+it needs no device copy (the gather copies the host chunk to the device as it is). Gathers send
+the same bf16 values either way, so training is bitwise unchanged. Checkpoints hold the chunk in
+its dtype; one written with fp32 chunks for a frozen half parameter (before this) loads all the
+same: DCP reads each entry in the dtype it was saved in, and ``load_chunk`` casts it into the
+chunk (exact: the fp32 values were made from the half ones). The choice is made once, at setup
+(as a bucket's grouping by ``requires_grad`` is, ``parameters/unit.py``): a parameter unfrozen
+later has no fp32 master. With only the optimizer offloaded (stage 3), a frozen chunk stays on the
+device, its one copy: no host step reads it (``parameters/materialize.py``). At stages 1-2 a frozen
+parameter in no optimizer is not sharded at all (whole on every rank, in its dtype); one that an
+optimizer holds gets a chunk that views the parameter, without a copy (``aliases_param``).
+"""
 
 from __future__ import annotations
 
@@ -16,12 +33,24 @@ from lightning_zero.engine.shards.partition import ChunkLayout
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def holds_master_copy(param: Tensor) -> bool:
+    """Whether the engine keeps ``param``'s chunk as an fp32 master copy: a half-precision parameter
+    that is trained. A frozen one is never stepped, so its chunk stays in its own dtype (see
+    [Note: frozen chunks])."""
+    return param.dtype in _HALF_DTYPES and param.requires_grad
+
+
+def master_dtype_of(param: Tensor) -> torch.dtype:
+    """The dtype of ``param``'s chunk: fp32 where it holds a master copy, else its own."""
+    return torch.float32 if holds_master_copy(param) else param.dtype
+
+
 class ShardedParam:
     """One ``nn.Parameter`` of the module, its layout and this rank's chunk of it.
 
     ``shard`` is the tensor the optimizer steps in place of the parameter (its ``param_groups`` are
-    rebound to it). Its dtype is the master dtype: fp32 where the parameter is half precision,
-    otherwise the parameter's own.
+    rebound to it). Its dtype is the master dtype: fp32 where the parameter is half precision and
+    trained, otherwise the parameter's own (a frozen one's: see [Note: frozen chunks]).
 
     With ``keep_full=True`` (stages 1-2) the parameter stays a full tensor; where dtypes agree,
     ``shard`` is a view into it, so stepping the shard updates the parameter's own chunk in place
@@ -51,7 +80,7 @@ class ShardedParam:
         self.device = param.device  # where the full parameter is computed with
         self.layout = ChunkLayout(param.numel(), world_size)
         self.keeps_full = keep_full
-        self.holds_master_copy = param.dtype in _HALF_DTYPES
+        self.holds_master_copy = holds_master_copy(param)
         self.gathered: Optional[GatheredStorage] = None  # stage 3: the bucket's storage of full values
         self._gathered_index = 0  # this parameter's place in it
         chunk = self._owned_chunk()
@@ -64,9 +93,10 @@ class ShardedParam:
                 mark_host(shard_data)
         self.shard = nn.Parameter(shard_data, requires_grad=param.requires_grad)
         self.offloaded = host is not None
-        # stage 3 with only the optimizer offloaded, or with half-precision weights: the chunk the
-        # all-gather sends stays on the device in the parameter dtype, refreshed from the host
-        # after each step (so casts stay on the device; see [Note: offloaded bucket])
+        # stage 3 with only the optimizer offloaded, or with trained half-precision weights (fp32
+        # masters): the chunk the all-gather sends stays on the device in the parameter dtype,
+        # refreshed from the host after each step (so casts stay on the device; see [Note: offloaded
+        # bucket]); a frozen one's host chunk is already in that dtype (see [Note: frozen chunks])
         keep_device_chunk = keep_device_chunk or (self.offloaded and not keep_full and self.holds_master_copy)
         self.device_chunk: Optional[Tensor] = chunk.detach().clone() if keep_device_chunk else None
         self.placed_ptr = param.data_ptr()
