@@ -185,12 +185,13 @@ def full_disk(ctx: RankContext) -> tuple[Optional[str], list[str], int]:
     with mock.patch.object(dcp_filesystem, "_write_item", no_space if ctx.rank == 1 else real_write_item):
         message = _first_line_of_error(lambda: trainer.save_checkpoint(path))
     trainer.save_checkpoint(path)  # the disk has room again
+    listing = sorted(p.name for p in folder.iterdir())  # before rank 0's convert writes beside it
     from lightning_zero import convert_checkpoint
 
     step = -1
     if ctx.rank == 0:
         step = torch.load(convert_checkpoint(path, folder / "converted.pt"), weights_only=False)["global_step"]
-    return message, sorted(p.name for p in folder.iterdir() if p.name != "converted.pt"), step
+    return message, listing, step
 
 
 @pytest.fixture(scope="module")
