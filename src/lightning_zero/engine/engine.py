@@ -61,6 +61,7 @@ from lightning_zero.engine.optimizer.averaged_shards import AveragedShards, Buff
 from lightning_zero.engine.optimizer.sharded_optimizer import gather_full_state_dict, optimizer_index_of_params
 from lightning_zero.engine.optimizer.whole_tensor_step import ChunkedState
 from lightning_zero.engine.optimizers import ShardedOptimizers
+from lightning_zero.engine.parameters.frozen_guard import FrozenAtSetup
 from lightning_zero.engine.parameters.param_guard import ParameterReplacementGuard
 from lightning_zero.engine.parameters.replicated_parameters import ReplicatedParameters
 from lightning_zero.engine.parameters.residency import ParameterResidency
@@ -144,6 +145,7 @@ class ZeroEngine:
         """What ``param.grad`` shows between backward and the optimizer step (see ``grad_window.py``)."""
         self._full_weights = FullWeights(self.residency, self.params, self.gradients, group, config.bucket_bytes)
         self._replacement_guard = ParameterReplacementGuard(module, self.params)
+        self._frozen_at_setup = FrozenAtSetup(module)
         weakref.finalize(self, self._replacement_guard.close)  # an engine dropped without `close()` (Fabric never tears down)
         self.averages: weakref.WeakSet[AveragedShards] = weakref.WeakSet()
         """Weight averages kept beside the shards (``average_weights``), counted by ``memory_report``."""
@@ -201,12 +203,19 @@ class ZeroEngine:
         """Hybrid sharding: the ranks each state is sharded over (None: all of them)."""
         return collectives.world_size(self.group) if self.replicate_group is not None else None
 
+    @property
+    def unfrozen_since_setup(self) -> bool:
+        """Whether a parameter frozen when this engine set the module up requires a gradient now
+        (``parameters/frozen_guard.py``): the engine cannot train it."""
+        return self._frozen_at_setup.unfrozen()
+
     # ---- the training step -----------------------------------------------------------------
     def begin_step(self) -> None:
         """Before each training/evaluation step (stage 3 gathers the root unit here). ``param.grad``
         keeps showing the last step's gradients until ``zero_grad`` or the next backward, as under DDP;
         gradients dropped or assigned since the step (``model.zero_grad()``) reach the chunks now, so
         a loop that calls no ``before_backward`` accumulates into what they left."""
+        self._frozen_at_setup.check()
         self._host_step.arm(self.sync_gradients)
         self.gradients.take_assignments()
         self.residency.begin_step()

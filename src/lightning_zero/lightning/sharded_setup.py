@@ -86,7 +86,8 @@ def _engine_to_resume(
 ) -> Optional[ZeroEngine]:
     """The engine an earlier run left holding the module sharded (see [Note: after fit] in
     ``engine/parameters/module_link.py``), if this run can go on with it: the same configuration over as
-    many ranks. Any other engine first gives the module its full weights back (on every rank)."""
+    many ranks, and no parameter it set up frozen unfrozen since. Any other engine first gives the
+    module its full weights back (on every rank)."""
     held = linked_engine(strategy.lightning_module)
     if held is None:
         return None
@@ -95,6 +96,7 @@ def _engine_to_resume(
         and held.config == config
         and collectives.world_size(held.group) == collectives.world_size(shard_group)
         and held.shard_group_size == shard_group_size
+        and not held.unfrozen_since_setup  # which parameters train is fixed at an engine's setup
     ):
         return held
     held.release_parameters(strategy.root_device)
