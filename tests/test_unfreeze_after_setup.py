@@ -61,3 +61,34 @@ def test_a_parameter_unfrozen_after_setup_is_refused_naming_it(stage: int) -> No
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_frozen_parameters_left_frozen_train_as_before(stage: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_steps(stage, unfreeze_at=None), _plain()))
+
+
+def test_lightnings_backbone_finetuning_is_refused_at_setup() -> None:
+    """Lightning's own callback, which unfreezes the backbone at an epoch: a clear error before the
+    first step (it would fail with a bare KeyError at that epoch: its param-group mapping looks up the
+    module's parameters, the optimizer holds chunks)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import BackboneFinetuning
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zero
+
+    class WithBackbone(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            return self.head(self.backbone(batch[0])).pow(2).mean()
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    trainer = L.Trainer(
+        strategy=lightning_zero.ZeroStrategy(stage=2), accelerator="cpu", devices=1, max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="BackboneFinetuning unfreezes parameters during `fit`.*one `fit` per phase"):
+        trainer.fit(WithBackbone(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))

@@ -40,6 +40,7 @@ from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroup
 from lightning_zero.fabric.checkpoint_io import file_writer
 from lightning_zero.lightning import checkpoint_hooks
 from lightning_zero.lightning.checkpointing import check_callbacks_can_save, check_checkpoint_locations
+from lightning_zero.lightning.finetuning_callbacks import refuse_finetuning_callbacks
 from lightning_zero.lightning.gathered_callbacks import gather_around_parameter_hooks
 from lightning_zero.lightning.launchers import RecoveringLauncher, RecoveringMultiProcessingLauncher, StartMethod, check_start_method
 from lightning_zero.lightning.precision import ZeroPrecision, check_precision_supported, to_zero_precision
@@ -247,6 +248,7 @@ class ZeroStrategy(ZeroStepHooks):
         assert self.accelerator is not None and self.model is not None
         check_precision_supported(self.precision_plugin)
         check_callbacks_can_save(trainer, self.state_dict_type)
+        refuse_finetuning_callbacks(trainer)  # they unfreeze parameters mid-fit
         check_checkpoint_locations(trainer)  # a URL's fsspec package is installed (checkpoint/locations.py)
         gather_around_parameter_hooks(trainer, self)  # pruning reads and writes parameters between steps
         handle_preemption(trainer)  # signals only record a request; the ranks stop together
