@@ -90,5 +90,9 @@ def test_lightnings_backbone_finetuning_is_refused_at_setup() -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
     )  # fmt: skip
-    with pytest.raises(ValueError, match="BackboneFinetuning unfreezes parameters during `fit`.*one `fit` per phase"):
-        trainer.fit(WithBackbone(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
+    try:
+        with pytest.raises(ValueError, match="BackboneFinetuning unfreezes parameters during `fit`.*one `fit` per phase"):
+            trainer.fit(WithBackbone(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
+    finally:  # the Trainer made this process's default group before the refusal: the next test file makes its own
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
