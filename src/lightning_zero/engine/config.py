@@ -7,6 +7,15 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+from lightning_zero.engine.zero_plus_plus import (
+    GradientQuantization,
+    SecondaryShardSize,
+    WeightQuantization,
+    check_zero_plus_plus_options,
+    gradient_format,
+    weight_format,
+)
+
 
 class ZeroStage(enum.IntEnum):
     """ZeRO stages, named by what each one shards across the data-parallel ranks; each also shards
@@ -42,6 +51,7 @@ STRATEGY_NAMES: dict[str, dict[str, Any]] = {
     "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
     "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_params": True},
     "zero3_offload_nvme_params": {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"},
+    "zero3pp": {"stage": 3, "secondary_shard_size": "node", "quantize_weights": "int8", "quantize_gradients": "int8"},
 }
 """The names ``import lightning_zero`` registers in the Trainer's and Fabric's strategy registries,
 and the options each one stands for."""
@@ -223,6 +233,24 @@ class ZeroConfig:
     is faster. Declaring one that is not element-wise (per-tensor norms, matrix shapes) trains a
     different model. See ``engine/optimizer/optimizer_kinds.py``."""
 
+    secondary_shard_size: SecondaryShardSize = None
+    """Stage 3, ZeRO++'s hpZ: after a unit's forward each rank keeps 1/K of its gathered weights, and
+    backward's all-gather runs among K consecutive ranks (one node: "node") instead of all of them:
+    bitwise the same training, backward's weight traffic kept off the inter-node link, for 2Ψ/K more
+    bytes per rank in half precision. K must divide the world size and be smaller than it. None (the
+    default): backward gathers from every rank. See [Note: ZeRO++] in ``zero_plus_plus.py``."""
+
+    quantize_weights: WeightQuantization = False
+    """Stage 3, ZeRO++'s qwZ: all-gather weights as blocks of int8 (True or "int8") or fp8 ("fp8")
+    with one fp32 scale each, dequantized into the unit's storage: half the bytes of bf16 weights.
+    Forward and backward compute with the dequantized weights; the shards the optimizer steps are
+    never quantized. Not bitwise DDP: the loss follows DDP's within the quantization's error."""
+
+    quantize_gradients: GradientQuantization = False
+    """Stage 3, ZeRO++'s qgZ: reduce each bucket's gradients by an all-to-all within the node then one
+    across nodes, sending int8 (True or "int8") or int4 ("int4") blocks with one fp32 scale each and
+    summing in fp32 (``quantized_reduction.py``). Not bitwise DDP; no error feedback (see the note there)."""
+
     def __post_init__(self) -> None:
         if type(self.stage) is not int or self.stage not in {int(s) for s in ENGINE_STAGES}:  # not 3.0, not True
             raise ValueError(
@@ -265,6 +293,9 @@ class ZeroConfig:
                 " `strategy='zero3_offload_nvme_params'` sets both."
             )
         check_kept_budget(self.keep_frozen_units_mb)
+        check_zero_plus_plus_options(
+            self.stage, self.secondary_shard_size, self.quantize_weights, self.quantize_gradients, self.offload_params
+        )
         for name in ("min_unit_params", "prefetch_units"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -351,6 +382,16 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
+
+    @property
+    def weight_quantization(self) -> Optional[str]:
+        """qwZ's block format ("int8", "fp8"), or None."""
+        return weight_format(self.quantize_weights)
+
+    @property
+    def gradient_quantization(self) -> Optional[str]:
+        """qgZ's block format ("int8", "int4"), or None."""
+        return gradient_format(self.quantize_gradients)
 
     @property
     def kept_frozen_bytes(self) -> float:

@@ -45,6 +45,7 @@ from lightning_zero.engine.parameters import module_link
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.stop_vote import StopReason, StopVote
+from lightning_zero.engine.comm.node_links import NodeLinks, check_links
 from lightning_zero.engine.config import ZeroConfig, ZeroStage
 from lightning_zero.engine.full_weights import FullWeights
 from lightning_zero.engine.gradients.grad_sync import GradientSync, ReduceAfterBackward
@@ -81,6 +82,10 @@ class ZeroEngine:
     the ranks holding the same chunks in the other shard groups; states are sharded and parameters
     gathered within ``group``, and the reduced gradient chunks are all-reduced across
     ``replicate_group``. None (default): every rank is in ``group``.
+
+    ZeRO++ (``config.secondary_shard_size``, ``quantize_gradients``; see [Note: ZeRO++] in
+    ``zero_plus_plus.py``): ``links`` holds the groups of the node layout they need
+    (``node_links.make_node_links``), made once by their owner (a strategy keeps them across fits).
     """
 
     def __init__(
@@ -92,12 +97,14 @@ class ZeroEngine:
         device: Optional[torch.device] = None,
         timeout: Optional[timedelta] = None,
         replicate_group: collectives.ProcessGroup = None,
+        links: Optional[NodeLinks] = None,
     ) -> None:
         self.config = config
         apply_host_threads(config)  # with offload: this rank's share of its node's cores steps on the host
         group = collectives.resolved(group)  # the world as its own group: each collective asks less of torch
         self.group = group
         self.replicate_group = replicate_group
+        self.links = check_links(config, links, group, replicate_group)
         self.module = module
         optimizer_of = optimizer_index_of_params(module, optimizers)
         self._host_reads = HostReads()
@@ -114,7 +121,8 @@ class ZeroEngine:
                 assert self.disk is not None
                 param_files = self.disk.reserve_for_params(master_bytes_needed(module, collectives.world_size(group)))
             self.residency = ShardedParameters(
-                module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group, param_files
+                module, config, group, device or _device_of(module), self._host_reads, timeout, replicate_group, param_files,
+                links,
             )
         else:
             self.residency = ReplicatedParameters(module, optimizer_of, config, group, replicate_group, timeout)

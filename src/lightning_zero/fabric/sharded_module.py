@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.config import ZeroStage
 from lightning_zero.engine.parameters.module_hooks import ModuleHooks
 
@@ -55,6 +56,7 @@ class ShardedModule:
         timeout: Optional[timedelta],
         optimizers: list[Optimizer],
         groups: tuple[collectives.ProcessGroup, collectives.ProcessGroup] = (None, None),
+        links: Optional[NodeLinks] = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -62,6 +64,7 @@ class ShardedModule:
         self._device = device
         self._timeout = timeout
         self._groups = groups  # (shard group, replicate group): see ZeroEngine
+        self._links = links  # ZeRO++'s groups: see ZeroEngine
         self.engine: Optional[ZeroEngine] = None
         self._step_open = False
         self._evaluating = False
@@ -83,7 +86,7 @@ class ShardedModule:
     def _build_engine(self) -> ZeroEngine:
         shard_group, replicate_group = self._groups
         self.engine = ZeroEngine(
-            self.module, self.optimizers, self.config, shard_group, self._device, self._timeout, replicate_group
+            self.module, self.optimizers, self.config, shard_group, self._device, self._timeout, replicate_group, self._links
         )
         return self.engine
 

@@ -34,6 +34,8 @@ from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.compat.lightning_api import fabric_setup_result
 from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.node_links import NodeLinks, check_node_layout, links_for
+from lightning_zero.engine.zero_plus_plus import GradientQuantization, SecondaryShardSize, WeightQuantization
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
 from lightning_zero.engine.host_step_overlap import ScaleOf
@@ -85,6 +87,9 @@ class ZeroFabricStrategy(DDPStrategy):
         host_threads: Optional[int] = None,
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
+        secondary_shard_size: SecondaryShardSize = None,
+        quantize_weights: WeightQuantization = False,
+        quantize_gradients: GradientQuantization = False,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
         save_frozen: bool = True,
@@ -101,6 +106,8 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
+        self._links: Optional[NodeLinks] = None
+        self._made_links = False
         self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._modules = ShardedModules()
         self._checkpoints = FabricCheckpointing(self._modules, self._checkpointing)
@@ -178,7 +185,8 @@ class ZeroFabricStrategy(DDPStrategy):
         if self._modules.of(module) is not None:
             raise ValueError(f"{type(module).__name__} is already set up with lightning-zero; set each module up once.")
         groups = self._data_parallel_groups()
-        self._modules.add(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups))
+        links = self._node_links()
+        self._modules.add(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups, links))
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
         """(shard group, replicate group), as ``ZeroStrategy`` makes them."""
@@ -187,6 +195,19 @@ class ZeroFabricStrategy(DDPStrategy):
                 self.shard_group_size, self.world_size, self.num_processes, self._timeout
             )
         return self._groups
+
+    def _node_links(self) -> Optional[NodeLinks]:
+        """ZeRO++'s process groups, as ``ZeroStrategy`` makes them."""
+        if not self._made_links:
+            self._links = links_for(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, self._timeout)
+            self._made_links = True
+        return self._links
+
+    @override
+    def _set_world_ranks(self) -> None:
+        super()._set_world_ranks()
+        # Fabric's construction, on every rank: ZeRO++'s options against the node layout
+        check_node_layout(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, getattr(self.precision, "precision", None))
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

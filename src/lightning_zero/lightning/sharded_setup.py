@@ -15,6 +15,7 @@ from torch.nn import Module
 
 from lightning_zero.engine import ZeroEngine
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.config import ShardGroupSize, ZeroConfig, ZeroStage
 from lightning_zero.engine.engine import linked_engine
 from lightning_zero.engine.optimizer.sharded_optimizer import check_optimizer_type
@@ -30,6 +31,7 @@ def start_engine(
     trainer: Trainer,
     fitting: bool,
     groups: tuple[collectives.ProcessGroup, collectives.ProcessGroup],
+    links: Optional[NodeLinks] = None,
 ) -> Optional[ZeroEngine]:
     """The engine for this run of ``trainer`` (None when evaluating at stages 1-2, which need none);
     when ``fitting``, the strategy's optimizers are set up first, to be sharded by it. ``strategy``
@@ -55,6 +57,7 @@ def start_engine(
                 device=strategy.root_device,
                 timeout=strategy._timeout,  # also for the all-gathers' own process group
                 replicate_group=replicate_group,
+                links=links,
             )
         use_true_sizes_in_model_summary(trainer, engine)
         run_first(trainer)  # ranks may run uneven evaluation inputs (see uneven_evaluation.py)

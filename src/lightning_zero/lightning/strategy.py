@@ -36,6 +36,8 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.compat.lightning_api import load_passing_weights_only, trainer_takes_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.node_links import NodeLinks, check_node_layout, links_for
+from lightning_zero.engine.zero_plus_plus import GradientQuantization, SecondaryShardSize, WeightQuantization
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.fabric.checkpoint_io import file_writer
 from lightning_zero.lightning import checkpoint_hooks
@@ -110,6 +112,17 @@ class ZeroStrategy(ZeroStepHooks):
             parameter all-gathers stay within a group and only the reduced gradient chunks (1/K
             of the gradients) are all-reduced across groups. Must divide the world size. Default
             (None): every rank shards.
+        secondary_shard_size: stage 3, ZeRO++'s hpZ: each rank keeps 1/K of a unit's weights after its
+            forward, so backward's all-gather runs among K consecutive ranks ("node": the devices of
+            one node) instead of all: bitwise the same training, backward's weight traffic kept in the
+            node, 2Ψ/K more bytes per rank (half precision). K divides the world size, below it.
+        quantize_weights: stage 3, ZeRO++'s qwZ: all-gather weights as int8 (True, "int8") or fp8
+            ("fp8") blocks with one scale each, half the bytes of bf16; forward and backward use the
+            dequantized weights, the optimizer's shards are never quantized. Not bitwise DDP.
+        quantize_gradients: stage 3, ZeRO++'s qgZ: reduce gradients by an all-to-all within the node
+            then one across nodes, in int8 (True, "int8") or int4 ("int4") blocks summed in fp32.
+            Not bitwise DDP. ``strategy="zero3pp"`` sets all three (K = the devices per node).
+            See docs/zero-plus-plus.md.
         state_dict_type: "sharded" (default): ``trainer.save_checkpoint(path)`` writes a directory
             in which every rank writes its own chunks in parallel; it reloads at any world size and
             stage, and ``lightning-zero convert`` turns it into one file. "full": one file in
@@ -161,6 +174,9 @@ class ZeroStrategy(ZeroStepHooks):
         host_threads: Optional[int] = None,
         elementwise_optimizers: Optional[list[str]] = None,
         shard_group_size: ShardGroupSize = None,
+        secondary_shard_size: SecondaryShardSize = None,
+        quantize_weights: WeightQuantization = False,
+        quantize_gradients: GradientQuantization = False,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
         save_frozen: bool = True,
@@ -183,6 +199,8 @@ class ZeroStrategy(ZeroStepHooks):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
+        self._links: Optional[NodeLinks] = None
+        self._made_links = False
         self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
@@ -194,7 +212,8 @@ class ZeroStrategy(ZeroStepHooks):
         # a Trainer pickled after `fit` (by a hyperparameter search, a queue, a copy) carries the
         # options, not this process's engine, hooks and process groups
         state = super().__getstate__()  # Lightning's: without its optimizer wrappers
-        state["_engine"] = state["_finished"] = state["_groups"] = None
+        state["_engine"] = state["_finished"] = state["_groups"] = state["_links"] = None
+        state["_made_links"] = False
         return state
 
     @property  # type: ignore[override]
@@ -257,7 +276,9 @@ class ZeroStrategy(ZeroStepHooks):
         self._end_engine()
         if fitting:  # evaluation leaves the optimizers' state as the finished run left it
             self._finished = None
-        self._engine = start_engine(self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups())
+        self._engine = start_engine(
+            self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups(), self._node_links()
+        )
         if fitting and self._engine is not None:
             plan_host_step(trainer, self._engine)  # offloaded steps during backward, where they can be
         self.setup_precision_plugin()  # after the engine: Lightning's optimizer wrappers copy its classes (weight_swaps.py)
@@ -268,6 +289,19 @@ class ZeroStrategy(ZeroStepHooks):
         if self._groups is None:
             self._groups = collectives.data_parallel_groups(self.shard_group_size, self.world_size, self.num_processes, self._timeout)
         return self._groups
+
+    def _node_links(self) -> Optional[NodeLinks]:
+        """ZeRO++'s process groups (None without hpZ and qgZ), made once, on every rank."""
+        if not self._made_links:
+            self._links = links_for(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, self._timeout)
+            self._made_links = True
+        return self._links
+
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        # the Trainer's construction, on every rank: ZeRO++'s options against the node layout
+        check_node_layout(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, self.precision_plugin.precision)
 
     @override
     def _configure_launcher(self) -> None:

@@ -501,7 +501,18 @@ def hybrid_groups(shard_group_size: int, timeout: Optional[timedelta] = None) ->
     every shard group). Every rank must call this, in the same order: each group is created on all
     ranks. The world size must be a multiple of ``shard_group_size`` (see
     ``config.check_shard_group_size``)."""
-    n, k = dist.get_world_size(), shard_group_size
-    shard = _new_partition([list(range(first, first + k)) for first in range(0, n, k)], timeout)
-    replicate = _new_partition([list(range(position, n, k)) for position in range(k)], timeout)
-    return shard, replicate
+    return consecutive_groups(shard_group_size, timeout), strided_groups(shard_group_size, timeout)
+
+
+def consecutive_groups(size: int, timeout: Optional[timedelta] = None) -> ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks (ranks ``[k·size, (k+1)·size)``), each such group
+    made on every rank (every rank must call this, in the same order). ``size`` divides the world."""
+    n = dist.get_world_size()
+    return _new_partition([list(range(first, first + size)) for first in range(0, n, size)], timeout)
+
+
+def strided_groups(stride: int, timeout: Optional[timedelta] = None) -> ProcessGroup:
+    """This rank's group of the ranks at its position in every block of ``stride`` consecutive
+    ranks (``r mod stride`` equal), made as ``consecutive_groups`` makes its groups."""
+    n = dist.get_world_size()
+    return _new_partition([list(range(position, n, stride)) for position in range(stride)], timeout)

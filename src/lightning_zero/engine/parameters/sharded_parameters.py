@@ -20,6 +20,7 @@ from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.streams import streams_of
 from lightning_zero.engine.comm.evaluation_join import EvaluationJoin
 from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
@@ -45,8 +46,9 @@ class ShardedParameters(ParameterResidency):
         timeout: Optional[timedelta] = None,
         replicate_group: collectives.ProcessGroup = None,
         param_files: Optional[ScratchDirectory] = None,
+        links: Optional[NodeLinks] = None,
     ) -> None:
-        """``param_files``: with ``offload_params="nvme"``, where the offloaded chunks live between
+        """``links``: ZeRO++'s groups (see ``ZeroEngine``). ``param_files``: with ``offload_params="nvme"``, where the offloaded chunks live between
         uses (see [Note: parameters on disk] in ``masters_on_disk.py``)."""
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
@@ -76,6 +78,9 @@ class ShardedParameters(ParameterResidency):
             copies=self.copies,
             replicate_group=replicate_group,
             param_files=param_files,
+            links=links,
+            weight_format=config.weight_quantization,
+            gradient_format=config.gradient_quantization,
         )
         self.units = build_units(
             module,

@@ -31,6 +31,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
+from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.sharded_param import ShardedParam
@@ -62,6 +63,12 @@ class UnitCommunication:
     """Hybrid sharding: where reduced gradient chunks are all-reduced across shard groups."""
     param_files: Optional[ScratchDirectory] = None
     """``offload_params="nvme"``: where the offloaded buckets keep their chunks between uses."""
+    links: Optional[NodeLinks] = None
+    """ZeRO++: hpZ's secondary group, qgZ's node groups (see ``node_links.py``); None without them."""
+    weight_format: Optional[str] = None
+    """qwZ: the block format weights are all-gathered in ("int8", "fp8"; see ``quantization.py``)."""
+    gradient_format: Optional[str] = None
+    """qgZ: the block format gradients are reduced in ("int8", "int4")."""
 
 
 class UnitTags:
