@@ -45,11 +45,17 @@ VARIANTS: dict[str, list[str]] = {
     "hpz": [OURS, "--trainer.strategy.stage=3", "--trainer.strategy.secondary_shard_size=node"],
     "qwz": [OURS, "--trainer.strategy.stage=3", "--trainer.strategy.quantize_weights=int8"],
     "qgz": [OURS, "--trainer.strategy.stage=3", "--trainer.strategy.quantize_gradients=int8"],
+    "qgz_int4": [OURS, "--trainer.strategy.stage=3", "--trainer.strategy.quantize_gradients=int4"],
     "zero3pp": ["--trainer.strategy=zero3pp"],
 }
-LOSS_TOLERANCE = 0.03
-"""How far a quantized variant's training loss may be from zero3's at any of the 50 steps (absolute;
-the loss is ~5.5 at the start, ~2.9 at step 50). Measured: see `test_quantized_variants_follow_zero3`."""
+STEP_TOLERANCE = 0.025
+"""How far, relatively, a quantized variant's training loss may be from zero3's at any of the 50 steps
+(the loss falls from ~5.5 to ~3.0). Measured on 2026-12-07: qwZ 1.3%, qgZ int8 0.7%, zero3pp 1.2% at
+their worst step (one batch's loss: a different rounding of the weights moves it most where the loss
+is steep)."""
+TAIL_TOLERANCE = 0.02
+"""How far the mean loss of the last 10 steps may be from zero3's (absolute). Measured: qwZ 0.002,
+qgZ int8 0.006, zero3pp 0.001."""
 
 
 @contextlib.contextmanager
@@ -154,13 +160,15 @@ def test_hpz_trains_bitwise_as_zero3(results: GroupResults, tmp_path: Path) -> N
         assert torch.equal(with_hpz[name], value), name
 
 
-@pytest.mark.parametrize("variant", ["qwz", "qgz", "zero3pp"])
+@pytest.mark.parametrize("variant", ["qwz", "qgz", "qgz_int4", "zero3pp"])
 def test_quantized_variants_follow_zero3(results: GroupResults, variant: str) -> None:
     reference, quantized = results["zero3"][0]["losses"], results[variant][0]["losses"]
-    assert quantized.keys() == reference.keys()
-    worst = max(abs(quantized[s] - reference[s]) for s in reference)
-    assert worst <= LOSS_TOLERANCE, (variant, worst)
-    assert quantized[STEPS - 1] < reference[0] - 1.0  # and it trained
+    assert quantized.keys() == reference.keys() and len(reference) == STEPS
+    worst = max(abs(quantized[s] - reference[s]) / reference[s] for s in reference)
+    assert worst <= STEP_TOLERANCE, (variant, worst)
+    tail = range(STEPS - 10, STEPS)
+    assert abs(sum(quantized[s] - reference[s] for s in tail) / len(tail)) <= TAIL_TOLERANCE, variant
+    assert quantized[STEPS - 1] < reference[0] - 2.0  # and it trained
     assert any(quantized[s] != reference[s] for s in reference)  # the quantized collectives ran
 
 
