@@ -69,14 +69,19 @@ def _batch(rank: int, step: int, micro: int = 0, dtype: torch.dtype = torch.floa
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank)).to(dtype)
 
 
-def _engine(secondary: Optional[int] = None, quantize: Any = False, checkpointed: bool = False, dtype=torch.float32, **config: Any):
+def _engine(
+    secondary: Optional[int] = None, quantize: Any = False, checkpointed: bool = False, dtype=torch.float32, frozen: bool = False,
+    **config: Any,
+):  # fmt: skip
     from lightning_zero.engine import ZeroConfig, ZeroEngine
     from lightning_zero.engine.comm.node_links import make_node_links
     from lightning_zero.engine.zero_plus_plus import NodeLayout
 
     torch.manual_seed(0)
     model = Net(checkpointed).to(dtype)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if frozen:  # an all-frozen unit (kept gathered with `keep_frozen_units_mb`)
+        model.blocks[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     links = make_node_links(NodeLayout(WORLD_SIZE, RANKS_PER_NODE), secondary, False) if secondary else None
     cfg = ZeroConfig(stage=3, unit_classes=["Block"], secondary_shard_size=secondary, quantize_weights=quantize, **config)
     return model, opt, ZeroEngine(model, [opt], cfg, links=links), links
@@ -89,10 +94,10 @@ def _close(engine: Any, links: Any) -> None:
 
 
 def _train(ctx: RankContext, secondary: Optional[int] = None, quantize: Any = False, checkpointed: bool = False,
-           dtype=torch.float32, accumulate: int = 1, steps: int = STEPS, **config: Any) -> dict[str, Any]:  # fmt: skip
+           dtype=torch.float32, accumulate: int = 1, steps: int = STEPS, frozen: bool = False, **config: Any) -> dict[str, Any]:  # fmt: skip
     from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
-    model, opt, engine, links = _engine(secondary, quantize, checkpointed, dtype, **config)
+    model, opt, engine, links = _engine(secondary, quantize, checkpointed, dtype, frozen, **config)
     losses, traffic = [], {}
     for step in range(steps):
         COLLECTIVE_STATS.reset()
@@ -128,6 +133,7 @@ HPZ_CASES = {
     "prefetch2": {"prefetch_units": 2},
     "offload": {"offload_optimizer": True},
     "bf16": {"dtype": torch.bfloat16},
+    "frozen_kept": {"frozen": True, "keep_frozen_units_mb": math.inf},
 }
 
 
@@ -139,10 +145,10 @@ for _name, _options in HPZ_CASES.items():
     GROUP.case(_hpz_against_zero3, name=f"hpz_{_name}", **_options)
 
 
-@GROUP.case
-def stale_secondary(ctx: RankContext) -> dict[str, Any]:
-    """An optimizer step between a forward and its backward: zero3's backward gathers the stepped
-    chunks, so hpZ's must not take the secondary shards kept by the forward before the step."""
+def stale_secondary(ctx: RankContext, between: str) -> dict[str, Any]:
+    """An optimizer step (or a write at rest) between a forward and its backward: zero3's backward
+    gathers the chunks as changed, so hpZ's must not take the secondary shards kept by the forward
+    before the change."""
     results = {}
     for name, secondary in (("zero3", None), ("hpz", K)):
         model, opt, engine, links = _engine(secondary)
@@ -151,9 +157,12 @@ def stale_secondary(ctx: RankContext) -> dict[str, Any]:
             engine.begin_step()
             loss = model(_batch(ctx.rank, step))
             held.append(engine.memory_report().secondary_shards)
-            if step == 1:  # steps with step 0's gradients, still held (no zero_grad)
+            if step == 1 and between == "step":  # steps with step 0's gradients, still held (no zero_grad)
                 opt.step()
                 engine.after_optimizer_step(opt)
+            elif step == 1:
+                with torch.no_grad():
+                    model.blocks[1].fc1.weight.mul_(0.5)
             loss.backward()
             engine.finish_backward()
             engine.end_step()
@@ -162,6 +171,10 @@ def stale_secondary(ctx: RankContext) -> dict[str, Any]:
         results[name] = {"weights": {k: v.clone() for k, v in engine.full_state_dict(model).items()}, "held": held}
         _close(engine, links)
     return results
+
+
+GROUP.case(stale_secondary, name="stale_after_step", between="step")
+GROUP.case(stale_secondary, name="stale_after_write", between="write")
 
 
 @GROUP.case
@@ -194,6 +207,7 @@ def quantized(ctx: RankContext) -> dict[str, Any]:
     expected = [piece.reshape(p.shape) for piece, p in zip(torch.split(expected_rows, widths, dim=1), block.parameters())]
     with engine.gathered():
         summoned = [p.detach().clone() for p in model.blocks[1].parameters()]
+    read_at_rest = model.blocks[1].fc1.weight.clone()
     # an evaluation step gathers (quantized) too
     with torch.no_grad():
         engine.begin_evaluation_step()
@@ -203,6 +217,7 @@ def quantized(ctx: RankContext) -> dict[str, Any]:
     out = {
         "state_dict_exact": all(torch.equal(exact_before[k], v) for k, v in reference.state_dict().items()),
         "summoned_exact": all(torch.equal(a, b) for a, b in zip(summoned, reference.blocks[1].parameters())),
+        "read_at_rest_exact": torch.equal(read_at_rest, reference.blocks[1].fc1.weight),
         "chunks_unchanged": all(torch.equal(chunks_before[k], v) for k, v in chunks_after.items()),
         "forward_saw_dequantized": all(torch.equal(a, b) for a, b in zip(seen[0], expected)),
         "dequantized_differs": any(not torch.equal(a, b) for a, b in zip(expected, block.parameters())),
@@ -217,6 +232,9 @@ for _format in ("int8", "fp8"):
 GROUP.case(_train, name="qwz_hpz", quantize="int8", secondary=K)
 GROUP.case(_train, name="qwz_hpz_checkpointed", quantize="int8", secondary=K, checkpointed=True)
 GROUP.case(_train, name="qwz_checkpointed", quantize="int8", checkpointed=True)
+GROUP.case(_train, name="qwz_offload_params", quantize="int8", offload_optimizer=True, offload_params=True)
+GROUP.case(_train, name="qwz_hpz_frozen_kept", quantize="int8", secondary=K, frozen=True, keep_frozen_units_mb=math.inf)
+GROUP.case(_train, name="qwz_frozen_kept", quantize="int8", frozen=True, keep_frozen_units_mb=math.inf)
 
 
 @GROUP.case
@@ -278,8 +296,9 @@ def test_hpz_backward_gathers_stay_within_the_secondary_group(results):
         assert zero3 == {everyone: sizes["root"] + 2 * sizes["blocks"]}
 
 
-def test_a_secondary_shard_kept_before_an_optimizer_step_is_not_used_after_it(results):
-    for r in results["stale_secondary"]:
+@pytest.mark.parametrize("between", ["step", "write"])
+def test_a_secondary_shard_kept_before_the_chunks_change_is_not_used_after(results, between):
+    for r in results[f"stale_after_{between}"]:
         _assert_bitwise(r["hpz"]["weights"], r["zero3"]["weights"])
         assert all(h > 0 for h in r["hpz"]["held"]) and r["zero3"]["held"] == [0, 0]
 
@@ -289,6 +308,7 @@ def test_qwz_forward_computes_with_dequantized_chunks_and_never_quantizes_the_ch
         assert r == {
             "state_dict_exact": True,
             "summoned_exact": True,
+            "read_at_rest_exact": True,
             "chunks_unchanged": True,
             "forward_saw_dequantized": True,
             "dequantized_differs": True,
@@ -303,11 +323,20 @@ def test_qwz_losses_near_zero3(results, name, fmt):
         assert q["losses"] == pytest.approx(z["zero3"]["losses"], rel=QUANTIZED_LOSS_TOLERANCE[fmt])
 
 
-@pytest.mark.parametrize("hpz, qwz", [("qwz_hpz", "qwz_int8"), ("qwz_hpz_checkpointed", "qwz_checkpointed")])
+@pytest.mark.parametrize(
+    "hpz, qwz",
+    [("qwz_hpz", "qwz_int8"), ("qwz_hpz_checkpointed", "qwz_checkpointed"), ("qwz_hpz_frozen_kept", "qwz_frozen_kept")],
+)
 def test_qwz_with_hpz_trains_bitwise_as_qwz(results, hpz, qwz):
     for a, b in zip(results[hpz], results[qwz]):
         assert a["losses"] == b["losses"]
         _assert_bitwise(a["weights"], b["weights"])
+
+
+def test_qwz_sends_chunks_offloaded_to_the_host_as_the_device_ones(results):
+    for a, b in zip(results["qwz_offload_params"], results["qwz_int8"]):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)  # the host steps in another order
+        assert a["losses"][0] == b["losses"][0]  # the first forward's gathers: the same bytes
 
 
 def test_memory_report_counts_the_secondary_shards_as_estimated(results):
@@ -379,3 +408,18 @@ def test_a_chunk_written_in_place_behind_the_generation_raises():
     bucket.params[0].send_source.add_(1)  # an in-place write no generation saw
     with pytest.raises(RuntimeError, match="written in place"):
         secondary.start_gather(None)
+
+
+def test_the_estimator_prices_secondary_shards_at_stage_3_only():
+    from lightning_zero import estimate as est
+    from lightning_zero.estimate_schemes import LAYOUTS, precision_scheme
+
+    topology, scheme = est.Topology(devices=8, nodes=2), precision_scheme("mixed")
+    by_label = {e.layout.label: e for e in est.estimate_all(7 * 10**9, scheme, topology, secondary_shard_size=8)}
+    plain = {e.layout.label: e for e in est.estimate_all(7 * 10**9, scheme, topology)}
+    assert by_label["zero3"].secondary_shards_per_rank == 2 * 7 * 10**9 // 8  # 2Ψ/K in half precision
+    assert by_label["zero3"].device_during_backward == plain["zero3"].device_during_backward + 2 * 7 * 10**9 // 8
+    assert by_label["zero3"].device == plain["zero3"].device  # freed by the end of backward: in no total
+    for layout in LAYOUTS:
+        if layout.stage.value != 3 or layout.offload_params:
+            assert by_label[layout.label].secondary_shards_per_rank == 0, layout.label

@@ -142,7 +142,8 @@ from lightning_zero.estimate_schemes import FP32_BYTES, LAYOUTS, Layout, Precisi
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
     "stage 3's gathered units (full weights of the running and the prefetched unit; those "
-    "keep_frozen_units_mb keeps are the '+ kept frozen' column where given), "
+    "keep_frozen_units_mb keeps are the '+ kept frozen' column where given, hpZ's secondary shards "
+    "the '+ secondary' column), "
     "communication buckets, allocator fragmentation and the CUDA context; with offload, pinned buffers "
     "are rounded up to a power of two; with NVMe, the page cache the files pass through. Leave a margin."
 )
