@@ -52,16 +52,22 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, checkpointed: bool = False) -> None:
+    """``checkpointed``: False; True (``checkpoint`` inside each block, a unit); "around" or
+    "around_reentrant" (each block's call checkpointed, its recompute gathering the unit in backward)."""
+
+    def __init__(self, checkpointed: Any = False) -> None:
         super().__init__()
         self.embed = nn.Linear(8, D)
-        self.blocks = nn.ModuleList([Block(checkpointed) for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(checkpointed is True) for _ in range(3)])
         self.head = nn.Linear(D, 4)
+        self.around = checkpointed if isinstance(checkpointed, str) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
         h = self.embed(x)
         for block in self.blocks:
-            h = block(h)
+            h = checkpoint(block, h, use_reentrant=self.around == "around_reentrant") if self.around else block(h)
         return self.head(h).pow(2).mean()
 
 
@@ -129,6 +135,8 @@ HPZ_CASES = {
     "plain": {},
     "accumulate": {"accumulate": 2},
     "checkpointed": {"checkpointed": True},
+    "checkpointed_around": {"checkpointed": "around"},
+    "checkpointed_around_reentrant": {"checkpointed": "around_reentrant"},
     "prefetch0": {"prefetch_units": 0},
     "prefetch2": {"prefetch_units": 2},
     "offload": {"offload_optimizer": True},

@@ -306,22 +306,26 @@ class Bucket:
         # in place, as FSDP2 gathers: this rank's row of the output is the input, so the send row
         # costs no buffer of its own (on the host: no fresh pages every gather); padding is never read
         send = gathered[self._gather_rank * row : (self._gather_rank + 1) * row]  # (S [+ 1],): one slice op
-        self._write_send_row(send, row - s)
+        # `_write_send_row`, inline: a Python call less per gather (see [Note: host work counts] in host_work.py)
+        if self.host is not None and not self.host.device_chunks:  # the send row comes from the host chunks
+            self.host.copy_master_to(send[:s])
+        else:
+            pieces = torch.split_with_sizes(send, [*self._row_sizes, row - s])
+            # the send sources are detached from the shards (the optimizer's parameters), so this
+            # records no autograd history without a `torch.no_grad()` (5 Python calls a gather)
+            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), list(map(_SEND_SOURCE, self.params)))
         if tags is not None:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
 
-    def _write_send_row(self, send: Tensor, after: int = 0) -> None:
-        """Copy this rank's chunks into ``send`` (S + ``after``,), cast to the parameter dtype; the
-        padding between them and the ``after`` columns are left as they are."""
-        s = self.shard_numel
+    def _write_send_row(self, send: Tensor) -> None:
+        """Copy this rank's chunks into ``send`` (S,), cast to the parameter dtype, as
+        ``start_param_gather`` does; the padding between them is left as it is (qwZ's row)."""
         if self.host is not None and not self.host.device_chunks:  # the send row comes from the host chunks
-            self.host.copy_master_to(send[:s])
+            self.host.copy_master_to(send)
         else:
-            pieces = torch.split_with_sizes(send, [*self._row_sizes, after])
-            # the send sources are detached from the shards (the optimizer's parameters), so this
-            # records no autograd history without a `torch.no_grad()` (5 Python calls a gather)
+            pieces = torch.split_with_sizes(send, self._row_sizes)
             torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), list(map(_SEND_SOURCE, self.params)))
 
     def start_write_back(self, pool: BufferPool) -> "PendingParamGather":

@@ -210,7 +210,8 @@ class GatherSchedule:
     def _free(self, unit: Unit) -> None:
         """``unit``'s use in this step is over: free it, unless it is kept until the optimizer step,
         and its secondary shards (hpZ) either way."""
-        unit.drop_secondary()
+        if unit.secondaries is not None:  # hpZ only: no Python call per free without it
+            unit.drop_secondary()
         if unit.index not in self._kept_indices:
             unit.reshard()
 
