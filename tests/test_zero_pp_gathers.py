@@ -104,13 +104,14 @@ def _train(ctx: RankContext, secondary: Optional[int] = None, quantize: Any = Fa
     from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
     model, opt, engine, links = _engine(secondary, quantize, checkpointed, dtype, frozen, **config)
-    losses, traffic = [], {}
+    losses, traffic, held = [], {}, []
     for step in range(steps):
         COLLECTIVE_STATS.reset()
         for micro in range(accumulate):
             engine.sync_gradients = micro == accumulate - 1
             engine.begin_step()
             loss = model(_batch(ctx.rank, step, micro, dtype))
+            held.append(engine.memory_report().secondary_shards)
             loss.backward()
             engine.finish_backward()
             engine.end_step()
@@ -128,7 +129,7 @@ def _train(ctx: RankContext, secondary: Optional[int] = None, quantize: Any = Fa
     }
     weights = {k: v.float() for k, v in engine.full_state_dict(model).items()}
     _close(engine, links)
-    return {"losses": losses, "weights": weights, "traffic": traffic, "gather_bytes": gather_bytes}
+    return {"losses": losses, "weights": weights, "traffic": traffic, "gather_bytes": gather_bytes, "held": held}
 
 
 HPZ_CASES = {
@@ -287,6 +288,14 @@ def test_hpz_trains_bitwise_as_zero3(results, name):
     for r in results[f"hpz_{name}"]:
         assert r["hpz"]["losses"] == r["zero3"]["losses"]
         _assert_bitwise(r["hpz"]["weights"], r["zero3"]["weights"])
+
+
+def test_hpz_keeps_no_secondary_shard_of_a_unit_kept_gathered(results):
+    for plain, frozen in zip(results["hpz_plain"], results["hpz_frozen_kept"]):
+        assert plain["zero3"]["held"] == [0] * STEPS
+        per_block = plain["hpz"]["held"][0] // 3
+        assert plain["hpz"]["held"] == [3 * per_block] * STEPS
+        assert frozen["hpz"]["held"] == [2 * per_block] * STEPS  # blocks[0] is all frozen, kept gathered
 
 
 def test_hpz_backward_gathers_stay_within_the_secondary_group(results):

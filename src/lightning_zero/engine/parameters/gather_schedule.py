@@ -274,6 +274,8 @@ class GatherSchedule:
                 unit.unshard(kind)
             if kept.keeping:
                 kept.used(unit)
+                if unit.secondaries is not None and unit.index in self._kept_indices:
+                    unit.drop_secondary()  # kept gathered until the optimizer step: backward gathers it no more
             self._forward_order.append(unit.index)
             self._prefetch_after(unit.index, len(self._forward_order) - 1, kind)
             if not torch.is_grad_enabled():
