@@ -99,6 +99,15 @@ first forward in a step until its optimizer step: at most min(budget, w·Ψ_f) m
 during forward and backward, freed before the optimizer step (`MemoryEstimate.kept_frozen_units_per_rank`,
 in no total, charged by `sizing.fits`; `memory_report().kept_frozen_units` measures it mid-step).
 
+[Note: secondary shards priced]
+hpZ (`secondary_shard_size=K`, stage 3) keeps each rank's 1/K of every unit's gathered weights from
+its training forward to its backward, in the weights' dtype: all units' at once between the
+forward and the backward, w·Ψ/K per device (w·⌈Ψ/N⌉·N/K, the padded shard's rows), 2Ψ/K bytes in
+half precision (`MemoryEstimate.secondary_shards_per_rank`). Freed by the end of backward, so in no
+total, as the kept frozen units; charged by `sizing.fits` through `device_during_backward`.
+`memory_report().secondary_shards` measures it between forward and backward. hpZ refuses
+`offload_params` (it exists to keep those weights off the device), so those rows price none.
+
 [Note: whole-tensor optimizer state]
 An optimizer that looks across whole tensors (Muon, Adafactor, LAMB, SOAP, any class the engine does
 not know; see docs/optimizers.md) steps each of its parameters whole on one owner rank
@@ -133,7 +142,8 @@ from lightning_zero.estimate_schemes import FP32_BYTES, LAYOUTS, Layout, Precisi
 LEFT_OUT = (
     "Model states only (weights, gradients, optimizer states). Not included: activations, "
     "stage 3's gathered units (full weights of the running and the prefetched unit; those "
-    "keep_frozen_units_mb keeps are the '+ kept frozen' column where given), "
+    "keep_frozen_units_mb keeps are the '+ kept frozen' column where given, hpZ's secondary shards "
+    "the '+ secondary' column), "
     "communication buckets, allocator fragmentation and the CUDA context; with offload, pinned buffers "
     "are rounded up to a power of two; with NVMe, the page cache the files pass through. Leave a margin."
 )
@@ -258,6 +268,10 @@ class MemoryEstimate:
     """Stage 3 with `keep_frozen_units_mb`: the full weights of all-frozen units kept gathered through a
     step's micro-batches, min(budget, w·Ψ_f) on each device at most; freed before the optimizer step,
     so in no total (see [Note: frozen parameters])."""
+    secondary_shards_per_rank: int = 0
+    """Stage 3 with hpZ (`secondary_shard_size=K`): the secondary shards every unit keeps from its
+    training forward to its backward, w·Ψ/K on each device; in no total (see [Note: secondary shards
+    priced])."""
     host_step_rollback_per_rank: int = 0
     """With CPU offload (not NVMe) and `overlap_host_step`: the rollback copies of the master chunk and
     optimizer state the host step during backward keeps for each rank, in ordinary host memory; kept
@@ -267,8 +281,8 @@ class MemoryEstimate:
     @property
     def device_during_backward(self) -> int:
         """Bytes on each device while forward and backward run: `device`, plus the frozen units kept
-        gathered (`kept_frozen_units_per_rank`)."""
-        return self.device.total + self.kept_frozen_units_per_rank
+        gathered (`kept_frozen_units_per_rank`) and hpZ's secondary shards (`secondary_shards_per_rank`)."""
+        return self.device.total + self.kept_frozen_units_per_rank + self.secondary_shards_per_rank
 
     @property
     def device_during_step(self) -> int:
@@ -321,6 +335,7 @@ def estimate(
     rollback_copies: bool = True,
     frozen_params: int = 0,
     keep_frozen_units_mb: float = 0,
+    secondary_shard_size: Optional[int] = None,
 ) -> MemoryEstimate:
     """Model-state bytes of `num_params` (Ψ) parameters in `layout`, `frozen_params` of them frozen, with N = `topology.sharding_ranks`
     (all ranks, or with hybrid sharding the shard group's).
@@ -334,7 +349,9 @@ def estimate(
     optimizer) each rank keeps the moments of the parameters it owns instead of its chunk of
     theirs, and holds their full weights and gradients while it steps: see [Note: whole-tensor
     optimizer state]. Frozen parameters cost their weights only, and at stage 3 the ones
-    `keep_frozen_units_mb` keeps gathered: see [Note: frozen parameters].
+    `keep_frozen_units_mb` keeps gathered: see [Note: frozen parameters]. `secondary_shard_size`
+    (hpZ's K, resolved): the secondary shards stage 3 keeps between forward and backward, see [Note:
+    secondary shards priced].
     `rollback_copies`: whether the host step during backward keeps its rollback
     copies (CPU offload only): True, the engine's default in a plain loop or Fabric, an upper bound;
     False with `overlap_host_step=False`, or in the Lightning Trainer with no gradient clipping and no
@@ -351,6 +368,12 @@ def estimate(
         kept = scheme.weight_bytes * frozen_params
         kept = kept if math.isinf(keep_frozen_units_mb) else min(kept, int(keep_frozen_units_mb * 2**20))
     stage = layout.stage
+    ranks = topology.sharding_ranks
+    secondary = 0
+    if secondary_shard_size is not None and stage is ZeroStage.PARAMETERS and not layout.offload_params:
+        if ranks % secondary_shard_size:
+            raise ValueError(f"hpZ's K = {secondary_shard_size} does not divide the {ranks} ranks")
+        secondary = scheme.weight_bytes * shard_numel(num_params, ranks) * (ranks // secondary_shard_size)
     if owned is not None and stage is ZeroStage.NOTHING:
         owned = None  # DDP steps every parameter whole on every rank: nothing changes
     if owned is not None:
@@ -359,7 +382,6 @@ def estimate(
             raise ValueError(f"the whole-tensor optimizer's {owned.total:,} elements exceed the model's {trainable:,} parameters{not_frozen}")
         if layout.state_on_disk:
             raise ValueError("offload_optimizer='nvme' does not stream a whole-tensor optimizer's state (the engine refuses it)")
-    ranks = topology.sharding_ranks
     shard = shard_numel(num_params, ranks)  # of the weights: every parameter's
     trained_shard = shard_numel(trainable, ranks)  # of gradients and optimizer state: the trainable ones'
     # the elements whose moments a rank keeps: its shard, or its shard of the chunk path's
@@ -387,6 +409,7 @@ def estimate(
             devices_per_node=topology.devices,
             step_transient_per_rank=2 * step_dtype_bytes * owned_elements,
             kept_frozen_units_per_rank=kept,
+            secondary_shards_per_rank=secondary,
         )
 
     chunk = scheme.offload_chunk_bytes * trained_shard  # the master chunk; the gradient chunk is as large
@@ -428,6 +451,7 @@ def estimate(
         step_transient_per_rank=2 * scheme.offload_chunk_bytes * owned_elements,
         host_step_rollback_per_rank=rollback,
         kept_frozen_units_per_rank=kept,
+        secondary_shards_per_rank=secondary,
     )
 
 
@@ -440,11 +464,15 @@ def estimate_all(
     rollback_copies: bool = True,
     frozen_params: int = 0,
     keep_frozen_units_mb: float = 0,
+    secondary_shard_size: Optional[int] = None,
 ) -> tuple[MemoryEstimate, ...]:
     """`estimate` for every layout in `LAYOUTS`, in their order of preference; with `owned` (a
     whole-tensor optimizer) without the NVMe layouts, which refuse it."""
     layouts = [layout for layout in LAYOUTS if owned is None or not layout.state_on_disk]
     return tuple(
-        estimate(num_params, layout, scheme, topology, nvme, owned, rollback_copies, frozen_params, keep_frozen_units_mb)
+        estimate(
+            num_params, layout, scheme, topology, nvme, owned, rollback_copies, frozen_params, keep_frozen_units_mb,
+            secondary_shard_size,
+        )
         for layout in layouts
     )

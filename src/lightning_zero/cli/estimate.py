@@ -20,6 +20,7 @@ from lightning_zero import sizing
 from lightning_zero.cli import model_spec
 from lightning_zero.cli.arguments import Subcommand, parse_count, parse_memory, positive_float, positive_int
 from lightning_zero.engine.config import resolve_shard_group_size
+from lightning_zero.engine.zero_plus_plus import NodeLayout, resolve_secondary_shard_size
 from lightning_zero.estimate_schemes import SCHEMES, PrecisionScheme, precision_scheme
 
 
@@ -53,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stage 3's keep_frozen_units_mb: MiB per device of frozen units' full weights kept gathered from"
         " their first forward until the optimizer step ('inf': all of them); priced as min(it, the frozen"
         " weights) in the '+ kept frozen' column, which 'fits' counts (needs --frozen-params; default: 0)",
+    )
+    parser.add_argument(
+        "--secondary-shard-size",
+        type=_shard_group_size,
+        metavar="K",
+        help="stage 3's hpZ (ZeRO++ secondary_shard_size): each rank keeps 1/K of every unit's weights from its"
+        " forward to its backward ('node': --devices), priced as weight bytes x parameters / K in the"
+        " '+ secondary' column, which 'fits' counts (rows with offload_params price none: hpZ refuses it)",
     )
     parser.add_argument("--devices", type=positive_int, required=True, metavar="N", help="devices (ranks) per node")
     parser.add_argument("--nodes", type=positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
@@ -150,13 +159,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(f"--shard-group-size: {error}")
     topology = est.Topology(devices=args.devices, nodes=args.nodes, shard_group_size=shard_group_size)
+    secondary_shard_size = None
+    if args.secondary_shard_size is not None:
+        if shard_group_size is not None:
+            parser.error("--secondary-shard-size cannot be combined with --shard-group-size (the engine refuses hybrid sharding with hpZ)")
+        try:
+            secondary_shard_size = resolve_secondary_shard_size(args.secondary_shard_size, NodeLayout(args.devices * args.nodes, args.devices))
+        except ValueError as error:
+            parser.error(f"--secondary-shard-size: {error}")
     try:
         nvme = est.NvmeStaging(bucket_bytes=max(1, int(args.bucket_size_mb * 2**20)), buffer_count=args.nvme_buffer_count)
     except ValueError as error:
         parser.error(f"--nvme-buffer-count: {error}")
     rollback_copies = not args.no_rollback
     estimates = est.estimate_all(
-        num_params, scheme, topology, nvme, owned, rollback_copies, args.frozen_params, args.keep_frozen_units_mb
+        num_params, scheme, topology, nvme, owned, rollback_copies, args.frozen_params, args.keep_frozen_units_mb,
+        secondary_shard_size,
     )
     recommendation = largest = None
     if args.gpu_memory is not None:
@@ -242,6 +260,11 @@ class _EstimateReport:
         return any(e.kept_frozen_units_per_rank for e in self.estimates)
 
     @property
+    def keeps_secondary_shards(self) -> bool:
+        """Stage 3's rows price hpZ's secondary shards (``--secondary-shard-size``)."""
+        return any(e.secondary_shards_per_rank for e in self.estimates)
+
+    @property
     def unit(self) -> tuple[str, int]:
         """One unit for the whole table, so its columns compare at a glance."""
         return sizing.decimal_unit(max(e.device.total for e in self.estimates))
@@ -265,6 +288,8 @@ class _EstimateReport:
             headers.append(f"+ owner's step ({unit})")
         if self.keeps_frozen_units:
             headers.append(f"+ kept frozen ({unit})")
+        if self.keeps_secondary_shards:
+            headers.append(f"+ secondary ({unit})")
         return headers + (["fits"] if self.recommendation else [])
 
     @property
@@ -292,6 +317,8 @@ class _EstimateReport:
                 row.append(number(e.step_transient_per_rank) if e.step_transient_per_rank else "-")
             if self.keeps_frozen_units:
                 row.append(number(e.kept_frozen_units_per_rank) if e.kept_frozen_units_per_rank else "-")
+            if self.keeps_secondary_shards:
+                row.append(number(e.secondary_shards_per_rank) if e.secondary_shards_per_rank else "-")
             if self.recommendation:
                 r = self.recommendation
                 row.append("yes" if sizing.fits(e, r.gpu_memory, r.host_memory) else "no")

@@ -243,8 +243,10 @@ class ZeroConfig:
     quantize_weights: WeightQuantization = False
     """Stage 3, ZeRO++'s qwZ: all-gather weights as blocks of int8 (True or "int8") or fp8 ("fp8")
     with one fp32 scale each, dequantized into the unit's storage: half the bytes of bf16 weights.
-    Forward and backward compute with the dequantized weights; the shards the optimizer steps are
-    never quantized. Not bitwise DDP: the loss follows DDP's within the quantization's error."""
+    Forward and backward compute with the dequantized weights (evaluation steps too); the shards the
+    optimizer steps are never quantized, and what reads the true weights (``summon_full_params``,
+    state dicts, reads at rest) is gathered unquantized. Not bitwise DDP: the loss follows DDP's
+    within the quantization's error."""
 
     quantize_gradients: GradientQuantization = False
     """Stage 3, ZeRO++'s qgZ: reduce each bucket's gradients by an all-to-all within the node then one

@@ -108,6 +108,11 @@ class MemoryReport:
     optimizer step (stage 3's ``keep_frozen_units_mb``, see [Note: kept frozen units] in
     ``engine/parameters/kept_units.py``); at most the budget, 0 between optimizer steps. Counted in
     ``parameters`` and ``frozen_device`` already, not in addition."""
+    secondary_shards: int = 0
+    """Of ``device.parameters`` (so in ``total``): hpZ's secondary shards held now, this rank's 1/K of
+    the gathered weights of every unit between its training forward and its backward, in the
+    parameters' dtype (see [Note: secondary shards] in ``engine/parameters/secondary_shards.py``);
+    0 between steps and without ``secondary_shard_size``."""
 
     host_step_rollback: int = 0
     """Bytes of host memory holding rollback copies for the host step taken during backward (CPU
@@ -164,6 +169,7 @@ def measure(
     unpacked_gradients: int = 0,
     host_step_rollback: int = 0,
     kept_frozen_units: int = 0,
+    secondary_shards: int = 0,
 ) -> MemoryReport:
     """What ``params`` (and the state ``optimizers`` keep for them) and ``module``'s buffers hold now,
     and ``module``'s parameters the engine does not shard (frozen ones in no optimizer, at stages
@@ -176,6 +182,7 @@ def measure(
     (optimizer state); ``disk_bytes``: the state (and parameter chunks) in its files.
     ``pinned_host``, ``copy_buffers``: what the offload copies hold (see ``MemoryReport``);
     ``waiting_gradients``: the last backward's peak of gradients waiting for a reduce-scatter.
+    ``secondary_shards``: hpZ's, held now (device parameters).
     """
 
     def nbytes(t: Optional[torch.Tensor]) -> int:
@@ -216,6 +223,7 @@ def measure(
             for t in (optimizer.state.get(sp.shard) or {}).values():
                 if isinstance(t, torch.Tensor):
                     counts[place(t, sp)]["optimizer_state"] += nbytes(t)
+    counts["device"]["parameters"] += secondary_shards
     counts["device"]["buffers"] += sum(nbytes(b) for b in module.buffers())
     for t, where in averages:
         counts[where]["averages"] += nbytes(t)
@@ -232,6 +240,7 @@ def measure(
         frozen_device=frozen["device"],
         frozen_host=frozen["host"],
         kept_frozen_units=kept_frozen_units,
+        secondary_shards=secondary_shards,
     )
 
 
@@ -250,4 +259,5 @@ def working_memory(residency: ParameterResidency, disk: Optional[DiskTier], grad
         waiting_gradients=grad_sync.waiting_peak_bytes,
         unpacked_gradients=grad_sync.unpacked_peak_bytes,
         kept_frozen_units=residency.kept_frozen_bytes,
+        secondary_shards=residency.secondary_shard_bytes,
     )

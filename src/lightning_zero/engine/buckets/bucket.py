@@ -22,6 +22,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from lightning_zero.engine.buckets.quantized_gather import QuantizedGather
 from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: the pending collectives are part of a bucket's API)
     NO_STREAM,
     PendingGradientReduction,
@@ -53,6 +54,15 @@ class GatherTags(Protocol):
         ...
 
 
+class KeepsRows(Protocol):
+    """hpZ: what keeps this rank's share of a training forward's gathered rows for backward
+    (``parameters.secondary_shards.BucketSecondary``)."""
+
+    def keep(self, rows: Tensor) -> None:
+        """``rows`` (N, S [+ columns]): every rank's chunks as gathered (dequantized with qwZ)."""
+        ...
+
+
 class ReductionState(enum.Enum):
     """Lifecycle of a bucket's gradients within one backward pass."""
 
@@ -68,6 +78,8 @@ class Bucket:
     ``copies``, offloaded parameters keep their chunks in the bucket's ``host`` buffers (see
     [Note: offloaded bucket] in ``host_chunks.py``), and with ``param_files`` those chunks live in a
     file named ``name`` there between uses (see [Note: parameters on disk] in ``masters_on_disk.py``).
+    ``weight_format`` (qwZ, stage 3): the block format a step's gathers may be sent in
+    (``start_param_gather(quantize=True)``, see ``quantized_gather.py``).
     """
 
     def __init__(
@@ -81,6 +93,7 @@ class Bucket:
         replicate_group: collectives.ProcessGroup = None,
         param_files: Optional[ScratchDirectory] = None,
         name: str = "bucket",
+        weight_format: Optional[str] = None,
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -120,6 +133,13 @@ class Bucket:
             )
         self.full_targets: Optional[FullTargets] = FullTargets(self.params) if self.params[0].keeps_full else None
         """Stages 1-2: the full parameters, checked for assigned ``.data`` and written back into as one."""
+        self.quantized: Optional[QuantizedGather] = None
+        """qwZ: this bucket's quantized gather (stage 3 with ``weight_format``), else None."""
+        if weight_format is not None and self.gathered is not None:
+            self.quantized = QuantizedGather(
+                weight_format, self.shard_numel, collectives.world_size(self.gather_group), self._gather_rank,
+                self.gather_group, self.dtype, self.device, self.pool,
+            )  # fmt: skip
         self.host: Optional[HostChunks] = None
         if copies is not None and self.params[0].offloaded:
             self.host = HostChunks(
@@ -263,11 +283,13 @@ class Bucket:
         self.state = ReductionState.COLLECTING
 
     # ---- parameters ------------------------------------------------------------------------
-    def start_param_gather(self, tags: Optional["GatherTags"] = None) -> "PendingParamGather":
+    def start_param_gather(self, tags: Optional["GatherTags"] = None, quantize: bool = False) -> "PendingParamGather":
         """All-gather every rank's updated chunks (cast to the parameter dtype).
 
         With ``tags`` (stage 3), each rank appends the tag of what it gathers to its row, and
         finishing hands every rank's tag to ``tags`` to check (see [Note: unit tags] in ``unit.py``).
+        ``quantize``: a step's gather of a bucket with a weight format (qwZ) is sent as quantized
+        blocks (see [Note: quantized gather rows] in ``quantized_gather.py``); the chunks stay as they are.
         """
         host = self.host
         if host is not None and host.unsettled is not None and host.before_device_read is not None:
@@ -276,12 +298,15 @@ class Bucket:
             tags = None  # one rank cannot disagree with itself
             if self.params[0].keeps_full:
                 return self._write_back_locally()
+        if quantize and self.quantized is not None:
+            return self.quantized.start(self, self._write_send_row, tags.tag if tags is not None else None, tags)
         n, s = self.world_size, self.shard_numel
         row = s + (tags is not None)
         gathered = self.pool.take(n * row, self.dtype, self.device)  # (N * (S [+ 1]),)
         # in place, as FSDP2 gathers: this rank's row of the output is the input, so the send row
         # costs no buffer of its own (on the host: no fresh pages every gather); padding is never read
         send = gathered[self._gather_rank * row : (self._gather_rank + 1) * row]  # (S [+ 1],): one slice op
+        # `_write_send_row`, inline: a Python call less per gather (see [Note: host work counts] in host_work.py)
         if self.host is not None and not self.host.device_chunks:  # the send row comes from the host chunks
             self.host.copy_master_to(send[:s])
         else:
@@ -293,6 +318,15 @@ class Bucket:
             send[s] = tags.tag
         work = collectives.start_all_gather(gathered, send, self.gather_group)
         return PendingParamGather(self, work, gathered, tags, lent=[gathered])
+
+    def _write_send_row(self, send: Tensor) -> None:
+        """Copy this rank's chunks into ``send`` (S,), cast to the parameter dtype, as
+        ``start_param_gather`` does; the padding between them is left as it is (qwZ's row)."""
+        if self.host is not None and not self.host.device_chunks:  # the send row comes from the host chunks
+            self.host.copy_master_to(send)
+        else:
+            pieces = torch.split_with_sizes(send, self._row_sizes)
+            torch._foreach_copy_(list(pieces[0 : 2 * len(self.params) : 2]), list(map(_SEND_SOURCE, self.params)))
 
     def start_write_back(self, pool: BufferPool) -> "PendingParamGather":
         """Stages 1-2 with offload, on the host step's thread as soon as it stepped this bucket:
@@ -322,12 +356,21 @@ class Bucket:
                 self.full_targets.copy_whole_chunks()
         return PendingParamGather(self, collectives.PendingCollective(), gathered=None)
 
-    def _finish_param_gather(self, gathered: Optional[Tensor], tags: Optional["GatherTags"]) -> None:
+    def _finish_param_gather(
+        self, gathered: Optional[Tensor], tags: Optional["GatherTags"], quantized: Optional[QuantizedGather] = None,
+        secondary: Optional["KeepsRows"] = None,
+    ) -> None:  # fmt: skip
         if gathered is None:
             return
-        rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
+        if quantized is not None:
+            rows, sent_tags = quantized.rows(gathered)  # (N, S) dequantized, (N,)
+        else:
+            rows = gathered.view(self.world_size, -1)  # (N, S [+ 1])
+            sent_tags = rows[:, self.shard_numel] if tags is not None else None
         if tags is not None:
-            tags.check(rows[:, self.shard_numel])
+            tags.check(sent_tags)
+        if secondary is not None:  # hpZ: this rank's share, for backward's gather (with qwZ: as dequantized)
+            secondary.keep(rows)
         # the targets are plain tensors (stage 3's storage views) or detached views of the
         # parameters (stages 1-2): no autograd history, without a `torch.no_grad()`
         if self.gathered is not None:

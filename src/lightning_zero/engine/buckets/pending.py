@@ -119,17 +119,23 @@ class PendingParamGather:
     bucket: Any  # the Bucket (bucket.py imports this module)
     work: collectives.PendingCollective
     gathered: Optional[Tensor]
-    """(N * (S [+ 1]),): every rank's chunks; None where nothing is left to copy (world size 1)."""
+    """(N * (S [+ 1]),): every rank's chunks (qwZ: (N * row_bytes,) uint8); None where nothing is
+    left to copy (world size 1)."""
     tags: Optional[Any] = None
     lent: list[Tensor] = field(default_factory=list)
     """Pool buffers the collective reads or fills, given back once their contents are copied out."""
     pool: Optional[BufferPool] = None
     """Where ``lent`` came from (default: the bucket's pool)."""
+    quantized: Optional[Any] = None
+    """qwZ: the ``QuantizedGather`` whose rows ``gathered`` holds (see [Note: quantized gather rows]
+    in ``quantized_gather.py``); None: plain rows."""
 
-    def finish(self) -> None:
-        """Wait for the all-gather and copy every rank's chunk into the full parameters."""
+    def finish(self, secondary: Optional[Any] = None) -> None:
+        """Wait for the all-gather and copy every rank's chunk into the full parameters; hpZ: a
+        training forward's gather also hands its rows to ``secondary`` (the bucket's
+        ``BucketSecondary``), which keeps this rank's share for backward."""
         self.work.wait()
-        self.bucket._finish_param_gather(self.gathered, self.tags)
+        self.bucket._finish_param_gather(self.gathered, self.tags, self.quantized, secondary)
         pool = self.pool if self.pool is not None else self.bucket.pool
         for buffer in self.lent:  # given back here, not through a helper: once per gather
             pool.give_back(buffer)

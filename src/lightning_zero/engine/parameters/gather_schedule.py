@@ -21,6 +21,10 @@ its parameters may be used anywhere in the step):
 - the end of U's backward is also told to the gradient sync (``unit_backward_ended``): U's
   gradient buckets may be reduced from then on;
 - anything still gathered when backward ends is freed there;
+- hpZ: a training forward's gather keeps the unit's secondary shards, backward's gathers of it come
+  from them, and every "free" above (not the forward post-hook's) frees them (see [Note: secondary
+  shards] in ``secondary_shards.py``); a gather issued while a backward is running (a prefetch in
+  backward's queue, a recompute's) is backward's;
 - except that all-frozen units within ``keep_frozen_units_mb`` stay gathered from their first
   forward until the optimizer step (``KeptFrozenUnits``, see [Note: kept frozen units] in
   ``kept_units.py``): every "free" above skips them, and their later gathers find them gathered.
@@ -73,7 +77,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_zero.engine.shards.host_work import HOST_WORK
 from lightning_zero.engine.parameters.kept_units import KeptFrozenUnits
 from lightning_zero.engine.parameters.module_hooks import ModuleHooks
-from lightning_zero.engine.parameters.unit import Unit, UnitState
+from lightning_zero.engine.parameters.unit import GatherKind, Unit, UnitState
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
 
@@ -196,7 +200,7 @@ class GatherSchedule:
         self._forget_backward()
         for index in self._previous_order[: 1 + self.prefetch_units]:  # their reads overlap the root's
             self.units[index].read_ahead()
-        self.root.unshard()
+        self.root.unshard(GatherKind.FORWARD)
 
     def end_backward(self) -> None:
         for unit in self.units[1:]:
@@ -204,7 +208,10 @@ class GatherSchedule:
         self._forget_backward()
 
     def _free(self, unit: Unit) -> None:
-        """``unit``'s use in this step is over: free it, unless it is kept until the optimizer step."""
+        """``unit``'s use in this step is over: free it, unless it is kept until the optimizer step,
+        and its secondary shards (hpZ) either way."""
+        if unit.secondaries is not None:  # hpZ only: no Python call per free without it
+            unit.drop_secondary()
         if unit.index not in self._kept_indices:
             unit.reshard()
 
@@ -217,7 +224,7 @@ class GatherSchedule:
             unit = queue[self._issued]
             self._issued += 1
             if unit.state is UnitState.SHARDED:
-                unit.unshard()
+                unit.unshard(GatherKind.BACKWARD)
                 unit.reshard()
 
     def _forget_backward(self) -> None:
@@ -239,9 +246,9 @@ class GatherSchedule:
         step, in its forward order (a rank out of batches shadowing its peers, see
         ``evaluation_join.py``)."""
         order = self._forward_order or self._previous_order or [unit.index for unit in self.units[1:]]
-        self.root.unshard()
-        for index in order:
-            self.units[index].unshard()
+        self.root.unshard(GatherKind.FORWARD)
+        for index in order:  # as the peers' evaluation gathers: quantized alike with qwZ
+            self.units[index].unshard(GatherKind.FORWARD)
             self._free(self.units[index])
         self.root.reshard()
 
@@ -251,8 +258,7 @@ class GatherSchedule:
         self.kept.release()
         for unit in self.units:
             if unit.state is not UnitState.SHARDED:
-                unit.reshard()
-                unit.unshard()
+                unit.regather()
 
     # ---- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit):
@@ -260,11 +266,18 @@ class GatherSchedule:
         kept = self.kept
 
         def eager(module: Any, args: Any, kwargs: Any) -> Any:
-            unit.unshard()
+            if self._backward_queue is None:  # a forward: hpZ keeps the secondary shards for backward
+                kind = GatherKind.FORWARD
+                unit.unshard(kind, keep_secondary=torch.is_grad_enabled())
+            else:  # a recompute in backward (activation checkpointing)
+                kind = GatherKind.BACKWARD
+                unit.unshard(kind)
             if kept.keeping:
                 kept.used(unit)
+                if unit.secondaries is not None and unit.index in self._kept_indices:
+                    unit.drop_secondary()  # kept gathered until the optimizer step: backward gathers it no more
             self._forward_order.append(unit.index)
-            self._prefetch_after(unit.index, len(self._forward_order) - 1)
+            self._prefetch_after(unit.index, len(self._forward_order) - 1, kind)
             if not torch.is_grad_enabled():
                 return None
             args, with_grad = _through(ends, args)
@@ -290,7 +303,8 @@ class GatherSchedule:
                 return None
             inputs_with_grad = self._inputs_with_grad.pop() if self._inputs_with_grad else False
             output, with_grad = _through(begins, output)
-            if not with_grad:
+            if not with_grad:  # backward will not gather it for this call
+                unit.drop_secondary()
                 return None
             self._called_with_grad.append(unit.index)
             if not inputs_with_grad:  # the last parameter gradient ends this call's backward
@@ -312,10 +326,10 @@ class GatherSchedule:
         position = self._queue_position.get(unit.index)
         freed_after_its_turn = position is not None and position < self._issued and unit.state is UnitState.SHARDED
         if position is None or freed_after_its_turn:  # not queued, or reached again: on demand
-            unit.unshard()
+            unit.unshard(GatherKind.BACKWARD)
             return
         self._issue_through(queue, position)
-        unit.unshard()
+        unit.unshard(GatherKind.BACKWARD)
         self._issue_through(queue, position + self.prefetch_units)
         if position + self.prefetch_units + 1 < len(queue):
             queue[position + self.prefetch_units + 1].read_ahead()
@@ -332,7 +346,7 @@ class GatherSchedule:
     def _issue_through(self, queue: list[Unit], position: int) -> None:
         """Issue the gathers of ``queue`` (this backward's) up to ``position``."""
         while self._issued <= min(position, len(queue) - 1):
-            queue[self._issued].start_unshard()
+            queue[self._issued].start_unshard(GatherKind.BACKWARD)
             self._issued += 1
 
     def grad_accumulated(self, param: ShardedParam) -> None:
@@ -346,12 +360,12 @@ class GatherSchedule:
         if not pending and self._backward_calls_pending.get(unit.index, 0) <= 0:
             self._free(unit)
 
-    def _prefetch_after(self, index: int, position: int) -> None:
+    def _prefetch_after(self, index: int, position: int, kind: GatherKind) -> None:
         order = self._previous_order
         if self.prefetch_units <= 0 or position + 1 >= len(order) or order[position] != index:
             return  # no record yet, or this forward already left last step's path
         for later in order[position + 1 : position + 1 + self.prefetch_units]:
-            self.units[later].start_unshard()
+            self.units[later].start_unshard(kind)
         for later in order[position + 1 + self.prefetch_units : position + 2 + self.prefetch_units]:
             self.units[later].read_ahead()
 

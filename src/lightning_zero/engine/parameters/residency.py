@@ -101,6 +101,11 @@ class ParameterResidency(abc.ABC):
         return 0
 
     @property
+    def secondary_shard_bytes(self) -> int:
+        """Bytes of hpZ's secondary shards held now (stage 3 with ``secondary_shard_size``; 0 here)."""
+        return 0
+
+    @property
     def gradient_listener(self) -> Optional[Any]:
         """What hears of each parameter's accumulated gradient, a ``grad_sync.GradientListener``
         (stage 3's gather schedule; None here)."""

@@ -27,6 +27,7 @@ from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.parameters.gather_schedule import GatherSchedule
 from lightning_zero.engine.parameters.materialize import build_units
 from lightning_zero.engine.parameters.reads_at_rest import ReadsAtRest
+from lightning_zero.engine.parameters.secondary_shards import SecondaryShards
 from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopies, ParameterResidency
 from lightning_zero.engine.parameters.unit import UnitCommunication, UnitState
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
@@ -66,6 +67,11 @@ class ShardedParameters(ParameterResidency):
         self._verdicts = verdicts
         gather_group = collectives.new_group_like(group, timeout)  # see GatherSchedule's docstring
         self._own_group = gather_group if gather_group is not group else None  # destroyed by release_to
+        self.secondary_shards: Optional[SecondaryShards] = None
+        """hpZ: kept from each unit's training forward for its backward (see [Note: secondary shards]);
+        ``chunks_changed`` at every point below where chunks are written."""
+        if links is not None and links.secondary is not None:
+            self.secondary_shards = SecondaryShards(links.secondary)
         comm = UnitCommunication(
             reduce_group=group,
             gather_group=gather_group,
@@ -81,6 +87,7 @@ class ShardedParameters(ParameterResidency):
             links=links,
             weight_format=config.weight_quantization,
             gradient_format=config.gradient_quantization,
+            secondary_shards=self.secondary_shards,
         )
         self.units = build_units(
             module,
@@ -130,7 +137,13 @@ class ShardedParameters(ParameterResidency):
     def gradient_listener(self) -> GatherSchedule:
         return self.schedule
 
+    def _chunks_changed(self) -> None:
+        """Chunks are (about to be) written, or a step begins: no secondary shard kept so far is used."""
+        if self.secondary_shards is not None:
+            self.secondary_shards.chunks_changed()
+
     def begin_step(self, evaluation: bool = False) -> None:
+        self._chunks_changed()  # whatever was written between the steps
         self.reads.trained_here()
         self.schedule.begin_step(evaluation)
 
@@ -148,6 +161,8 @@ class ShardedParameters(ParameterResidency):
             master.drop_unused()
 
     def buckets_in_memory(self, writing: bool = False) -> Iterator[Sequence[ShardedParam]]:
+        if writing:
+            self._chunks_changed()
         if not self.masters_on_disk:
             yield self.params
             return
@@ -184,6 +199,7 @@ class ShardedParameters(ParameterResidency):
             self.copies.synchronize()  # no copy to the device still reads the host chunks
         if p.offloaded:
             self.wait_for_host_step()
+        self._chunks_changed()
         p.load_full_value(full)
 
     def _before_host_read(self) -> None:
@@ -217,7 +233,12 @@ class ShardedParameters(ParameterResidency):
     def kept_frozen_bytes(self) -> int:
         return self.schedule.kept.held_bytes
 
+    @property
+    def secondary_shard_bytes(self) -> int:
+        return self.secondary_shards.held_bytes if self.secondary_shards is not None else 0
+
     def after_optimizer_step(self, optimizer: Optimizer, optimizer_params: Sequence[ShardedParam]) -> None:
+        self._chunks_changed()
         mine = {id(p) for p in optimizer_params}
         if self.copies_back is not None:  # those refreshed as they stepped are left as they are
             self.copies_back.after_step(mine)
@@ -258,6 +279,7 @@ class ShardedParameters(ParameterResidency):
             yield
         finally:
             if writeback:
+                self._chunks_changed()
                 self.write_back()
             for unit in was_sharded:
                 unit.reshard()

@@ -33,6 +33,7 @@ from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
+from lightning_zero.engine.parameters.secondary_shards import BucketSecondary, SecondaryShards
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.sharded_param import ShardedParam
 
@@ -43,6 +44,14 @@ class UnitState(enum.Enum):
     SHARDED = "sharded"  # at rest: only this rank's chunks exist
     GATHERING = "gathering"  # all-gather issued (e.g. prefetched), full data not yet in place
     UNSHARDED = "unsharded"  # every parameter is its full tensor
+
+
+class GatherKind(enum.Enum):
+    """What a gather is for, which decides how ZeRO++ sends it (see [Note: ZeRO++] in ``zero_plus_plus.py``)."""
+
+    EXACT = "exact"  # the true weights (``summon_full_params``, state dicts): never quantized, the full group
+    FORWARD = "forward"  # a step's forward (training or evaluation): qwZ quantizes it
+    BACKWARD = "backward"  # backward's (recomputes included): hpZ gathers from the secondary shards where held
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class UnitCommunication:
     """qwZ: the block format weights are all-gathered in ("int8", "fp8"; see ``quantization.py``)."""
     gradient_format: Optional[str] = None
     """qgZ: the block format gradients are reduced in ("int8", "int4")."""
+    secondary_shards: Optional[SecondaryShards] = None
+    """hpZ: the secondary shards' group and generation (see [Note: secondary shards]); None without hpZ."""
 
 
 class UnitTags:
@@ -115,12 +126,17 @@ class Unit:
         self.buckets = [
             Bucket(
                 index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group,
-                param_files=comm.param_files, name=f"params-unit{index}-bucket{k}",
+                param_files=comm.param_files, name=f"params-unit{index}-bucket{k}", weight_format=comm.weight_format,
             )
             for k, ps in enumerate(members.values())
         ]  # fmt: skip
         self.tags = UnitTags(index, comm)
         self._pending: list[PendingParamGather] = []
+        self._kind = GatherKind.EXACT  # of the gather in flight or done
+        self.secondaries: Optional[list[BucketSecondary]] = None
+        """hpZ: each bucket's secondary shard, in bucket order (see ``secondary_shards.py``)."""
+        if comm.secondary_shards is not None:
+            self.secondaries = [comm.secondary_shards.of(bucket) for bucket in self.buckets]
         # the parameters become views of their buckets' storages (see [Note: stage-3 storage] in
         # gathered_storage.py), guarded at rest by their class (see [Note: parameters at rest])
         for bucket in self.buckets:
@@ -153,27 +169,53 @@ class Unit:
                 if bucket.host is not None:
                     bucket.host.fetch()
 
-    def start_unshard(self) -> None:
-        """Issue the all-gather (asynchronously); a no-op unless at rest."""
+    def start_unshard(self, kind: GatherKind = GatherKind.EXACT) -> None:
+        """Issue the all-gather (asynchronously); a no-op unless at rest. ``kind`` decides how ZeRO++
+        sends it: a step's gathers quantized with qwZ, backward's from the secondary shards with hpZ
+        where every bucket holds one (the same on every rank: see [Note: secondary shards])."""
         if self.state is UnitState.SHARDED:
             pending = self._pending = []  # a loop, not a comprehension: no frame of its own (Python 3.11)
-            for bucket in self.buckets:
-                pending.append(bucket.start_param_gather(self.tags))
+            self._kind = kind
+            if kind is GatherKind.BACKWARD and self.secondaries is not None and all(s.holds for s in self.secondaries):
+                for secondary in self.secondaries:
+                    pending.append(secondary.start_gather(self.tags))
+            else:
+                quantize = kind is not GatherKind.EXACT
+                for bucket in self.buckets:
+                    pending.append(bucket.start_param_gather(self.tags, quantize))
             self.state = UnitState.GATHERING
 
-    def unshard(self) -> None:
-        """Make every parameter its full tensor (waiting for a prefetched gather if one is running)."""
+    def unshard(self, kind: GatherKind = GatherKind.EXACT, keep_secondary: bool = False) -> None:
+        """Make every parameter its full tensor (waiting for a prefetched gather if one is running).
+        ``keep_secondary`` (hpZ): a training forward's gather whose unit backward will gather again
+        keeps each bucket's secondary shard as it finishes."""
         if self.state is UnitState.SHARDED:  # not prefetched
-            self.start_unshard()
+            self.start_unshard(kind)
         if self.state is UnitState.GATHERING:
-            for pending in self._pending:
-                pending.finish()
+            if keep_secondary and self.secondaries is not None and self._kind is GatherKind.FORWARD:
+                for pending, secondary in zip(self._pending, self.secondaries):
+                    pending.finish(secondary)
+            else:
+                for pending in self._pending:
+                    pending.finish()
             self._pending = []
             for param in self._guarded:
                 param.__class__ = nn.Parameter
             for p in self._unguarded:
                 p.point_at_storage()
             self.state = UnitState.UNSHARDED
+
+    def regather(self) -> None:
+        """Gather again as last gathered (after the chunks changed), keeping no secondary shard."""
+        kind = self._kind
+        self.reshard()
+        self.unshard(kind)
+
+    def drop_secondary(self) -> None:
+        """hpZ: this unit's backward is done with its secondary shards: free them."""
+        if self.secondaries is not None:
+            for secondary in self.secondaries:
+                secondary.free()
 
     def reshard(self) -> None:
         """Free the full tensors; only the chunks remain."""
