@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,...",
         help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS)
         + " (default: all but the ownership path's "
-        + ",".join(v.name for v in variants.VARIANTS if v.name not in variants.DEFAULT_VARIANTS)
-        + "; with --nodes 2 or more: " + ",".join(variants.NODE_VARIANTS)
+        + ",".join(v.name for v in variants.VARIANTS if v.whole_tensor)
+        + " and ZeRO++'s; with --nodes 2 or more: " + ",".join(variants.NODE_VARIANTS)
         + "; with --capacity: " + ",".join(CAPACITY_VARIANTS)
         + "; with --offload-overlap: " + ",".join(OVERLAP_VARIANTS) + ")",
     )
