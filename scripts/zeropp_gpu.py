@@ -25,6 +25,7 @@ JSON line, and writes the JSON to ``--out`` if given. Under a minute on an H100:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -41,6 +42,7 @@ TINY_SIZES = (65_536, 262_144)
 """`--tiny`: two units small enough for a CPU to run every step in well under a second."""
 
 
+@functools.lru_cache(maxsize=1)
 def load_formats() -> dict[str, Any]:
     """`quantization.FORMATS`, loaded from its file (it imports only torch)."""
     spec = importlib.util.spec_from_file_location("zeropp_quantization", QUANTIZATION)
