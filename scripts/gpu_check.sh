@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 26's one command for a GPU machine: the CUDA test tier (with issue 59's concurrency checks),
-# overhead_gpu.sh, offload_gpu.py, NVMe offload's step time against CPU offload's (issue 28) and the
-# capacity benchmark on the GPU, then summary.md: every target, its measured value, its verdict.
+# overhead_gpu.sh, offload_gpu.py, NVMe offload's step time against CPU offload's (issue 28), the
+# capacity benchmark on the GPU and zeropp_gpu.py (issue 63: qwZ's kernels against the link time
+# their bytes save), then summary.md: every target, its measured value, its verdict.
 # Runs from a plain checkout against the installed torch and Lightning (PYTHONPATH=src), in at most
 # 10 minutes on one H200: each step has a time limit (the table below), and a step that fails or runs
 # out of time is recorded in the summary while the next one runs.
@@ -40,7 +41,8 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_
 if [ "$dry_run" = 1 ]; then
   # one pytest for the tier and one precision for the overhead: the same code paths, half the processes
   tier_steps=("cuda-tier:engine host_work unreached lightning checkpoint compile nccl_contracts reduce_stream concurrency:60") overhead_precisions=(fp32)
-  overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60
+  overhead_limit=60 offload_limit=60 nvme_limit=60 capacity_limit=60 zeropp_limit=30
+  zeropp_args=(--device cpu --tiny)
   overhead_args=(--device cpu --n-layer 1 --n-embd 32 --n-head 2 --block-size 16 --batch-size 2 --warmup 0 --steps 1 --timeout 50)
   offload_args=(--device cpu --n-layer 2 --n-embd 64 --n-head 4 --block-size 32 --batch-size 2 --warmup 1 --steps 2)
   # one variant (the one that reads and writes the most): the pipeline, not a ratio (test_gpu_check_script.py judges those)
@@ -50,10 +52,14 @@ if [ "$dry_run" = 1 ]; then
   capacity_args=(--device cpu --memory-budget 100MB --n-layer 1 --n-embd 256 --n-head 4 --block-size 16 --batch-size 1 --variants zero3 --timeout 50)
 else
   # NAME:MODULES:LIMIT: a step of its own per module, so one that runs out of time loses only its results
-  tier_steps=("cuda-tier-engine:engine host_work unreached:40" "cuda-tier-lightning:lightning:55" "cuda-tier-checkpoint:checkpoint:35"
-              "cuda-tier-compile:compile:55" "cuda-tier-nccl-contracts:nccl_contracts:35"
+  # zeropp (15 s, for ~8 s expected: torch and CUDA start, then 2 units x 46 kernel rounds of a few ms; not
+  # yet timed on a GPU) took 5 s from each of the lightning tier (55 -> 50), compile (55 -> 50) and offload
+  # (90 -> 85, its own --time-budget-s stays 60)
+  tier_steps=("cuda-tier-engine:engine host_work unreached:40" "cuda-tier-lightning:lightning:50" "cuda-tier-checkpoint:checkpoint:35"
+              "cuda-tier-compile:compile:50" "cuda-tier-nccl-contracts:nccl_contracts:35"
               "cuda-tier-reduce-stream:reduce_stream:35" "cuda-tier-concurrency:concurrency:75")
-  overhead_precisions=(fp32 bf16-mixed) overhead_limit=45 offload_limit=90 nvme_limit=45 capacity_limit=45
+  overhead_precisions=(fp32 bf16-mixed) overhead_limit=45 offload_limit=85 nvme_limit=45 capacity_limit=45 zeropp_limit=15
+  zeropp_args=()  # units of 50M and 200M bf16 elements, 8 ranks, int8, 100 Gb/s
   overhead_args=(--warmup 1 --steps 6 --timeout 40)  # the script's 124M GPT, 5 variants round-robin in one process
   offload_args=(--warmup 1 --steps 3 --time-budget-s 60)  # the default 1.2B GPT, bf16-mixed
   # a GPT of 8 x 1024 (101M parameters, 1.6 GB of fp32 states), 4 x 256 tokens: the optimizer step
@@ -118,6 +124,8 @@ check() {
   rm -rf "$nvme_files"
   run_step capacity "$capacity_limit" "$python" -m lightning_zero bench --capacity model --devices 1 \
     "${capacity_args[@]}" --out "$detail/capacity"
+  run_step zeropp "$zeropp_limit" "$python" scripts/zeropp_gpu.py ${zeropp_args[@]+"${zeropp_args[@]}"} \
+    --out "$detail/zeropp_gpu.json"
   "$python" scripts/gpu_summary.py summary "$out" ${flags[@]+"${flags[@]}"}
   failed=$(awk -F'\t' '$2 != 0' "$detail/steps.tsv" | wc -l)
   if [ "$pack" = 1 ]; then

@@ -229,6 +229,23 @@ def offload_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
     return rows
 
 
+def zeropp_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
+    """Issue 63: per unit, qwZ's quantize + dequantize against the link time its bytes save
+    (``zeropp_gpu.py``)."""
+    if report is None:
+        return [Row("qwZ kernels per unit, against the link time saved", "kernels < time saved", "—", not_measured(steps, "zeropp"))]
+    rows = []
+    link = f"{report['link_gbps']:g} Gb/s"
+    for unit in report["units"]:
+        check = f"qwZ {report['format']} kernels, unit of {unit['unit_elements'] / 1e6:g}M {report['dtype']} elements, N = {report['world']}"
+        measured = (
+            f"{unit['kernels_ms']:.3f} ms ({unit['quantize_ms']:.3f} + {unit['dequantize_ms']:.3f})"
+            f" vs {unit['link_ms_saved']:.3f} ms ({unit['bytes_saved_on_link'] / 1e6:,.1f} MB)"
+        )
+        rows.append(Row(check, f"< link time saved at {link}", measured, PASS if unit["kernels_below_saving"] else FAIL))
+    return rows
+
+
 def nvme_rows(report: Optional[dict], steps: dict[str, Step]) -> list[Row]:
     """Each NVMe variant's step time against zero3_offload's, with what its disk did."""
     variants = variants_by_name(report)
@@ -416,6 +433,7 @@ def summarize(out: Path, dry_run: bool) -> dict[str, Any]:
         + overhead_rows(overhead, steps)
         + offload_rows(read_json(detail / "offload_gpu.json"), steps)
         + nvme_rows(read_json(detail / "nvme" / "bench.json"), steps)
+        + zeropp_rows(read_json(detail / "zeropp_gpu.json"), steps)
     )
     return {
         "dry_run": dry_run,

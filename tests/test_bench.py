@@ -269,6 +269,133 @@ def test_hybrid_sharding_traffic_is_split_by_group(tmp_path: Path) -> None:
     assert "Hybrid sharding, 2 groups of 2 ranks" in (tmp_path / "bench.md").read_text()
 
 
+def test_zero_plus_plus_bytes_per_link(tmp_path: Path) -> None:
+    """4 ranks as 2 nodes of 2: every collective of zero3 and zero3_hpz classified by link, next to
+    `theory.link_bytes`. zero3's bytes are exact (one unit per bucket, no padding at this shape); so
+    are hpZ's once the engine moves its backward gathers into the node (until then its options are
+    accepted and it moves zero3's bytes, which the report says)."""
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "devices": 4}.items()]
+    assert main(["bench", *args, "--nodes", "2", "--variants", "zero3,zero3_hpz", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["options"]["nodes"] == 2 and "--nodes 2" in result["options"]["command"]
+    by_name = {v["name"]: v for v in result["variants"]}
+    assert list(by_name) == ["zero3", "zero3_hpz"]
+    for variant in by_name.values():
+        assert variant["status"] == OK, variant["reason"]
+    zero3 = by_name["zero3"]
+    # every category and link; what is over is small control tensors (unit tags and the like)
+    assert _nested_close(zero3["bytes_by_link"], zero3["theory"]["link_bytes"], rel=0.002)
+    assert set(zero3["bytes_by_link"]) == {"all_gather forward", "all_gather backward", "reduce_scatter"}
+    assert all(row["intra"] == 0 for row in zero3["bytes_by_link"].values())  # every group spans both nodes
+    hpz = by_name["zero3_hpz"]
+    expected = hpz["theory"]["link_bytes"]
+    assert expected["all_gather backward"] == {"intra": zero3["theory"]["link_bytes"]["all_gather backward"]["inter"], "inter": 0}
+    measured = hpz["bytes_by_link"]
+    moved = measured["all_gather backward"]["intra"] > 0
+    if moved:  # the engine's hpZ has landed: its bytes are the theory's
+        assert _nested_close(measured, expected, rel=0.002)
+    else:
+        assert measured == zero3["bytes_by_link"]
+    text = (tmp_path / "bench.md").read_text()
+    assert "## ZeRO++: bytes per link" in text and "4 ranks as 2 nodes of 2" in text
+    assert "| `zero3` | 0.000 / 0.000 | 1.35 / 1.35 | 1.000 (1.000) |" in text
+    assert ("moves zero3's bytes" in text) is not moved
+
+
+def _nested_close(measured: dict, expected: dict, rel: float) -> bool:
+    """Bytes by category and link: the same categories, each link's figure within `rel` of the expected."""
+    assert set(measured) == set(expected), (measured, expected)
+    for name, row in expected.items():
+        for link, nbytes in row.items():
+            assert measured[name][link] == pytest.approx(nbytes, rel=rel), (name, link, measured[name][link], nbytes)
+    return True
+
+
+def test_link_classification() -> None:
+    from lightning_zero.bench.links import bytes_by_link, link_of, link_totals, phase_deltas
+
+    assert link_of((0, 1), 2) == link_of((2, 3), 2) == link_of((1,), 2) == link_of((), 2) == "intra"
+    assert link_of((0, 2), 2) == link_of((0, 1, 2, 3), 2) == link_of((1, 2), 2) == "inter"
+    assert link_of((0, 1, 2, 3), 4) == "intra"  # one node
+    world, node, across = (0, 1, 2, 3), (0, 1), (0, 2)
+    # cumulative counts at the end of each phase, as the instrumented step snapshots them
+    forward = {("all_gather", world): 100}
+    backward = {("all_gather", world): 100, ("all_gather", node): 80, ("reduce_scatter", world): 50}
+    gradients = {**backward, ("all_to_all", node): 30, ("all_to_all", across): 15}
+    step = {**gradients, ("all_gather", world): 160}  # stages 1-2's parameter refresh
+    deltas = phase_deltas([("forward", forward), ("backward", backward), ("gradients", gradients), ("step", step)])
+    assert deltas["backward"] == {("all_gather", node): 80, ("reduce_scatter", world): 50}
+    by_link = bytes_by_link(deltas, ranks_per_node=2)
+    assert by_link == {
+        "all_gather forward": {"intra": 0, "inter": 100},
+        "all_gather backward": {"intra": 80, "inter": 0},
+        "all_gather after backward": {"intra": 0, "inter": 60},
+        "reduce_scatter": {"intra": 0, "inter": 50},
+        "all_to_all": {"intra": 30, "inter": 15},
+    }
+    assert list(by_link) == ["all_gather forward", "all_gather backward", "all_gather after backward", "reduce_scatter", "all_to_all"]
+    assert link_totals(by_link) == {"intra": 110, "inter": 225}
+
+
+def test_link_theory_is_zero_plus_plus_accounting() -> None:
+    """`theory.link_bytes` on two units of rows 256 and 1024 (elements per rank), N = 4 in 2 nodes,
+    fp32: int8 rows pack 4 bytes of scale per 256 elements and a byte each."""
+    from lightning_zero.bench.variants import BY_NAME
+    from lightning_zero.engine.comm.quantization import FORMATS
+
+    rows, b = [256, 1024], 4
+    int8 = FORMATS["int8"].packed_bytes
+    assert (int8(256), int8(1024)) == (260, 1040)
+
+    def expected(name: str) -> dict:
+        return theory.link_bytes(rows, 4, 2, BY_NAME[name].zero_plus_plus)
+
+    zero3 = expected("zero3")
+    full = 4 * (256 + 1024) * b  # N·S·b over the units
+    assert zero3 == {
+        "all_gather forward": {"intra": 0, "inter": full},
+        "all_gather backward": {"intra": 0, "inter": 4 * 1024 * b},  # the root unit is gathered once
+        "reduce_scatter": {"intra": 0, "inter": full},
+    }
+    assert expected("zero3_hpz")["all_gather backward"] == {"intra": 4 * 1024 * b, "inter": 0}
+    qwz = expected("zero3_qwz")
+    assert qwz["all_gather forward"]["inter"] == 4 * (260 + 1040)  # int8: ~1/4 of fp32
+    assert qwz["all_gather backward"]["inter"] == 4 * 1040  # gathered quantized again
+    qgz = expected("zero3_qgz")
+    assert "reduce_scatter" not in qgz
+    assert qgz["all_to_all"] == {"intra": 4 * (260 + 1040), "inter": 2 * (260 + 1040)}  # N rows, then M = 2
+    pp = expected("zero3pp")
+    inter = sum(row["inter"] for row in pp.values())
+    assert inter == 4 * 1300 + 2 * 1300  # the forward's int8 gather and qgZ's second all-to-all
+    assert inter / sum(row["inter"] for row in zero3.values()) == pytest.approx(0.136, abs=0.001)
+    # the units of the benchmark's GPT: the root (embeddings, final norm) first, then a Block each
+    from lightning_zero.models.gpt import GPT, Block
+
+    with torch.device("meta"):
+        model = GPT(model_config(BenchOptions(**TINY)))
+    unit_rows = theory.unit_rows(model, Block, 4)
+    assert len(unit_rows) == 3 and 4 * sum(unit_rows) >= num_parameters(model_config(BenchOptions(**TINY)))
+
+
+def test_node_options_checks(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError, match="does not split the 4 ranks"):
+        BenchOptions(devices=4, nodes=3)
+    with pytest.raises(ValueError, match="nodes` of 2 or more"):
+        BenchOptions(devices=4, variants=("zero3", "zero3_hpz"))
+    with pytest.raises(ValueError, match="needs `nodes` of 2 or more"):
+        BenchOptions(devices=4, nodes=1, variants=("zero3pp",))
+    with pytest.raises(ValueError, match="hybrid sharding"):
+        BenchOptions(devices=4, nodes=2, shard_group_size=2, variants=("zero3_qgz",))
+    options = BenchOptions(devices=4, nodes=2, variants=("zero3", "zero3pp"))
+    assert options.ranks_per_node == 2 and BenchOptions(devices=4).ranks_per_node == 4
+    assert variants.BY_NAME["zero3pp"].zero_plus_plus.config() == {
+        "secondary_shard_size": "node", "quantize_weights": "int8", "quantize_gradients": "int8",
+    }  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--devices", "4", "--variants", "zero3_qwz"])
+    assert exit_info.value.code == 2 and "--nodes M" in capsys.readouterr().err
+
+
 def test_activation_checkpointing_wraps_every_block_and_computes_the_same() -> None:
     import copy
 
@@ -304,7 +431,8 @@ def test_ownership_rows_are_asked_for_by_name() -> None:
     whole = {v.name for v in variants.VARIANTS if v.whole_tensor}
     assert whole == {"zero2_whole", "zero3_whole"}
     assert not whole & set(BenchOptions().variants)  # the default run (and CI's) stays as it was
-    assert set(BenchOptions().variants) | whole == set(variants.BY_NAME)
+    plus = {v.name for v in variants.VARIANTS if v.zero_plus_plus is not None}  # need --nodes: ZeRO++'s tests
+    assert set(BenchOptions().variants) | whole | plus == set(variants.BY_NAME)
     with pytest.raises(ValueError, match="does not search zero2_whole"):
         BenchOptions(capacity="model", memory_budget=10**9, variants=("ddp", "zero2_whole"))
 

@@ -9,7 +9,8 @@ variant is built and stepped), `worker` (one process group per variant) and `ran
 ranks runs), `paired` (`--paired`: the variants round-robin in one process group), `memory`, `comm`,
 `overhead` and `host_counts` with `python_calls` (what is measured and how), `disk` (NVMe offload's
 directory, its raw figures and the engine's I/O), `io_floor` (the NVMe optimizer step against its I/O
-floor, at the rates of the engine's own I/O path), `theory` (the floors),
+floor, at the rates of the engine's own I/O path), `links` (`--nodes`: our collectives' bytes
+intra-node and inter-node, ZeRO++'s accounting), `theory` (the floors, and the bytes per link),
 `ratios` (each variant against DDP), `targets` (issue 8's targets and the notes), `results` (the
 figures), `report` (markdown, JSON; its side tables `report_sections`, host work `host_report`,
 building blocks `markdown`) and `chart` (PNG). `--capacity`: `capacity`

@@ -102,6 +102,10 @@ class BenchOptions:
     shard_group_size: Optional[int] = None
     """Our variants only: hybrid sharding, states sharded within groups of this many ranks and
     replicated across the groups; the report then splits our traffic by group."""
+    nodes: Optional[int] = None
+    """Split the ranks into this many simulated nodes of `devices / nodes` consecutive ranks each
+    (Lightning's `LOCAL_WORLD_SIZE`): ZeRO++'s variants (`variants.NODE_VARIANTS`) need 2 or more, and
+    the report then splits our collectives' bytes into intra-node and inter-node (`links.py`)."""
     timeout_s: float = 900.0
     """A variant whose processes have not all reported by then is killed and marked failed (with
     `capacity`: each try)."""
@@ -158,6 +162,7 @@ class BenchOptions:
             raise ValueError(f"`timeout_s` must be positive, got {self.timeout_s!r}")
         if self.shard_group_size is not None:
             check_shard_group_size(self.shard_group_size, self.devices)
+        self._check_nodes()
         self._check_capacity()
         if self.shape is not None and self.shape not in SHAPES:
             raise ValueError(f"`shape` must be one of {', '.join(SHAPES)}, got {self.shape!r}")
@@ -175,6 +180,39 @@ class BenchOptions:
                 raise ValueError(f"`nvme_path` {self.nvme_path} is not a directory: create it on the disk to measure")
         if self.n_embd % self.n_head and self.params is None:
             raise ValueError(f"`n_head` ({self.n_head}) must divide `n_embd` ({self.n_embd})")
+
+    def _check_nodes(self) -> None:
+        nodes = self.nodes
+        if nodes is not None:
+            if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+                raise ValueError(f"`nodes` must be a positive integer or None, got {nodes!r}")
+            if self.devices % nodes:
+                divisors = ", ".join(str(d) for d in range(1, self.devices + 1) if self.devices % d == 0)
+                raise ValueError(
+                    f"`nodes={nodes}` does not split the {self.devices} ranks (`devices`) into equal nodes:"
+                    f" it must divide them ({divisors} here)"
+                )
+        names = tuple(self.variants)
+        variants.select(names)  # unknown names raise first, with the list of known ones
+        plus = [name for name in names if variants.BY_NAME[name].zero_plus_plus is not None]
+        if not plus:
+            return
+        if nodes is None or nodes < 2:
+            raise ValueError(
+                f"{', '.join(plus)} (ZeRO++) need{'s' if len(plus) == 1 else ''} `nodes` of 2 or more (`--nodes M`,"
+                f" {self.devices} ranks as M nodes of {self.devices}/M): hpZ gathers within a node, qgZ reduces within"
+                f" then across nodes, and what they save is measured on the inter-node link; got nodes={nodes!r}"
+            )
+        if self.shard_group_size is not None:
+            raise ValueError(
+                f"{', '.join(plus)} (ZeRO++) cannot be combined with hybrid sharding (`shard_group_size`):"
+                " the engine refuses hpZ and qgZ with it. Run them in separate benches."
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks of one (simulated) node: `devices / nodes`, or all of them without `nodes`."""
+        return self.devices // (self.nodes or 1)
 
     def _check_capacity(self) -> None:
         if self.budget_scope not in BUDGET_SCOPES:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_zero.bench import variants
 from lightning_zero.bench.options import BenchOptions, shaped
 
 
@@ -99,7 +100,10 @@ def command_line(options: BenchOptions) -> str:
     for name, flag in flags:
         if getattr(options, name) != getattr(defaults, name):
             parts.append(f"{flag} {getattr(options, name)}")
-    if options.variants != defaults.variants:
+    default_variants = defaults.variants
+    if options.nodes is not None and options.nodes >= 2 and options.capacity is None and not options.offload_overlap:
+        default_variants = variants.NODE_VARIANTS  # what the command line picks with --nodes
+    if options.variants != default_variants:
         parts.append(f"--variants {','.join(options.variants)}")
     if options.paired:
         parts.append("--paired")
@@ -109,6 +113,8 @@ def command_line(options: BenchOptions) -> str:
         parts.append("--activation-checkpointing")
     if options.shard_group_size is not None:
         parts.append(f"--shard-group-size {options.shard_group_size}")
+    if options.nodes is not None:
+        parts.append(f"--nodes {options.nodes}")
     if options.capacity is not None:
         parts.append(f"--capacity {options.capacity} --memory-budget {options.memory_budget}B")
     if options.budget_scope != defaults.budget_scope:

@@ -33,6 +33,7 @@ from lightning_zero.bench.comm import CollectiveCounter, CommCount
 from lightning_zero.bench.disk import DiskIO
 from lightning_zero.bench.host_counts import counted_step
 from lightning_zero.bench.io_floor import StepIORecorder
+from lightning_zero.bench.links import LinkBytes, bytes_by_link, phase_deltas
 from lightning_zero.bench.memory import HeldBytes, PeakMemory, held_bytes, small_mmap_threshold
 from lightning_zero.bench.options import BenchOptions
 from lightning_zero.bench.overhead import HostSyncCounter, OpCounter, Overhead, overhead_of
@@ -90,6 +91,7 @@ def build_rank(
         bucket_size_mb=options.bucket_size_mb,
         batch_size=options.batch_size,
         shard_group_size=options.shard_group_size,
+        ranks_per_node=options.ranks_per_node,
         nvme_path=None if options.nvme_path is None else str(options.nvme_path),
         engine_options=dict(engine_options or {}),
     )
@@ -184,7 +186,9 @@ def closing_measurement(
     (module doc, 4), then `built` is closed; `memory` is (resting, peak, what the peak means)."""
     wrapped, batches = built.wrapped, built.batches
     counted_loss, host = counted_step(wrapped, *batches[-2])
-    instrumented = _instrumented_step(wrapped, *batches[-1], world_size=options.devices, device=built.device)
+    instrumented = _instrumented_step(
+        wrapped, *batches[-1], world_size=options.devices, device=built.device, ranks_per_node=options.ranks_per_node
+    )
     units = wrapped.units()
     wrapped.close()
     resting, peak_bytes, peak_meaning = memory
@@ -203,6 +207,7 @@ def closing_measurement(
         collectives=instrumented.collectives,
         overhead=instrumented.overhead,
         traffic_by_group=instrumented.traffic,
+        bytes_by_link=instrumented.links,
         disk_io=disk_io,
         optimizer_step_times_s=tuple(timer.optimizer_times),
         host=host,
@@ -236,6 +241,8 @@ class _InstrumentedStep:
     """The step's aten ops and host syncs."""
     traffic: dict[str, int]
     """Ours: the step's collective bytes by where they went (see `traffic_by_group`)."""
+    links: LinkBytes
+    """Ours: the step's collective bytes by category and link (`links.bytes_by_link`)."""
 
     @property
     def largest_phase(self) -> str:
@@ -243,16 +250,19 @@ class _InstrumentedStep:
 
 
 def _instrumented_step(
-    wrapped: Wrapped, x: Tensor, y: Tensor, world_size: int, device: torch.device
+    wrapped: Wrapped, x: Tensor, y: Tensor, world_size: int, device: torch.device, ranks_per_node: Optional[int] = None
 ) -> _InstrumentedStep:
     """One step with every collective, aten op and host sync counted and model state measured at
-    each probe point (the counters pause while memory is measured, so the measuring is not counted)."""
+    each probe point (the counters pause while memory is measured, so the measuring is not counted);
+    our collectives' bytes are split by link with nodes of `ranks_per_node` ranks (None: one node)."""
     phases: dict[str, HeldBytes] = {}
     engine_reports: dict[str, dict[str, Any]] = {}
     counter, ops, syncs = CollectiveCounter(world_size), OpCounter(), HostSyncCounter()
     COLLECTIVE_STATS.reset()  # the engine's own count, which knows each collective's process group
+    snapshots: list[tuple[str, dict[tuple[str, tuple[int, ...]], int]]] = []  # cumulative, at each phase's end
 
     def probe(phase: str) -> None:
+        snapshots.append((phase, dict(COLLECTIVE_STATS.bytes_by_group)))
         counter.recording = ops.recording = syncs.recording = False
         synchronize(device)
         phases[phase] = held_bytes(wrapped.state_tensors())
@@ -267,8 +277,11 @@ def _instrumented_step(
         loss = wrapped.step(x, y, probe)
         counter.recording = ops.recording = syncs.recording = False
         synchronize(device)
-    traffic = traffic_by_group(COLLECTIVE_STATS.bytes_by_group) if isinstance(wrapped, OursWrapped) else {}
-    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs), traffic)
+    ours = isinstance(wrapped, OursWrapped)
+    traffic = traffic_by_group(COLLECTIVE_STATS.bytes_by_group) if ours else {}
+    snapshots.append(("after the step", dict(COLLECTIVE_STATS.bytes_by_group)))
+    by_link = bytes_by_link(phase_deltas(snapshots), ranks_per_node or world_size) if ours else {}
+    return _InstrumentedStep(loss, phases, engine_reports, counter.result(), overhead_of(ops, syncs), traffic, by_link)
 
 
 def traffic_by_group(bytes_by_group: dict[tuple[str, tuple[int, ...]], int]) -> dict[str, int]:

@@ -17,7 +17,8 @@ from lightning_zero.bench.chart import write_chart
 from lightning_zero.bench.host_report import HOST_DEFINITIONS, host_section
 from lightning_zero.bench.markdown import format_mb, markdown_table, pct
 from lightning_zero.bench.report_sections import (
-    comm_by_kind_section, io_floor_section, nvme_section, ownership_section, traffic_by_group_section,
+    bytes_per_link_section, comm_by_kind_section, io_floor_section, nvme_section, ownership_section,
+    traffic_by_group_section,
 )  # fmt: skip
 from lightning_zero.bench.results import OK, BenchResult, RunReport, VariantResult
 from lightning_zero.bench.variants import BY_NAME
@@ -192,6 +193,8 @@ def markdown(result: BenchResult) -> str:
         lines += ownership_section(whole, ran)
     if opts.get("shard_group_size"):
         lines += traffic_by_group_section(result, ran, opts["shard_group_size"])
+    if opts.get("nodes"):
+        lines += bytes_per_link_section(result, ran)
     if env.get("nvme"):
         lines += nvme_section(env["nvme"], ran)
         lines += io_floor_section(ran)

@@ -1,14 +1,15 @@
 """The benchmark report's side tables, one per idea, each shown where the run has something for it:
 communication by kind (always), the ownership path's rows (`zero2_whole`, `zero3_whole`), hybrid
-sharding's traffic within and across shard groups, NVMe offload's disk next to its raw figures, and
-each NVMe variant's optimizer step against its I/O floor."""
+sharding's traffic within and across shard groups, ZeRO++'s bytes per link (`--nodes`), NVMe
+offload's disk next to its raw figures, and each NVMe variant's optimizer step against its I/O floor."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_zero.bench import theory
 from lightning_zero.bench.io_floor import IO_FLOOR_TARGET
+from lightning_zero.bench.links import CATEGORIES, INTER, INTRA, link_totals
 from lightning_zero.bench.markdown import format_mb, markdown_table, pct
 from lightning_zero.bench.results import BenchResult, VariantResult
 from lightning_zero.bench.variants import BY_NAME
@@ -89,6 +90,97 @@ def traffic_by_group_section(result: BenchResult, ran: Sequence[VariantResult], 
         ])  # fmt: skip
     headers = ["variant", "within a group", "across groups", "over all ranks"]
     return lines + markdown_table(headers, rows, "lrrr")
+
+
+LINK_BASELINE = "zero3"
+"""The variant ZeRO++'s inter-node bytes are divided by."""
+
+
+def bytes_per_link_section(result: BenchResult, ran: Sequence[VariantResult]) -> list[str]:
+    """Our variants' full-buffer bytes per step split into intra-node and inter-node (`links.py`,
+    [Note: bytes per link]), measured / expected (`theory.link_bytes`), each variant's inter-node
+    bytes against zero3's, its step time, peak memory and final loss; then the bytes by category."""
+    measured = [r for r in ran if r.bytes_by_link is not None]
+    if not measured:
+        return []
+    opts, env = result.options, result.environment
+    nodes, world = opts["nodes"], env["world_size"]
+    baseline = next((r for r in measured if r.name == LINK_BASELINE), None)
+    base_inter = link_totals(baseline.bytes_by_link)[INTER] if baseline and baseline.bytes_by_link else None
+    base_expected = link_totals(baseline.theory.link_bytes)[INTER] if baseline and baseline.theory.link_bytes else None
+
+    def versus(value: Optional[float], base: Optional[float]) -> str:
+        return "—" if value is None or not base else f"{value / base:.3f}"
+
+    rows = []
+    for r in measured:
+        got = link_totals(r.bytes_by_link or {})
+        expected = link_totals(r.theory.link_bytes) if r.theory.link_bytes else None
+        rows.append([
+            f"`{r.name}`",
+            _measured_expected(got[INTRA], None if expected is None else expected[INTRA]),
+            _measured_expected(got[INTER], None if expected is None else expected[INTER]),
+            f"{versus(got[INTER], base_inter)} ({versus(None if expected is None else expected[INTER], base_expected)})",
+            "—" if r.step_time_s is None else _ms(r.step_time_s),
+            format_mb(r.peak_memory_bytes),
+            "—" if r.final_loss is None else f"{r.final_loss:.4f}",
+        ])  # fmt: skip
+    dtype = "fp32 (bf16-mixed autocasts activations only)" if opts["precision"] != "fp32" else "fp32"
+    lines = [
+        "",
+        "## ZeRO++: bytes per link",
+        "",
+        f"{world} ranks as {nodes} nodes of {world // nodes}. Full-buffer bytes of one step's collectives per rank"
+        " (an all-gather's output, a reduce-scatter's and an all-to-all's input, an all-reduce's tensor, in the"
+        " dtype sent: quantized rows with their scales and padding), the rank that moved the most inter-node;"
+        " intra-node where the collective's group lies within one node, inter-node where it spans nodes."
+        f" Measured / expected (MB); weights and gradients {dtype}, so qwZ's int8 blocks are ~1/4 of the"
+        f" fp32 gather (ZeRO++'s paper: 1/2 of fp16), qgZ's int8 ~1/4 of the fp32 reduce-scatter's rows."
+        f" `vs {LINK_BASELINE} inter`: measured (expected). Step time: median of the slowest rank's; peak"
+        " memory: the largest rank's; loss: the last step's, rank 0's.",
+        "",
+    ]
+    headers = [
+        "variant", "intra-node MB/step", "inter-node MB/step", f"vs {LINK_BASELINE} inter", "step ms", "peak MB",
+        "final loss",
+    ]  # fmt: skip
+    lines += markdown_table(headers, rows, "lrrrrrr")
+    same = [
+        r.name for r in measured
+        if BY_NAME[r.name].zero_plus_plus is not None and baseline is not None and r.bytes_by_link == baseline.bytes_by_link
+    ]  # fmt: skip
+    if same:
+        lines += [
+            "",
+            f"{', '.join(f'`{name}`' for name in same)} {'moves' if len(same) == 1 else 'move'} zero3's bytes exactly,"
+            " on the same links: the engine accepts these ZeRO++ options but does not use them (yet).",
+        ]
+    return lines + _link_categories(measured)
+
+
+def _measured_expected(value: float, expected: Optional[float]) -> str:
+    return f"{format_mb(value)} / {format_mb(expected)}"
+
+
+def _link_categories(measured: Sequence[VariantResult]) -> list[str]:
+    """Each variant's bytes by category and link, measured / expected (MB)."""
+    seen = {c for r in measured for c in (*(r.bytes_by_link or {}), *r.theory.link_bytes)}
+    order = [c for c in CATEGORIES if c in seen] + sorted(seen - set(CATEGORIES))
+    rows = []
+    for r in measured:
+        cells = [f"`{r.name}`"]
+        for c in order:
+            got = (r.bytes_by_link or {}).get(c, {})
+            expected = r.theory.link_bytes.get(c) if r.theory.link_bytes else None
+            parts = []
+            for link in (INTRA, INTER):
+                want = None if expected is None else expected.get(link, 0.0)
+                if got.get(link, 0) or want:
+                    parts.append(f"{link} {_measured_expected(got.get(link, 0), want)}")
+            cells.append("; ".join(parts) or "—")
+        rows.append(cells)
+    lines = ["", "By collective (all-gathers by the phase they were issued in), measured / expected MB per step:", ""]
+    return lines + markdown_table(["variant", *order], rows, "l" + "r" * len(order))
 
 
 def raw_disk_line(raw: dict[str, Any]) -> str:

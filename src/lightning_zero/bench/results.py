@@ -59,6 +59,9 @@ class RankMeasurement:
     traffic_by_group: dict[str, int] = field(default_factory=dict)
     """Ours: full-buffer bytes of the instrumented step's collectives "within" this rank's shard
     group and "across" groups (hybrid sharding), or over "all" ranks; from the engine's own count."""
+    bytes_by_link: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Ours: full-buffer bytes of the instrumented step's collectives by category ("all_gather
+    forward", "reduce_scatter", ...) and link ("intra", "inter"-node), `links.bytes_by_link`."""
     disk_io: Optional[DiskIO] = None
     """Ours with NVMe offload: the engine's reads and writes over the timed steps (`disk.py`)."""
     optimizer_step_times_s: tuple[float, ...] = ()
@@ -175,6 +178,9 @@ class VariantResult:
     """Host CPU ms per step beyond DDP's (paired: the median over rounds of the per-round difference)."""
     ms_beyond_ddp_per_unit: Optional[float] = None
     """`ms_beyond_ddp` / `units`, where the variant has units (see `ratios.py`)."""
+    bytes_by_link: Optional[dict[str, dict[str, int]]] = None
+    """Ours: the step's full-buffer bytes by category and link (`links.py`), of the rank that moved
+    the most inter-node."""
     io_floor: Optional[IOFloor] = None
     """Ours with NVMe offload, timed alone: the optimizer step against its I/O floor, with the rates
     of the engine's I/O path on its directory and the pipeline's occupancy (`io_floor.py`)."""
@@ -240,7 +246,16 @@ def summarize(
         hook_registrations_per_step=_largest([r.host.hook_registrations if r.host else None for r in ranks]),
         units=ranks[0].units,
         host_cpu_s=statistics.median(round_times(ranks, cpu=True)),
+        bytes_by_link=_busiest_inter_node(ranks),
     )
+
+
+def _busiest_inter_node(ranks: Sequence[RankMeasurement]) -> Optional[dict[str, dict[str, int]]]:
+    """The bytes by link of the rank that moved the most inter-node (None where none were counted)."""
+    counted = [r.bytes_by_link for r in ranks if r.bytes_by_link]
+    if not counted:
+        return None
+    return max(counted, key=lambda by_link: sum(row["inter"] for row in by_link.values()))
 
 
 def round_times(ranks: Sequence[RankMeasurement], cpu: bool = False) -> list[float]:

@@ -42,6 +42,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
         model = GPT(config)
         unit_bytes = theory.largest_unit_bytes(model, Block)
         numels = tuple(p.numel() for p in model.parameters())  # the optimizer's order: the owner plan's input
+        rows = tuple(theory.unit_rows(model, Block, options.devices))
     specs = variants.select(options.variants)
     results: list[VariantResult] = []
     on_disk = any(spec.state_on_disk for spec in specs)
@@ -50,7 +51,7 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = _say_noth
             environment["nvme"] = measure_disk(nvme_path, progress)
         run_options = dataclasses.replace(options, nvme_path=nvme_path)
         log_dir = options.out / report.LOG_DIR_NAME
-        runs = _Runs(run_options, config, numels, unit_bytes, log_dir, progress, environment.get("nvme"))
+        runs = _Runs(run_options, config, numels, unit_bytes, log_dir, progress, environment.get("nvme"), rows)
         if options.paired:
             results = _paired_then_alone(runs, specs)
         else:
@@ -106,10 +107,15 @@ class _Runs:
     progress: Callable[[str], None]
     raw_disk: Optional[dict[str, Any]] = None
     """The NVMe directory's raw figures (`measure_disk`), for the I/O floor at raw rates."""
+    rows: tuple[int, ...] = ()
+    """Each stage-3 unit's row (`theory.unit_rows`), the root first: prices the bytes per link."""
 
     def expected(self, spec: variants.VariantSpec) -> theory.VariantTheory:
         o, numels = self.options, self.numels
-        return theory.variant_theory(spec, sum(numels), o.devices, self.unit_bytes, o.shard_group_size, numels)
+        ranks_per_node = o.ranks_per_node if o.nodes is not None else None
+        return theory.variant_theory(
+            spec, sum(numels), o.devices, self.unit_bytes, o.shard_group_size, numels, self.rows, ranks_per_node
+        )
 
     def alone(self, spec: variants.VariantSpec, label: str) -> VariantResult:
         """One variant in fresh processes of its own, summarized (or why it did not run)."""

@@ -28,15 +28,19 @@ rank's chunk): `owner_exchange_bytes`, exact from the engine's owner plan and ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Optional, Sequence
 
 from torch import nn
 
 from lightning_zero import estimate as est
-from lightning_zero.bench.variants import VariantSpec
+from lightning_zero.bench.links import INTER, INTRA, link_of
+from lightning_zero.bench.variants import VariantSpec, ZeroPlusPlus
 from lightning_zero.engine import ZeroStage
+from lightning_zero.engine.comm.quantization import FORMATS
+from lightning_zero.engine.parameters.unit_plan import plan_units
+from lightning_zero.engine.zero_plus_plus import NodeLayout, gradient_format, resolve_secondary_shard_size, weight_format
 from lightning_zero.engine.optimizer.tensor_owners import plan_owners
 from lightning_zero.engine.shards.partition import ChunkLayout
 from lightning_zero.estimate_schemes import SCHEMES, Layout, PrecisionScheme
@@ -151,6 +155,68 @@ def traffic_by_group(num_params: int, stage: int, shard_group_size: int, element
     }
 
 
+def unit_rows(model: nn.Module, unit_class: type[nn.Module], world_size: int) -> list[int]:
+    """Each stage-3 unit's row S = Σ ceil(numel / N) over its parameters ([Note: chunk layout] in
+    `engine/shards/partition.py`): the elements of one rank's row of the unit's (N, S) buffer, the
+    root unit first (`plan_units`' order). The benchmark's units hold fp32 trainable parameters
+    only, so each unit is one bucket; works on a meta model."""
+    named = dict(model.named_parameters())
+    plans = plan_units(model, unit_classes=(unit_class.__name__,))
+    return [sum(ChunkLayout(named[name].numel(), world_size).padded_chunk_numel for name in plan.param_names) for plan in plans]
+
+
+def link_bytes(
+    rows: Sequence[int],
+    world_size: int,
+    ranks_per_node: int,
+    options: Optional[ZeroPlusPlus] = None,
+    element_bytes: int = 4,
+) -> dict[str, dict[str, float]]:
+    """Full-buffer bytes one rank's stage-3 step moves, by category and link ([Note: bytes per link]
+    in `links.py`), for units of `rows` (`unit_rows`, the root first) on N = `world_size` ranks in
+    nodes of P = `ranks_per_node`, with ZeRO++'s `options` (None: plain zero3), in the bytes a
+    quantized row packs into (`FORMATS[...].packed_bytes(S)`: fp32 scales, codes, padding):
+
+    * forward all-gather, every unit, all ranks: N·S·b, with qwZ N·packed(S);
+    * backward all-gather, every unit but the root (gathered once per step, kept through backward):
+      the same over all ranks (qwZ gathers its quantized rows again), or with hpZ N·S·b of the
+      dequantized weights among K consecutive ranks, intra-node where K ≤ P;
+    * gradients: a reduce-scatter over all ranks, N·S·b; with qgZ two all-to-alls of quantized rows,
+      N·packed(S) within the node, then M·packed(S) (the node's reduced N/P = M rows) across nodes.
+
+    b = `element_bytes`, the parameters' and gradients' (fp32 in the benchmark, in both precisions)."""
+    options = options or ZeroPlusPlus()
+    n, p = world_size, ranks_per_node
+    layout = NodeLayout(n, p)
+    world_link = link_of(range(n), p)
+    weights, gradients = weight_format(options.quantize_weights), gradient_format(options.quantize_gradients)
+    k = resolve_secondary_shard_size(options.secondary_shard_size, layout)
+
+    def gathered(s: int) -> int:
+        return n * FORMATS[weights].packed_bytes(s) if weights else n * s * element_bytes
+
+    out: dict[str, dict[str, float]] = {}
+
+    def add(category: str, link: str, nbytes: float) -> None:
+        out.setdefault(category, {INTRA: 0.0, INTER: 0.0})[link] += nbytes
+
+    for index, s in enumerate(rows):
+        add("all_gather forward", world_link, gathered(s))
+        if index > 0:  # the root unit stays gathered from its forward to its backward
+            if k is not None:
+                add("all_gather backward", link_of(range(k), p), n * s * element_bytes)
+            else:
+                add("all_gather backward", world_link, gathered(s))
+        if gradients:
+            packed = FORMATS[gradients].packed_bytes(s)
+            add("all_to_all", INTRA, n * packed)
+            if layout.nodes > 1:
+                add("all_to_all", INTER, layout.nodes * packed)
+        else:
+            add("reduce_scatter", world_link, n * s * element_bytes)
+    return out
+
+
 def largest_unit_bytes(model: nn.Module, unit_class: type[nn.Module]) -> int:
     """Bytes of the largest unit's own parameters: the biggest `unit_class` instance, or what the
     root keeps outside all of them (embeddings, final norm). A stage-3 rank holds one or two such
@@ -189,6 +255,9 @@ class VariantTheory:
     optimizer_state_bound_bytes: int = 0
     """The ownership path: issue 42's bound on a rank's optimizer state, 1.1 × (the whole state / N
     + the largest parameter's state); 0 on the chunk path."""
+    link_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Ours at stage 3, with `--nodes`: `link_bytes`, the full-buffer bytes per step by category and
+    link; empty otherwise."""
 
 
 def variant_theory(
@@ -198,12 +267,16 @@ def variant_theory(
     unit_bytes: int,
     shard_group_size: Optional[int] = None,
     param_numels: Sequence[int] = (),
+    rows: Sequence[int] = (),
+    ranks_per_node: Optional[int] = None,
 ) -> VariantTheory:
     """The floors for `spec` on Ψ = `num_params` parameters and N = `world_size` ranks; `unit_bytes`
     is `largest_unit_bytes` of the model; `param_numels`, each parameter's size in the optimizer's
     order, prices the ownership path (`whole_tensor` variants need it). With hybrid sharding
     (`shard_group_size`, our variants only) states are sharded over K ranks, and the traffic is
-    compared by group instead (`traffic_by_group`), so the flat communication floor is left out (0)."""
+    compared by group instead (`traffic_by_group`), so the flat communication floor is left out (0).
+    With `ranks_per_node` (`--nodes`) and the units' `rows`, our stage-3 variants' bytes per link
+    (`link_bytes`) are priced too."""
     hybrid = spec.is_ours and shard_group_size is not None and shard_group_size < world_size
     sharding_ranks = shard_group_size if hybrid else world_size
     owned = None
@@ -220,6 +293,9 @@ def variant_theory(
     if owned is not None and not hybrid:
         share = Fraction(world_size - 1, world_size)
         exchange = float(share * max(owner_exchange_bytes(param_numels, world_size, BENCH_SCHEME.weight_bytes)))
+    by_link: dict[str, dict[str, float]] = {}
+    if spec.is_ours and spec.stage == 3 and rows and ranks_per_node is not None and not hybrid and not spec.whole_tensor:
+        by_link = link_bytes(rows, world_size, ranks_per_node, spec.zero_plus_plus, BENCH_SCHEME.weight_bytes)
     comm = 0.0 if hybrid else communication_floor(num_params, world_size, spec.stage, BENCH_SCHEME.gradient_bytes) + exchange
     return VariantTheory(
         model_state=floor,
@@ -229,6 +305,7 @@ def variant_theory(
         comm_bytes_per_step=comm,
         owner_exchange_bytes_per_step=exchange,
         optimizer_state_bound_bytes=0 if owned is None else int(1.1 * optimizer_state_bound(owned, sharding_ranks)),
+        link_bytes=by_link,
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Literal, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union
+
+from lightning_zero.engine.config import STRATEGY_NAMES
 
 
 class Family(str, enum.Enum):
@@ -16,6 +18,34 @@ class Family(str, enum.Enum):
     FSDP2 = "torch FSDP2"
     OURS = "lightning-zero"
     DEEPSPEED = "DeepSpeed"
+
+
+@dataclass(frozen=True)
+class ZeroPlusPlus:
+    """ZeRO++'s options of a variant (`ZeroConfig` fields of the same names; [Note: ZeRO++] in
+    `engine/zero_plus_plus.py`)."""
+
+    secondary_shard_size: Optional[Union[int, Literal["node"]]] = None
+    """hpZ's K ("node": the ranks of one node, `--nodes`); None: no hpZ."""
+    quantize_weights: Union[bool, str] = False
+    """qwZ: the forward's (and without hpZ backward's) all-gathers in "int8" or "fp8" blocks."""
+    quantize_gradients: Union[bool, str] = False
+    """qgZ: gradients reduced by two quantized all-to-alls, within the node then across nodes."""
+
+    def config(self) -> dict[str, Any]:
+        """The `ZeroConfig` fields these options set (none of them where they are off)."""
+        fields = {
+            "secondary_shard_size": self.secondary_shard_size,
+            "quantize_weights": self.quantize_weights,
+            "quantize_gradients": self.quantize_gradients,
+        }
+        return {name: value for name, value in fields.items() if value not in (None, False)}
+
+    @classmethod
+    def of_strategy(cls, name: str) -> "ZeroPlusPlus":
+        """The options of a registered strategy name (`engine/config.py`'s `STRATEGY_NAMES`)."""
+        options = {k: v for k, v in STRATEGY_NAMES[name].items() if k != "stage"}
+        return cls(**options)
 
 
 @dataclass(frozen=True)
@@ -41,6 +71,9 @@ class VariantSpec:
     stepped whole on one owner rank, docs/optimizers.md) with AdamW's arithmetic (`OwnedAdamW`),
     so the row differs from the same stage's chunk path by that path's cost alone. Not in
     `DEFAULT_VARIANTS`."""
+    zero_plus_plus: Optional[ZeroPlusPlus] = None
+    """Ours, stage 3: ZeRO++'s options. Such a variant needs `--nodes` of 2 or more (hpZ's K is a node,
+    qgZ reduces within then across nodes), so it is not in `DEFAULT_VARIANTS`: `NODE_VARIANTS`."""
 
     @property
     def is_ours(self) -> bool:
@@ -91,16 +124,36 @@ VARIANTS: tuple[VariantSpec, ...] = (
         offload_optimizer="nvme",
         offload_params="nvme",
     ),
+    VariantSpec(
+        "zero3_hpz", Family.OURS, 3, "ZeroEngine stage 3, hpZ: backward gathers within a node (secondary_shard_size='node')",
+        zero_plus_plus=ZeroPlusPlus(secondary_shard_size="node"),
+    ),
+    VariantSpec(
+        "zero3_qwz", Family.OURS, 3, "ZeroEngine stage 3, qwZ: weight all-gathers in int8 blocks (quantize_weights='int8')",
+        zero_plus_plus=ZeroPlusPlus(quantize_weights="int8"),
+    ),
+    VariantSpec(
+        "zero3_qgz", Family.OURS, 3,
+        "ZeroEngine stage 3, qgZ: gradients reduced by int8 all-to-alls, within then across nodes (quantize_gradients='int8')",
+        zero_plus_plus=ZeroPlusPlus(quantize_gradients="int8"),
+    ),
+    VariantSpec(
+        "zero3pp", Family.OURS, 3, "ZeroEngine stage 3, hpZ + qwZ + qgZ as strategy='zero3pp'",
+        zero_plus_plus=ZeroPlusPlus.of_strategy("zero3pp"),
+    ),
     VariantSpec("ds_zero1", Family.DEEPSPEED, 1, "DeepSpeed ZeRO stage 1, gradient_clipping=0"),
     VariantSpec("ds_zero2", Family.DEEPSPEED, 2, "DeepSpeed ZeRO stage 2, gradient_clipping=0"),
     VariantSpec("ds_zero3", Family.DEEPSPEED, 3, "DeepSpeed ZeRO stage 3, gradient_clipping=0"),
 )
 
 BY_NAME: dict[str, VariantSpec] = {v.name: v for v in VARIANTS}
-DEFAULT_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if not v.whole_tensor)
+DEFAULT_VARIANTS: tuple[str, ...] = tuple(v.name for v in VARIANTS if not v.whole_tensor and v.zero_plus_plus is None)
 """What a run compares unless `--variants` says otherwise: every implementation of the chunk path.
 The ownership path's rows are asked for by name: they measure what a whole-tensor optimizer costs
-over the chunk path, not an implementation to rank."""
+over the chunk path, not an implementation to rank. ZeRO++'s rows need `--nodes`: `NODE_VARIANTS`."""
+NODE_VARIANTS: tuple[str, ...] = ("zero3", *(v.name for v in VARIANTS if v.zero_plus_plus is not None))
+"""What a run with `--nodes` of 2 or more compares unless `--variants` says otherwise: zero3 and
+ZeRO++'s options, one at a time and together, whose bytes per link are measured against zero3's."""
 BASELINE = "ddp"
 """The variant step times are divided by."""
 

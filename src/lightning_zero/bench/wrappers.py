@@ -62,6 +62,9 @@ class Setup:
     """Sequences per rank and step (DeepSpeed's config wants it)."""
     shard_group_size: Optional[int] = None
     """Ours: hybrid sharding's group size (None: shard over all ranks)."""
+    ranks_per_node: Optional[int] = None
+    """Ours with ZeRO++'s hpZ or qgZ: the ranks of one (simulated) node, whose process groups
+    (`engine/comm/node_links.py`) the engine communicates over; None: one node."""
     nvme_path: Optional[str] = None
     """Ours with `offload_optimizer="nvme"`: the directory each rank makes its scratch directory in."""
     engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -216,13 +219,22 @@ class OursWrapped(Wrapped):
         else:
             self.optimizer = setup.make_optimizer(model.parameters())
         shard_group = replicate_group = None
-        if setup.shard_group_size is not None and setup.shard_group_size < collectives.world_size(None):
+        world = collectives.world_size(None)
+        if setup.shard_group_size is not None and setup.shard_group_size < world:
             shard_group, replicate_group = collectives.hybrid_groups(setup.shard_group_size)
+        self.links = None
         try:
+            if spec.zero_plus_plus is not None:
+                from lightning_zero.engine.comm.node_links import links_for
+
+                # every rank makes the same groups in the same order (or raises alike, before any)
+                self.links = links_for(config, setup.shard_group_size, world, setup.ranks_per_node or world, timeout=None)
             with warnings.catch_warnings():
                 # the engine's hint that an unknown class could be declared element-wise: it is, on purpose
                 warnings.filterwarnings("ignore", message=f"lightning-zero steps {OwnedAdamW.__name__}")
-                self.engine = ZeroEngine(model, [self.optimizer], config, group=shard_group, replicate_group=replicate_group)
+                self.engine = ZeroEngine(
+                    model, [self.optimizer], config, group=shard_group, replicate_group=replicate_group, links=self.links
+                )
         except (TypeError, ValueError, NotImplementedError) as error:
             raise VariantUnavailable(f"ZeroEngine does not run {config}: {error}") from error
 
@@ -267,6 +279,8 @@ class OursWrapped(Wrapped):
 
     def close(self) -> None:
         self.engine.close()
+        if self.links is not None:
+            self.links.destroy()
 
 
 def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
@@ -288,6 +302,11 @@ def _zero_config(config_class: type, spec: VariantSpec, setup: Setup) -> Any:
             if name not in fields:
                 raise VariantUnavailable(f"ZeroConfig has no `{name}` option (this offload is not implemented yet)")
             kwargs[name] = value
+    if spec.zero_plus_plus is not None:
+        missing = [name for name in spec.zero_plus_plus.config() if name not in fields]
+        if missing:
+            raise VariantUnavailable(f"ZeroConfig has no {', '.join(missing)} option (ZeRO++ is not implemented yet)")
+        kwargs.update(spec.zero_plus_plus.config())
     if spec.offload_optimizer and setup.device.type == "cpu" and "host_threads" in fields:
         # the rank's threads as the bench set them (`--threads`, `worker.threads_per_rank`), which the
         # engine would otherwise set again from the node's cores (`engine/offload/host_threads.py`)

@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,...",
         help="comma-separated, from: " + ", ".join(v.name for v in variants.VARIANTS)
         + " (default: all but the ownership path's "
-        + ",".join(v.name for v in variants.VARIANTS if v.name not in variants.DEFAULT_VARIANTS)
+        + ",".join(v.name for v in variants.VARIANTS if v.whole_tensor)
+        + " and ZeRO++'s; with --nodes 2 or more: " + ",".join(variants.NODE_VARIANTS)
         + "; with --capacity: " + ",".join(CAPACITY_VARIANTS)
         + "; with --offload-overlap: " + ",".join(OVERLAP_VARIANTS) + ")",
     )
@@ -117,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shard-group-size", type=positive_int, default=d.shard_group_size, metavar="K",
         help="our variants: hybrid sharding within groups of K ranks, replicated across them; the report"
         " splits our traffic into within and across groups (default: shard over all ranks)",
+    )  # fmt: skip
+    training.add_argument(
+        "--nodes", type=positive_int, default=d.nodes, metavar="M",
+        help="split the ranks into M simulated nodes of N/M consecutive ranks (LOCAL_WORLD_SIZE; M must divide"
+        " --devices): ZeRO++'s variants (" + ",".join(v for v in variants.NODE_VARIANTS if v != "zero3")
+        + ") need M of 2 or more, and the report splits our collectives' bytes per step into intra-node and"
+        " inter-node against ZeRO++'s accounting (default: one node)",
     )  # fmt: skip
     training.add_argument(
         "--bucket-size-mb", type=positive_float, default=d.bucket_size_mb, metavar="MB",
@@ -189,6 +197,8 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     explicit = {name: getattr(args, name) for name in _SHAPED if getattr(args, name) is not None}
     if args.variants:
         explicit["variants"] = args.variants
+    elif args.nodes is not None and args.nodes >= 2 and not args.capacity and not args.offload_overlap:
+        explicit["variants"] = variants.NODE_VARIANTS
     elif args.capacity:
         explicit["variants"] = CAPACITY_VARIANTS
     try:
@@ -205,6 +215,7 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             seed=args.seed,
             bucket_size_mb=args.bucket_size_mb,
             shard_group_size=args.shard_group_size,
+            nodes=args.nodes,
             timeout_s=args.timeout,
             capacity=args.capacity,
             memory_budget=args.memory_budget,
