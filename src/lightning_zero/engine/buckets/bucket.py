@@ -31,6 +31,7 @@ from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
@@ -68,6 +69,8 @@ class Bucket:
     ``copies``, offloaded parameters keep their chunks in the bucket's ``host`` buffers (see
     [Note: offloaded bucket] in ``host_chunks.py``), and with ``param_files`` those chunks live in a
     file named ``name`` there between uses (see [Note: parameters on disk] in ``masters_on_disk.py``).
+    With ``quantized_gradients`` (qgZ), the gradients are reduced within then across nodes in
+    quantized blocks instead of by the reduce-scatter.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Bucket:
         replicate_group: collectives.ProcessGroup = None,
         param_files: Optional[ScratchDirectory] = None,
         name: str = "bucket",
+        quantized_gradients: Optional[QuantizedGradients] = None,
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -98,6 +102,10 @@ class Bucket:
         """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
         which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
+        self.quantized_gradients = quantized_gradients
+        """qgZ: the gradients are reduced by two quantized all-to-alls over the node layout's groups
+        instead of the reduce-scatter over ``group`` (see [Note: quantized gradient reduction] in
+        ``quantized_reduction.py``); None: the reduce-scatter."""
         self.dtype = params[0].param.dtype
         self.device = params[0].param.device
         self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
@@ -224,12 +232,16 @@ class Bucket:
             lent = [send] if self.host is not None else []
             pending = PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent, stream=stream)
         else:
+            lent = []
             if self.host is not None:  # copied to the host once reduced, so lent for the collective only
                 received = self.pool.take(s + f, self.dtype, self.device)
-                lent = [send, received]
+                lent.append(received)
+            if self.quantized_gradients is not None:  # qgZ: the packed rows go back to the pool once quantized
+                give_back = functools.partial(self.pool.give_back, send)
+                work = self.quantized_gradients.start(send[:, :s], send[0, s:], received, self.pool, stream, give_back)
             else:
-                lent = [send]
-            work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
+                lent.append(send)
+                work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
             pending = PendingGradientReduction(self, work, received, lent=lent, stream=stream)
         if self.replicate_group is not None and self._chains_replicas:
             pending.start_across_replicas()

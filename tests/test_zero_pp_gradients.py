@@ -1,0 +1,344 @@
+"""qgZ (``quantize_gradients``): a bucket's gradients reduced by two quantized all-to-alls, within the
+node then across nodes (see [Note: quantized gradient reduction] in
+``engine/comm/quantized_reduction.py``).
+
+One process: the hops' math on simulated ranks against the exact sum, within the bound the Note
+derives from the block scales; flags exact; non-finite values stay non-finite.
+
+Four gloo ranks, as two nodes of two (``NodeLayout(4, 2)``) and one node of four: ``ZeroEngine`` by
+hand against the same loop at plain stage 3 — reduced gradient shards within the bound, losses
+close, used flags exact, accumulation, CPU offload, found-inf, the bytes of each hop on its groups.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from case_groups import CaseGroup, GroupResults, RankContext
+
+from lightning_zero.engine.comm.quantization import FORMATS
+from lightning_zero.engine.comm.quantized_reduction import HopShapes, reduce_locally
+
+FORMAT_NAMES = ("int8", "int4")
+
+
+def _block_bound(rows: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """The Note's bound for every element of the row rank ``rank`` receives: (1/Q)·Σ_r blockmax|g_r|,
+    with ``rows`` (N, S) each rank's row for it."""
+    fmt = FORMATS[fmt_name]
+    n, s = rows.shape
+    blocks = fmt.blocks(s)
+    padded = torch.zeros(n, blocks * fmt.block, dtype=torch.float64)
+    padded[:, :s] = rows.double().abs()
+    per_block = padded.view(n, blocks, fmt.block).amax(dim=2).sum(dim=0)  # (blocks,)
+    return (per_block.repeat_interleave(fmt.block)[:s] / fmt.largest) * (1 + 1e-5) + 1e-12
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("ranks_per_node", (1, 2, 4))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_the_two_hops_sum_within_the_block_bound_and_keep_flags_exact(fmt_name: str, ranks_per_node: int, dtype: torch.dtype) -> None:
+    n, s, f = 4, 300, 5  # 300 columns: several blocks of either format, the last one partial
+    generator = torch.Generator().manual_seed(0)
+    # rank r's packed rows: one row per destination, magnitudes that differ by block and rank
+    rows = (torch.randn(n, n, s, generator=generator) * torch.logspace(-3, 1, s)).to(dtype)
+    flags = torch.randint(0, 2, (n, f), generator=generator).float() / n
+    shapes = HopShapes(FORMATS[fmt_name], ranks_per_node, n // ranks_per_node, s, f)
+    for rank in range(n):
+        got = reduce_locally(rows, flags, shapes, rank)
+        exact = rows[:, rank].double().sum(dim=0)
+        error = (got[:s].double() - exact).abs()
+        bound = _block_bound(rows[:, rank], fmt_name)
+        if ranks_per_node == 1 and n // ranks_per_node > 1:
+            bound = bound / 2  # hop 1 skipped: only hop 2 quantizes
+        assert bool((error <= bound).all()), f"rank {rank}: worst excess {(error - bound).max().item()}"
+        assert error.max() > 0, "quantized, so not exact"
+        assert torch.equal(got[s:], flags.sum(dim=0)), "flags and votes travel exactly"
+        assert torch.equal(reduce_locally(rows, flags, shapes, rank), got), "the same bits every time"
+
+
+def test_one_node_quantizes_once() -> None:
+    """On one node (hop 2 skipped) the error is hop 1's alone: half the two-hop bound."""
+    n, s = 4, 256
+    rows = torch.randn(n, n, s, generator=torch.Generator().manual_seed(1))
+    shapes = HopShapes(FORMATS["int8"], 4, 1, s, 1)
+    got = reduce_locally(rows, torch.zeros(n, 1), shapes, 2)
+    assert bool(((got[:s].double() - rows[:, 2].double().sum(0)).abs() <= _block_bound(rows[:, 2], "int8") / 2).all())
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_an_inf_or_nan_on_one_rank_reaches_the_reduced_row(fmt_name: str) -> None:
+    """A found-inf check on the reduced shard (``GradScaler``'s) must still see a non-finite gradient."""
+    n, s = 4, 300
+    for bad in (float("inf"), float("nan")):
+        rows = torch.randn(n, n, s)
+        rows[3, 1, 17] = bad  # rank 3's gradient for rank 1's chunk
+        shapes = HopShapes(FORMATS[fmt_name], 2, 2, s, 1)
+        got = reduce_locally(rows, torch.zeros(n, 1), shapes, 1)
+        assert not bool(torch.isfinite(got[:s]).all())
+        assert bool(torch.isfinite(reduce_locally(rows, torch.zeros(n, 1), shapes, 0)[:s]).all()), "other ranks' rows unaffected"
+
+
+# ---- four ranks, the engine --------------------------------------------------------------------
+
+WORLD_SIZE, STEPS, WIDTH = 4, 10, 40
+GROUP = CaseGroup(world_size=WORLD_SIZE, timeout=300)
+LOSS_TOLERANCE = {"int8": 0.005, "int4": 0.03}
+"""Largest relative difference from plain stage 3's loss over ``STEPS`` SGD steps (momentum 0.9):
+measured at most 0.0012 (int8) and 0.009 (int4, whose 15 levels a block move the weights more) on
+two nodes, so about 4x and 3x margins. (AdamW, which divides each element by its own running
+magnitude, turns an element quantized to zero into a different step: 1.6% and 8.7% there.)"""
+
+
+class Block(torch.nn.Module):
+    """A unit (``unit_classes=["Block"]``); ``extra`` is used only where ``use_extra``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.extra = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        x = torch.tanh(self.linear(x))
+        return x + self.extra(x) if use_extra else x
+
+
+class Net(torch.nn.Module):
+    """Three units and the root's head; ``never`` gets no gradient on any rank, block 0's ``extra``
+    none on rank 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
+        self.head = torch.nn.Linear(WIDTH, 1)
+        self.never = torch.nn.Linear(WIDTH, 3)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, use_extra=not (i == 0 and rank == 0))
+        return self.head(x)
+
+
+def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(8, WIDTH, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _largest_local_gradient(model: torch.nn.Module, rank: int, micro_batches: int) -> float:
+    """G: the largest |element| of any rank's local (unreduced, unscaled) gradient of the first step,
+    summed over its micro-batches: the Note's bound is G/Q (per micro-batch, so times their number)."""
+    import torch.distributed as dist
+
+    largest = 0.0
+    for micro in range(micro_batches):
+        model.zero_grad()
+        x, y = _batch(rank, 0, micro)
+        torch.nn.functional.mse_loss(model(x, rank), y).backward()
+        largest += max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    value = torch.tensor([largest])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def _loop(ctx: RankContext, quantize: object = False, ranks_per_node: int = 2, offload: bool = False,
+          micro_batches: int = 1, steps: int = STEPS, inf_at_rank: int | None = None) -> dict:  # fmt: skip
+    """``steps`` steps of ``ZeroEngine`` by hand at stage 3 (qgZ with ``quantize``): each step's loss,
+    the first step's reduced gradient shards (and which are None), the bytes of its backward's
+    collectives by group, and the buckets' (S, F)."""
+    import copy
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
+    from lightning_zero.engine.comm.node_links import make_node_links
+    from lightning_zero.engine.zero_plus_plus import NodeLayout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = Net()
+    largest = _largest_local_gradient(copy.deepcopy(model), ctx.rank, micro_batches)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    links = make_node_links(NodeLayout(WORLD_SIZE, ranks_per_node), None, True) if quantize else None
+    config = ZeroConfig(stage=3, unit_classes=["Block"], quantize_gradients=quantize, offload_optimizer=offload)
+    engine = ZeroEngine(model, [optimizer], config, links=links)
+    out: dict = {"losses": [], "largest": largest, "buckets": [(b.shard_numel, b.flag_count) for b in engine.buckets]}
+    shards = optimizer.param_groups[0]["params"]
+    try:
+        for step in range(steps):
+            COLLECTIVE_STATS.reset()
+            for micro in range(micro_batches):
+                engine.sync_gradients = micro == micro_batches - 1
+                x, y = _batch(ctx.rank, step, micro)
+                if step == 0 and ctx.rank == inf_at_rank:
+                    x[0, 0] = float("inf")
+                engine.begin_step()
+                loss = torch.nn.functional.mse_loss(model(x, ctx.rank), y)
+                engine.before_backward()
+                loss.backward()
+                engine.finish_backward()
+                engine.end_step()
+                out["losses"].append(loss.item())
+            if step == 0:
+                out["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in shards]
+                out["bytes"] = dict(COLLECTIVE_STATS.bytes_by_group)
+                if inf_at_rank is not None:
+                    return out
+            optimizer.step()
+            engine.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+    finally:
+        engine.close()
+        if links is not None:
+            links.destroy()
+    return out
+
+
+def _pair(ctx: RankContext, **options: object) -> dict:
+    """Plain stage 3 and qgZ on the same data (each ``quantize`` of ``FORMAT_NAMES``)."""
+    return {"zero3": _loop(ctx, **options), **{name: _loop(ctx, quantize=name, **options) for name in FORMAT_NAMES}}
+
+
+def _rows_of(rank: int, s: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rank ``rank`` reduces in ``direct``: its packed rows (N, S) and its flags (F,)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(WORLD_SIZE, s, generator=g), torch.randint(0, 2, (f,), generator=g).float() / WORLD_SIZE
+
+
+def direct(ctx: RankContext, s: int = 700, f: int = 6) -> dict:
+    """A ``QuantizedReduction`` started by hand on each layout and format, advanced by ``done()``
+    alone (the host never waits in it): what it wrote, and how many polls found it unfinished."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine.buckets.pending import NO_STREAM
+    from lightning_zero.engine.comm.buffers import BufferPool
+    from lightning_zero.engine.comm.node_links import make_node_links
+    from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
+    from lightning_zero.engine.zero_plus_plus import NodeLayout
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    out = {}
+    for k in (1, 2, 4):
+        links = make_node_links(NodeLayout(WORLD_SIZE, k), None, True)
+        for fmt_name in FORMAT_NAMES:
+            rows, flags = _rows_of(ctx.rank, s, f)
+            received = torch.full((s + f,), float("nan"))
+            given_back = []
+            reduction = QuantizedGradients.of(links, fmt_name).start(rows, flags, received, BufferPool(1 << 20, 4), NO_STREAM, lambda: given_back.append(1))
+            polls, deadline = 0, time.monotonic() + 30
+            while not reduction.done():
+                polls += 1
+                assert time.monotonic() < deadline, "never done"
+                time.sleep(0.0005)
+            out[(k, fmt_name)] = {"received": received, "polls": polls, "given_back": len(given_back)}
+        dist.barrier()
+        links.destroy()
+    return out
+
+
+GROUP.case(direct)
+GROUP.case(_pair, name="two_nodes")
+GROUP.case(_pair, name="one_node", ranks_per_node=4, steps=3)
+GROUP.case(_pair, name="accumulation", micro_batches=2, steps=3)
+GROUP.case(_pair, name="offload", offload=True, steps=3)
+GROUP.case(_pair, name="found_inf", inf_at_rank=3, steps=1)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> GroupResults:
+    return GROUP.run(tmp_path_factory.mktemp("qgz"))
+
+
+@pytest.mark.parametrize("ranks_per_node", (1, 2, 4))
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_the_collectives_give_the_one_process_oracles_bits(results: GroupResults, ranks_per_node: int, fmt_name: str) -> None:
+    """Over gloo, advanced by ``done()`` polls alone, each rank's row is bitwise what ``reduce_locally``
+    computes from every rank's rows; the packed rows were given back once."""
+    s, f = 700, 6
+    rows, flags = zip(*[_rows_of(rank, s, f) for rank in range(WORLD_SIZE)])
+    shapes = HopShapes(FORMATS[fmt_name], ranks_per_node, WORLD_SIZE // ranks_per_node, s, f)
+    for rank, per_rank in enumerate(results["direct"]):
+        got = per_rank[(ranks_per_node, fmt_name)]
+        assert torch.equal(got["received"], reduce_locally(torch.stack(rows), torch.stack(flags), shapes, rank))
+        assert got["given_back"] == 1
+
+
+@pytest.mark.parametrize("case", ("two_nodes", "one_node", "accumulation", "offload"))
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_reduced_gradients_are_zero3s_within_the_block_bound(results: GroupResults, case: str, fmt_name: str) -> None:
+    """Every reduced shard within G/Q of plain stage 3's (G: the largest local gradient element of
+    any rank, per micro-batch; Q: the format's largest code), and actually quantized (not exact)."""
+    worst = 0.0
+    for rank, per_rank in enumerate(results[case]):
+        reference, quantized = per_rank["zero3"], per_rank[fmt_name]
+        bound = reference["largest"] / FORMATS[fmt_name].largest * (1 + 1e-4) + 1e-6
+        for i, (a, b) in enumerate(zip(reference["grads"], quantized["grads"])):
+            assert (a is None) == (b is None), f"rank {rank} shard {i}: used flags must be exact"
+            if a is not None:
+                error = (a - b).abs().max().item() if a.numel() else 0.0
+                assert error <= bound, f"rank {rank} shard {i}: {error} > {bound}"
+                worst = max(worst, error)
+    assert worst > 0
+
+
+def test_used_flags_are_exact(results: GroupResults) -> None:
+    """``never`` (unused everywhere) keeps grad None on every rank; block 0's ``extra`` (unused on rank 0)
+    gets the other ranks' gradient, there too."""
+    names = [n for n, _ in Net().named_parameters()]
+    for per_rank in results["two_nodes"]:
+        for fmt_name in FORMAT_NAMES:
+            grads = per_rank[fmt_name]["grads"]
+            assert [n for n, g in zip(names, grads) if g is None] == ["never.weight", "never.bias"]
+            assert grads[names.index("blocks.0.extra.weight")].abs().sum() > 0
+
+
+@pytest.mark.parametrize("case", ("two_nodes", "one_node", "accumulation", "offload"))
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_losses_follow_zero3(results: GroupResults, case: str, fmt_name: str) -> None:
+    for per_rank in results[case]:
+        reference, quantized = per_rank["zero3"]["losses"], per_rank[fmt_name]["losses"]
+        assert quantized[0] == reference[0]  # the same weights before the first step
+        worst = max(abs(q - r) / abs(r) for q, r in zip(quantized, reference))
+        assert worst <= LOSS_TOLERANCE[fmt_name], worst
+
+
+def test_a_non_finite_gradient_on_one_rank_is_found_in_the_reduced_shards(results: GroupResults) -> None:
+    """rank 3's input holds an inf: every element plain stage 3 finds non-finite, qgZ does too."""
+    assert any(not bool(torch.isfinite(g).all()) for r in results["found_inf"] for g in r["zero3"]["grads"] if g is not None)
+    for per_rank in results["found_inf"]:
+        for a, b in zip(per_rank["zero3"]["grads"], per_rank["int8"]["grads"]):
+            if a is not None:
+                assert bool((~torch.isfinite(a) <= ~torch.isfinite(b)).all())
+    assert any(not bool(torch.isfinite(g).all()) for r in results["found_inf"] for g in r["int4"]["grads"] if g is not None)
+
+
+@pytest.mark.parametrize("case, ranks_per_node", (("two_nodes", 2), ("one_node", 4)))
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_bytes_of_each_hop_on_its_groups(results: GroupResults, case: str, ranks_per_node: int, fmt_name: str) -> None:
+    """Per rank and backward, with K ranks a node, M nodes, and for each bucket S gradient columns, F
+    flag columns and P = 4·ceil(S/B) + ceil(S/B)·B/c rounded up to 4 bytes (B the format's block, c
+    its codes a byte): K·(M·P + 4F) bytes of all-to-all within its node, M·(P + 4F) across nodes
+    (none on one node), and no reduce-scatter."""
+    import math
+
+    fmt = FORMATS[fmt_name]
+    k, m = ranks_per_node, WORLD_SIZE // ranks_per_node
+    for rank, per_rank in enumerate(results[case]):
+        run = per_rank[fmt_name]
+        packed = [4 * math.ceil(s / fmt.block) + -(-math.ceil(s / fmt.block) * fmt.block // fmt.codes_per_byte // 4) * 4 for s, _ in run["buckets"]]
+        within = sum(k * (m * p + 4 * f) for p, (_, f) in zip(packed, run["buckets"]))
+        across = sum(m * (p + 4 * f) for p, (_, f) in zip(packed, run["buckets"]))
+        node = tuple(range(rank // k * k, rank // k * k + k))
+        position = tuple(range(rank % k, WORLD_SIZE, k))
+        sent = run["bytes"]
+        assert sent.get(("all_to_all", node), 0) == pytest.approx(within, rel=0.05)
+        if m > 1:
+            assert sent.get(("all_to_all", position), 0) == pytest.approx(across, rel=0.05)
+        assert not [key for key in sent if key[0] == "reduce_scatter"]
+        assert any(key[0] == "reduce_scatter" for key in per_rank["zero3"]["bytes"])
