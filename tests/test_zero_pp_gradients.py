@@ -119,6 +119,15 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
+def _ensure_group() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+
+
 def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
     return torch.randn(8, WIDTH, generator=g), torch.randn(8, 1, generator=g)
@@ -146,17 +155,13 @@ def _loop(ctx: RankContext, quantize: object = False, ranks_per_node: int = 2, o
     the first step's reduced gradient shards (and which are None), the bytes of its backward's
     collectives by group, and the buckets' (S, F)."""
     import copy
-    from datetime import timedelta
-
-    import torch.distributed as dist
 
     from lightning_zero.engine import ZeroConfig, ZeroEngine
     from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
     from lightning_zero.engine.comm.node_links import make_node_links
     from lightning_zero.engine.zero_plus_plus import NodeLayout
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    _ensure_group()
     torch.manual_seed(0)
     model = Net()
     largest = _largest_local_gradient(copy.deepcopy(model), ctx.rank, micro_batches)
@@ -211,7 +216,6 @@ def direct(ctx: RankContext, s: int = 700, f: int = 6) -> dict:
     """A ``QuantizedReduction`` started by hand on each layout and format, advanced by ``done()``
     alone (the host never waits in it): what it wrote, and how many polls found it unfinished."""
     import time
-    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -221,8 +225,7 @@ def direct(ctx: RankContext, s: int = 700, f: int = 6) -> dict:
     from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
     from lightning_zero.engine.zero_plus_plus import NodeLayout
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    _ensure_group()
     out = {}
     for k in (1, 2, 4):
         links = make_node_links(NodeLayout(WORLD_SIZE, k), None, True)
@@ -242,12 +245,45 @@ def direct(ctx: RankContext, s: int = 700, f: int = 6) -> dict:
     return out
 
 
+def float64_refused(ctx: RankContext) -> str:
+    """A float64 model with qgZ: refused at the engine's construction, naming the dtype."""
+    from case_groups import error_of
+
+    from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm.node_links import make_node_links
+    from lightning_zero.engine.zero_plus_plus import NodeLayout
+
+    _ensure_group()
+    links = make_node_links(NodeLayout(WORLD_SIZE, 2), None, True)
+    model = Net().double()
+    config = ZeroConfig(stage=3, unit_classes=["Block"], quantize_gradients="int4")
+    try:
+        return error_of(lambda: ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], config, links=links))
+    finally:
+        links.destroy()
+
+
+def chained(ctx: RankContext) -> dict:
+    """Two steps of qgZ int8 on two nodes where waits do not block the host (NCCL's contract, as
+    ``test_nccl_semantics.HostAhead`` sets it): the whole chain is queued at the launch, no ``done()``."""
+    from lightning_zero.engine.comm import collectives
+
+    real = collectives.waits_block_host
+    collectives.waits_block_host = lambda group, device: False
+    try:
+        return _loop(ctx, quantize="int8", steps=2)
+    finally:
+        collectives.waits_block_host = real
+
+
 GROUP.case(direct)
+GROUP.case(float64_refused)
 GROUP.case(_pair, name="two_nodes")
 GROUP.case(_pair, name="one_node", ranks_per_node=4, steps=3)
 GROUP.case(_pair, name="accumulation", micro_batches=2, steps=3)
 GROUP.case(_pair, name="offload", offload=True, steps=3)
 GROUP.case(_pair, name="found_inf", inf_at_rank=3, steps=1)
+GROUP.case(chained)
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +303,18 @@ def test_the_collectives_give_the_one_process_oracles_bits(results: GroupResults
         got = per_rank[(ranks_per_node, fmt_name)]
         assert torch.equal(got["received"], reduce_locally(torch.stack(rows), torch.stack(flags), shapes, rank))
         assert got["given_back"] == 1
+
+
+def test_the_chain_queued_at_launch_gives_the_polled_chains_bits(results: GroupResults) -> None:
+    for polled, queued in zip(results["two_nodes"], results["chained"]):
+        assert queued["losses"] == polled["int8"]["losses"][:2]
+        for a, b in zip(polled["int8"]["grads"], queued["grads"]):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_float64_model_is_refused_at_setup(results: GroupResults) -> None:
+    for message in results["float64_refused"]:
+        assert message.startswith("ValueError") and "torch.float64" in message and "`quantize_gradients`" in message
 
 
 @pytest.mark.parametrize("case", ("two_nodes", "one_node", "accumulation", "offload"))

@@ -9,7 +9,9 @@ branch). Summed by the same collective, every rank learns which parameters got a
 rank: those get a gradient shard (zeros from the ranks that had none, as DDP does); those unused
 everywhere keep ``grad=None`` so the optimizer skips them, again as DDP does. This costs no extra
 collective and k elements per rank. After the k used flags come ``StopVote.WIDTH`` columns of stop
-votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``).
+votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``). With qgZ the gradient
+columns travel quantized and these travel beside them as exact fp32 (see [Note: quantized gradient
+reduction] in ``quantized_reduction.py``).
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ class Bucket:
     ) -> "PendingGradientReduction":
         """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
         free them, and start the reduce-scatter (with hybrid sharding, then the all-reduce of the
-        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
+        chunks across the replicas; with qgZ, the two quantized all-to-alls instead of the
+        reduce-scatter). Parameters without a gradient contribute zeros and a 0 used-flag;
         ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``). With a CUDA
         ``stream``, the copy-in and the collectives run there, ordered after the compute stream's
         work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits. ``bounded``:
