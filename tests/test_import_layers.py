@@ -22,7 +22,7 @@ PACKAGE = "lightning_zero"
 ENGINE = f"{PACKAGE}.engine"
 ENGINE_LAYERS = [{"parameters", "gradients"}, {"buckets"}, {"offload"}, {"optimizer"}, {"comm"}, {"shards"}]
 """Top to bottom: a sub-package imports only those in a lower layer (and itself)."""
-ENGINE_BASE = {"config", "device_roles"}
+ENGINE_BASE = {"config", "device_roles", "zero_plus_plus"}
 """Engine modules beside the sub-packages that any of them may import; they import nothing of the engine
 but each other."""
 FRAMEWORK_FREE = (f"{PACKAGE}.engine", f"{PACKAGE}.checkpoint")

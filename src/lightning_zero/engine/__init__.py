@@ -19,9 +19,9 @@ ones below it; ``parameters`` and ``gradients`` sit side by side and import neit
 - ``shards``: what a rank holds of each parameter (the chunk layout, ``ShardedParam``), and the
   counts of the host work an aten-op count cannot see (``host_work``).
 
-Beside them: ``config`` (what the user chooses; imported by all) and ``device_roles`` (which tensors
-are host memory, for the checks that stand in for NCCL's on a CPU; these import nothing here but
-each other), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
+Beside them: ``config`` (what the user chooses; imported by all), ``device_roles`` (which tensors
+are host memory, for the checks that stand in for NCCL's on a CPU) and ``zero_plus_plus`` (ZeRO++'s
+options and the checks of them; these import nothing here but each other), and the facade that composes the parts — ``engine`` (``ZeroEngine``), ``optimizers``,
 ``full_weights`` and ``host_step_overlap`` (each drives parts of two side-by-side or layered
 sub-packages, so it lives above them), ``memory`` — which nothing below imports.
 ``tests/test_import_layers.py`` holds the tree to this.
