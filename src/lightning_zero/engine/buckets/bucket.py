@@ -9,7 +9,9 @@ branch). Summed by the same collective, every rank learns which parameters got a
 rank: those get a gradient shard (zeros from the ranks that had none, as DDP does); those unused
 everywhere keep ``grad=None`` so the optimizer skips them, again as DDP does. This costs no extra
 collective and k elements per rank. After the k used flags come ``StopVote.WIDTH`` columns of stop
-votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``).
+votes, summed the same way (see [Note: stop votes] in ``stop_vote.py``). With qgZ the gradient
+columns travel quantized and these travel beside them as exact fp32 (see [Note: quantized gradient
+reduction] in ``quantized_reduction.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning_zero.engine.buckets.pending import (  # noqa: F401 (re-exported: 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
+from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
 from lightning_zero.engine.comm.reduce_stream import ReduceStream
 from lightning_zero.engine.comm.stop_vote import StopVote
 from lightning_zero.engine.offload.host_chunks import HostChunks
@@ -80,6 +83,8 @@ class Bucket:
     file named ``name`` there between uses (see [Note: parameters on disk] in ``masters_on_disk.py``).
     ``weight_format`` (qwZ, stage 3): the block format a step's gathers may be sent in
     (``start_param_gather(quantize=True)``, see ``quantized_gather.py``).
+    With ``quantized_gradients`` (qgZ), the gradients are reduced within then across nodes in
+    quantized blocks instead of by the reduce-scatter.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Bucket:
         param_files: Optional[ScratchDirectory] = None,
         name: str = "bucket",
         weight_format: Optional[str] = None,
+        quantized_gradients: Optional[QuantizedGradients] = None,
     ) -> None:
         if not params:
             raise ValueError("a bucket needs at least one parameter")
@@ -111,6 +117,10 @@ class Bucket:
         """Hybrid sharding: the ranks holding the same chunks in the other shard groups, across
         which the reduced chunks are all-reduced (None: every rank is in ``group``)."""
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
+        self.quantized_gradients = quantized_gradients
+        """qgZ: the gradients are reduced by two quantized all-to-alls over the node layout's groups
+        instead of the reduce-scatter over ``group`` (see [Note: quantized gradient reduction] in
+        ``quantized_reduction.py``); None: the reduce-scatter."""
         self.dtype = params[0].param.dtype
         self.device = params[0].param.device
         self._widths = [p.padded_chunk_numel for p in self.params]  # each parameter's block, c_i
@@ -194,7 +204,8 @@ class Bucket:
     ) -> "PendingGradientReduction":
         """Copy the local gradients in (multiplied by 1/N, N all data-parallel ranks, as DDP does),
         free them, and start the reduce-scatter (with hybrid sharding, then the all-reduce of the
-        chunks across the replicas). Parameters without a gradient contribute zeros and a 0 used-flag;
+        chunks across the replicas; with qgZ, the two quantized all-to-alls instead of the
+        reduce-scatter). Parameters without a gradient contribute zeros and a 0 used-flag;
         ``ballot`` is this rank's stop votes (see [Note: stop votes] in ``stop_vote.py``). With a CUDA
         ``stream``, the copy-in and the collectives run there, ordered after the compute stream's
         work (see [Note: reduce stream] in ``reduce_stream.py``); the host never waits. ``bounded``:
@@ -244,12 +255,16 @@ class Bucket:
             lent = [send] if self.host is not None else []
             pending = PendingGradientReduction(self, collectives.PendingCollective(), send.view(-1), lent=lent, stream=stream)
         else:
+            lent = []
             if self.host is not None:  # copied to the host once reduced, so lent for the collective only
                 received = self.pool.take(s + f, self.dtype, self.device)
-                lent = [send, received]
+                lent.append(received)
+            if self.quantized_gradients is not None:  # qgZ: the packed rows go back to the pool once quantized
+                give_back = functools.partial(self.pool.give_back, send)
+                work = self.quantized_gradients.start(send[:, :s], send[0, s:], received, self.pool, stream, give_back)
             else:
-                lent = [send]
-            work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
+                lent.append(send)
+                work = collectives.start_reduce_scatter(received, send.view(-1), self.group)
             pending = PendingGradientReduction(self, work, received, lent=lent, stream=stream)
         if self.replicate_group is not None and self._chains_replicas:
             pending.start_across_replicas()

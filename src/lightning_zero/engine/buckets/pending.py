@@ -24,6 +24,8 @@ NO_STREAM = ReduceStream(torch.device("cpu"))
 class PendingGradientReduction:
     bucket: Any  # the Bucket (bucket.py imports this module)
     work: collectives.PendingCollective
+    """The reduce-scatter, or with qgZ the two all-to-alls (``quantized_reduction.QuantizedReduction``),
+    which fill ``received`` as the reduce-scatter would."""
     received: Optional[Tensor]
     """(S + F,): this rank's reduced chunks, used flags and stop votes; None where nothing is left to hand
     out (world size 1). Not from the pool: its chunks become the gradient shards as they are."""
@@ -39,8 +41,9 @@ class PendingGradientReduction:
         """Whether ``finish`` would return without the host waiting for a peer; never blocks. Asked
         only where waits block the host (gloo, NCCL's blocking wait): there the host is what runs
         the collectives, so it sees a completion as it happens. With hybrid sharding and such waits,
-        a finished reduce-scatter starts the all-reduce across the replicas here, so call it on the
-        reductions in the order they were started (as ``finish``)."""
+        a finished reduce-scatter starts the all-reduce across the replicas here, and with qgZ a
+        finished all-to-all within the node starts the one across nodes (``QuantizedReduction.done``),
+        so call it on the reductions in the order they were started (as ``finish``)."""
         if not self.work.done():
             return False
         across = self.start_across_replicas()

@@ -275,6 +275,20 @@ def all_to_all(output: Tensor, inputs: Tensor, output_splits: list[int], input_s
     return output
 
 
+def start_all_to_all(output: Tensor, inputs: Tensor, group: ProcessGroup) -> PendingCollective:
+    """Start an all-to-all of equal slices: ``inputs`` (R, B), R the ranks of ``group``, sends row r'
+    to rank r'; ``output`` (R, B) receives rank r''s row for this rank in row r'. Equal slices, so no
+    splits to agree on (see ``all_to_all``). ``output`` holds the rows once the result is waited on."""
+    facts = COLLECTIVE_STATS.record("all_to_all", inputs, group)
+    check_compute_tensors("all-to-all", (output, inputs))
+    if facts.skips:
+        output.copy_(inputs)
+        return FINISHED
+    # gloo's all_to_all_single is one work that reports its completion (``done`` sees it), unlike its list form
+    issue = lambda: dist.all_to_all_single(output.view(-1), inputs.view(-1), group=group, async_op=True)  # noqa: E731
+    return _pending(streams.issue_collective("all_to_all", group, (inputs,), (output,), issue))
+
+
 class _AllOf(PendingCollective):
     """Several collectives that finish together (``_reduce_scatter_gloo``)."""
 

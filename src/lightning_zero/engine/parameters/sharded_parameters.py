@@ -32,6 +32,7 @@ from lightning_zero.engine.parameters.residency import HOST, IN_FLIGHT, FullCopi
 from lightning_zero.engine.parameters.unit import UnitCommunication, UnitState
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
 from lightning_zero.engine.shards.sharded_param import ShardedParam
+from lightning_zero.engine.zero_plus_plus import check_quantizable
 
 
 class ShardedParameters(ParameterResidency):
@@ -51,6 +52,8 @@ class ShardedParameters(ParameterResidency):
     ) -> None:
         """``links``: ZeRO++'s groups (see ``ZeroEngine``). ``param_files``: with ``offload_params="nvme"``, where the offloaded chunks live between
         uses (see [Note: parameters on disk] in ``masters_on_disk.py``)."""
+        # a dtype the quantized collectives cannot carry fails here, naming it, before any is built
+        check_quantizable({p.dtype for p in module.parameters()}, config.weight_quantization, config.gradient_quantization)
         # buffers lent at once: the gathers of the unit in use and those prefetched, and the
         # reduce-scatters in flight during backward (offloaded: with their received rows and casts)
         offload = config.offload_optimizer

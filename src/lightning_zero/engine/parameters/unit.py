@@ -32,6 +32,7 @@ from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.node_links import NodeLinks
+from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.parameters.secondary_shards import BucketSecondary, SecondaryShards
 from lightning_zero.engine.shards.at_rest import ParameterAtRest
@@ -123,10 +124,12 @@ class Unit:
         members: dict[object, list[ShardedParam]] = defaultdict(list)
         for p in self.params:
             members[(p.param.dtype, p.param.requires_grad)].append(p)
+        quantized_gradients = QuantizedGradients.of(comm.links, comm.gradient_format)  # qgZ (None: off)
         self.buckets = [
             Bucket(
                 index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group,
                 param_files=comm.param_files, name=f"params-unit{index}-bucket{k}", weight_format=comm.weight_format,
+                quantized_gradients=quantized_gradients,
             )
             for k, ps in enumerate(members.values())
         ]  # fmt: skip
