@@ -78,8 +78,8 @@ def test_a_misspelled_strategy_name_gets_the_closest_names(capsys, monkeypatch):
     # Lightning: "You selected an invalid strategy name: `strategy='zer03'`. ... Example choices: auto, ddp, ddp_spawn, deepspeed, ..."
     assert _cli_error(capsys, monkeypatch, "--trainer.strategy=zer03") == (
         "error: trainer.strategy: 'zer03' is not a registered strategy name (Lightning: \"You selected an invalid"
-        " strategy name\"). HINT: did you mean 'zero3' or 'zero2' or 'zero1'? lightning-zero registers zero1, zero2,"
-        " zero3, zero2_offload, zero3_offload, zero3_offload_nvme, zero3_offload_nvme_params (each also with _spawn"
+        " strategy name\"). HINT: did you mean 'zero3' or 'zero3pp' or 'zero2'? lightning-zero registers zero1, zero2,"
+        " zero3, zero2_offload, zero3_offload, zero3_offload_nvme, zero3_offload_nvme_params, zero3pp (each also with _spawn"
         " and _notebook), or give the class: lightning_zero.ZeroStrategy.\n"
     )
 
