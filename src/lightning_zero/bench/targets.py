@@ -137,6 +137,8 @@ def _model_state(result: VariantResult) -> _Verdict:
 def _communication(result: VariantResult) -> _Verdict:
     if result.comm_vs_theory is None:  # one rank: nothing to communicate, nothing to judge
         return _Verdict(None)
+    if BY_NAME[result.name].zero_plus_plus is not None:  # ZeRO++ moves other bytes than 3Ψ on purpose:
+        return _Verdict(None)  # its figures are judged link by link (`links.py`, the report's own section)
     if abs(result.comm_vs_theory) <= COMM_RELATIVE_TOLERANCE:
         return _Verdict(True)
     theory = result.theory
