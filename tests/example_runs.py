@@ -10,6 +10,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+TINY_MODEL = [
+    "--model.n_layer=2",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--data.block_size=32",
+    "--data.batch_size=4",
+    "--data.max_bytes=100000",
+]
+"""The example's GPT and data at their smallest that still runs every part: 2 blocks (two stage-3
+units besides the root), 4 sequences of 32 bytes a step, a 100 kB corpus."""
 
 
 def _cli_args(save_dir: Path, args: tuple[str, ...]) -> list[str]:

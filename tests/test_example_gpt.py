@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from example_runs import EXAMPLES, REPO, run_example, run_example_in_rank
+from example_runs import EXAMPLES, REPO, TINY_MODEL, run_example, run_example_in_rank
 from lightning_zero.cli.model_spec import count_parameters
 
 # configs/*.yaml are train_gpt.py's, but for the other examples' own (tests/test_examples_hf_litgpt.py)
@@ -24,12 +24,7 @@ CONFIGS = sorted(path for path in (REPO / "configs").glob("*.yaml") if path.name
 # runs: 2 blocks (two stage-3 units besides the root), the tied head, a validation pass and a checkpoint
 # after step 2, and a memory measurement at every step.
 TINY = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--data.block_size=32",
-    "--data.batch_size=4",
-    "--data.max_bytes=100000",
+    *TINY_MODEL,
     "--trainer.max_steps=3",
     "--trainer.val_check_interval=2",
     "--trainer.limit_val_batches=2",

@@ -21,18 +21,13 @@ import pytest
 import torch
 
 from case_groups import CaseGroup, GroupResults, RankContext
-from example_runs import run_example_in_rank
+from example_runs import TINY_MODEL, run_example_in_rank
 from multiprocess import run_on_ranks
 
 WORLD_SIZE, RANKS_PER_NODE, STEPS = 4, 2, 50
 GROUP = CaseGroup(world_size=WORLD_SIZE, timeout=600)
 SHAPE = [
-    "--model.n_layer=2",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--data.block_size=32",
-    "--data.batch_size=4",
-    "--data.max_bytes=100000",
+    *TINY_MODEL,
     "--trainer.accelerator=cpu",
     f"--trainer.num_nodes={WORLD_SIZE // RANKS_PER_NODE}",
     f"--trainer.devices={RANKS_PER_NODE}",

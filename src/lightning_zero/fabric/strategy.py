@@ -34,7 +34,7 @@ from lightning_zero.checkpoint.locations import check_storage_options
 from lightning_zero.compat.lightning_api import fabric_setup_result
 from lightning_zero.engine import MemoryReport, ZeroStage
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.comm.node_links import NodeLinks, check_node_layout, links_for
+from lightning_zero.engine.comm.node_links import LazyNodeLinks, check_node_layout
 from lightning_zero.engine.zero_plus_plus import GradientQuantization, SecondaryShardSize, WeightQuantization
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.engine.gradients.norms import clip_grads_by_global_norm_
@@ -106,8 +106,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._links: Optional[NodeLinks] = None
-        self._made_links = False
+        self._links = LazyNodeLinks()  # ZeRO++'s groups
         self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._modules = ShardedModules()
         self._checkpoints = FabricCheckpointing(self._modules, self._checkpointing)
@@ -185,7 +184,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if self._modules.of(module) is not None:
             raise ValueError(f"{type(module).__name__} is already set up with lightning-zero; set each module up once.")
         groups = self._data_parallel_groups()
-        links = self._node_links()
+        links = self._links.get(self)
         self._modules.add(ShardedModule(module, self.zero_config, self.root_device, self._timeout, optimizers, groups, links))
 
     def _data_parallel_groups(self) -> tuple[collectives.ProcessGroup, collectives.ProcessGroup]:
@@ -195,13 +194,6 @@ class ZeroFabricStrategy(DDPStrategy):
                 self.shard_group_size, self.world_size, self.num_processes, self._timeout
             )
         return self._groups
-
-    def _node_links(self) -> Optional[NodeLinks]:
-        """ZeRO++'s process groups, as ``ZeroStrategy`` makes them."""
-        if not self._made_links:
-            self._links = links_for(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, self._timeout)
-            self._made_links = True
-        return self._links
 
     @override
     def _set_world_ranks(self) -> None:

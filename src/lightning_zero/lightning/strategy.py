@@ -36,7 +36,7 @@ from lightning_zero.checkpoint.manifest import PathLike
 from lightning_zero.compat.lightning_api import load_passing_weights_only, trainer_takes_weights_only
 from lightning_zero.engine import MemoryReport, ZeroEngine, ZeroStage
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.comm.node_links import NodeLinks, check_node_layout, links_for
+from lightning_zero.engine.comm.node_links import LazyNodeLinks, check_node_layout
 from lightning_zero.engine.zero_plus_plus import GradientQuantization, SecondaryShardSize, WeightQuantization
 from lightning_zero.engine.config import STRATEGY_NAMES, OffloadTier, ShardGroupSize, check_shard_group_option, config_from_options
 from lightning_zero.fabric.checkpoint_io import file_writer
@@ -199,8 +199,7 @@ class ZeroStrategy(ZeroStepHooks):
         check_shard_group_option(shard_group_size)
         self.shard_group_size = shard_group_size
         self._groups: Optional[tuple[collectives.ProcessGroup, collectives.ProcessGroup]] = None
-        self._links: Optional[NodeLinks] = None
-        self._made_links = False
+        self._links = LazyNodeLinks()  # ZeRO++'s groups
         self._checkpointing = ZeroCheckpointing(state_dict_type, timeout, async_save, save_frozen)
         self._engine: Optional[ZeroEngine] = None
         # after `fit`: the finished run's engine, hooks removed, kept so that
@@ -212,8 +211,8 @@ class ZeroStrategy(ZeroStepHooks):
         # a Trainer pickled after `fit` (by a hyperparameter search, a queue, a copy) carries the
         # options, not this process's engine, hooks and process groups
         state = super().__getstate__()  # Lightning's: without its optimizer wrappers
-        state["_engine"] = state["_finished"] = state["_groups"] = state["_links"] = None
-        state["_made_links"] = False
+        state["_engine"] = state["_finished"] = state["_groups"] = None
+        state["_links"] = LazyNodeLinks()
         return state
 
     @property  # type: ignore[override]
@@ -277,7 +276,7 @@ class ZeroStrategy(ZeroStepHooks):
         if fitting:  # evaluation leaves the optimizers' state as the finished run left it
             self._finished = None
         self._engine = start_engine(
-            self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups(), self._node_links()
+            self, self.zero_config, self.shard_group_size, trainer, fitting, self._data_parallel_groups(), self._links.get(self)
         )
         if fitting and self._engine is not None:
             plan_host_step(trainer, self._engine)  # offloaded steps during backward, where they can be
@@ -289,13 +288,6 @@ class ZeroStrategy(ZeroStepHooks):
         if self._groups is None:
             self._groups = collectives.data_parallel_groups(self.shard_group_size, self.world_size, self.num_processes, self._timeout)
         return self._groups
-
-    def _node_links(self) -> Optional[NodeLinks]:
-        """ZeRO++'s process groups (None without hpZ and qgZ), made once, on every rank."""
-        if not self._made_links:
-            self._links = links_for(self.zero_config, self.shard_group_size, self.world_size, self.num_processes, self._timeout)
-            self._made_links = True
-        return self._links
 
     @override
     def set_world_ranks(self) -> None:

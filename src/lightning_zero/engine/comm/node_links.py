@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -105,3 +105,22 @@ def links_for(
     """A strategy's ZeRO++ groups (None without hpZ and qgZ), made on every rank at setup."""
     k = check_node_layout(config, shard_group_size, world_size, ranks_per_node)
     return make_node_links(NodeLayout(world_size, ranks_per_node), k, config.gradient_quantization is not None, timeout)
+
+
+class LazyNodeLinks:
+    """A strategy's ZeRO++ groups (``ZeroStrategy``, ``ZeroFabricStrategy``): made at its first setup,
+    on every rank, and kept for the fits after it, as its hybrid-sharding groups are."""
+
+    def __init__(self) -> None:
+        self._made = False
+        self._links: Optional[NodeLinks] = None
+
+    def get(self, strategy: Any) -> Optional[NodeLinks]:
+        """The groups of ``strategy``'s options (None without hpZ and qgZ): it has ``zero_config``,
+        ``shard_group_size``, ``world_size``, ``num_processes`` (devices per node) and ``_timeout``."""
+        if not self._made:
+            self._links = links_for(
+                strategy.zero_config, strategy.shard_group_size, strategy.world_size, strategy.num_processes, strategy._timeout
+            )
+            self._made = True
+        return self._links
