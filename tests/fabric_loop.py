@@ -15,7 +15,7 @@ from case_groups import RankContext
 STEPS = 4
 
 
-def fabric_for(strategy: str, precision: str = "32-true", accelerator: str = "cpu", **options: Any):
+def fabric_for(strategy: str, precision: str = "32-true", accelerator: str = "cpu", num_nodes: int = 1, **options: Any):
     from datetime import timedelta
 
     from lightning.fabric import Fabric
@@ -29,7 +29,8 @@ def fabric_for(strategy: str, precision: str = "32-true", accelerator: str = "cp
         chosen = DDPStrategy(timeout=timeout)
     else:
         chosen = ZeroFabricStrategy(stage=int(strategy[-1]), timeout=timeout, **options)
-    fabric = Fabric(accelerator=accelerator, devices=ranks_started(), strategy=chosen, precision=precision)
+    devices = ranks_started() // num_nodes
+    fabric = Fabric(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=chosen, precision=precision)
     fabric.launch()
     return fabric
 
@@ -62,6 +63,7 @@ def train(
     compile_model: bool = False,
     backend: str = "aot_eager",
     accelerator: str = "cpu",
+    num_nodes: int = 1,
     **options: Any,
 ) -> dict[str, Any]:
     """Train a test model with a plain Fabric loop; the losses, the clipped norms, the full weights
@@ -69,7 +71,7 @@ def train(
     from recompiles import RecompileCounter
     from torch._dynamo.utils import counters
 
-    fabric = fabric_for(strategy, precision, accelerator, **options)
+    fabric = fabric_for(strategy, precision, accelerator, num_nodes, **options)
     fabric.seed_everything(0)
     make = tied_mlp if model == "mlp" else small_gpt
     if meta_init:

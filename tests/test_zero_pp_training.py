@@ -105,6 +105,19 @@ GROUP.case(zero3pp_loads_flat)
 GROUP.case(zero3_loads_under_zero3pp)
 
 
+def fabric_fit(ctx: RankContext, **options: Any) -> dict[str, Any]:
+    """Fabric's loop (``fabric_loop.train``: gradient accumulation 2, clipping by norm) on 2 nodes × 2."""
+    from fabric_loop import train as fabric_train
+
+    with as_two_nodes(ctx):
+        return fabric_train(ctx, "zero3", steps=3, accumulate=2, clip="norm", num_nodes=WORLD_SIZE // RANKS_PER_NODE, **options)
+
+
+GROUP.case(fabric_fit, name="fabric_zero3")
+GROUP.case(fabric_fit, name="fabric_hpz", secondary_shard_size="node")
+GROUP.case(fabric_fit, name="fabric_zero3pp", secondary_shard_size="node", quantize_weights=True, quantize_gradients=True)
+
+
 def _load(path: str, strategy: str, **trainer_kwargs: Any) -> dict[str, torch.Tensor]:
     """The example's module validated under ``strategy`` from the checkpoint at ``path``: the full
     weights it then holds (on every rank)."""
@@ -178,3 +191,14 @@ def test_zero3pp_checkpoints_load_at_every_stage_and_world_size_and_back(results
     from_zero3 = _saved_weights(results["zero3"][0]["checkpoint"], tmp_path)
     for loaded in results["zero3_loads_under_zero3pp"]:
         assert all(torch.equal(loaded[k], v) for k, v in from_zero3.items())
+
+
+def test_fabric_trains_with_zero_plus_plus(results: GroupResults) -> None:
+    """Fabric on 2 nodes × 2 with accumulation and clipping by norm: hpZ bitwise zero3 (losses, clipped
+    norms, weights); all three within the loss tolerance of zero3, its norms within 5%."""
+    for zero3, hpz, zpp in zip(results["fabric_zero3"], results["fabric_hpz"], results["fabric_zero3pp"]):
+        assert hpz["losses"] == zero3["losses"] and hpz["norms"] == zero3["norms"]
+        assert all(torch.equal(hpz["weights"][k], v) for k, v in zero3["weights"].items())
+        assert zpp["losses"] != zero3["losses"]
+        assert all(abs(q - z) <= STEP_TOLERANCE * abs(z) for q, z in zip(zpp["losses"], zero3["losses"]))
+        assert all(abs(q - z) <= 0.05 * z for q, z in zip(zpp["norms"], zero3["norms"]))
