@@ -77,9 +77,11 @@ def _batch(rank: int, step: int, micro: int = 0, dtype: torch.dtype = torch.floa
 
 def _engine(
     secondary: Optional[int] = None, quantize: Any = False, checkpointed: bool = False, dtype=torch.float32, frozen: bool = False,
-    **config: Any,
+    hybrid: bool = False, **config: Any,
 ):  # fmt: skip
+    """``hybrid``: hybrid sharding, shard groups of ``RANKS_PER_NODE`` replicated across."""
     from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from lightning_zero.engine.comm import collectives
     from lightning_zero.engine.comm.node_links import make_node_links
     from lightning_zero.engine.zero_plus_plus import NodeLayout
 
@@ -90,7 +92,8 @@ def _engine(
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     links = make_node_links(NodeLayout(WORLD_SIZE, RANKS_PER_NODE), secondary, False) if secondary else None
     cfg = ZeroConfig(stage=3, unit_classes=["Block"], secondary_shard_size=secondary, quantize_weights=quantize, **config)
-    return model, opt, ZeroEngine(model, [opt], cfg, links=links), links
+    shard, replicate = collectives.hybrid_groups(RANKS_PER_NODE) if hybrid else (None, None)
+    return model, opt, ZeroEngine(model, [opt], cfg, group=shard, replicate_group=replicate, links=links), links
 
 
 def _close(engine: Any, links: Any) -> None:
@@ -100,10 +103,11 @@ def _close(engine: Any, links: Any) -> None:
 
 
 def _train(ctx: RankContext, secondary: Optional[int] = None, quantize: Any = False, checkpointed: bool = False,
-           dtype=torch.float32, accumulate: int = 1, steps: int = STEPS, frozen: bool = False, **config: Any) -> dict[str, Any]:  # fmt: skip
+           dtype=torch.float32, accumulate: int = 1, steps: int = STEPS, frozen: bool = False, hybrid: bool = False,
+           **config: Any) -> dict[str, Any]:  # fmt: skip
     from lightning_zero.engine.comm.collectives import COLLECTIVE_STATS
 
-    model, opt, engine, links = _engine(secondary, quantize, checkpointed, dtype, frozen, **config)
+    model, opt, engine, links = _engine(secondary, quantize, checkpointed, dtype, frozen, hybrid, **config)
     losses, traffic, held = [], {}, []
     for step in range(steps):
         COLLECTIVE_STATS.reset()
@@ -244,6 +248,8 @@ GROUP.case(_train, name="qwz_checkpointed", quantize="int8", checkpointed=True)
 GROUP.case(_train, name="qwz_offload_params", quantize="int8", offload_optimizer=True, offload_params=True)
 GROUP.case(_train, name="qwz_hpz_frozen_kept", quantize="int8", secondary=K, frozen=True, keep_frozen_units_mb=math.inf)
 GROUP.case(_train, name="qwz_frozen_kept", quantize="int8", frozen=True, keep_frozen_units_mb=math.inf)
+GROUP.case(_train, name="hybrid_zero3", hybrid=True)
+GROUP.case(_train, name="qwz_hybrid", quantize="int8", hybrid=True)
 
 
 @GROUP.case
@@ -354,6 +360,18 @@ def test_qwz_sends_chunks_offloaded_to_the_host_as_the_device_ones(results):
     for a, b in zip(results["qwz_offload_params"], results["qwz_int8"]):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-5)  # the host steps in another order
         assert a["losses"][0] == b["losses"][0]  # the first forward's gathers: the same bytes
+
+
+def test_qwz_under_hybrid_sharding_gathers_within_the_shard_group(results):
+    """qwZ with ``shard_group_size=2``: its quantized gathers are the shard group's (2 ranks), its
+    losses near hybrid zero3's, which gathers the same units unquantized."""
+    for rank, (q, z) in enumerate(zip(results["qwz_hybrid"], results["hybrid_zero3"])):
+        assert q["losses"] != z["losses"]
+        assert q["losses"] == pytest.approx(z["losses"], rel=QUANTIZED_LOSS_TOLERANCE["int8"])
+        group = tuple(range(rank // RANKS_PER_NODE * RANKS_PER_NODE, (rank // RANKS_PER_NODE + 1) * RANKS_PER_NODE))
+        assert {ranks for _, ranks in q["traffic"]} == {group} == {ranks for _, ranks in z["traffic"]}
+        # int8 rows against fp32 ones: a quarter, plus each short row's whole last block of 256 codes
+        assert sum(q["traffic"].values()) < 0.5 * sum(z["traffic"].values())
 
 
 def test_memory_report_counts_the_secondary_shards_as_estimated(results):
