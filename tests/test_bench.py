@@ -270,36 +270,32 @@ def test_hybrid_sharding_traffic_is_split_by_group(tmp_path: Path) -> None:
 
 
 def test_zero_plus_plus_bytes_per_link(tmp_path: Path) -> None:
-    """4 ranks as 2 nodes of 2: every collective of zero3 and zero3_hpz classified by link, next to
-    `theory.link_bytes`. zero3's bytes are exact (one unit per bucket, no padding at this shape); so
-    are hpZ's once the engine moves its backward gathers into the node (until then its options are
-    accepted and it moves zero3's bytes, which the report says)."""
+    """4 ranks as 2 nodes of 2: every collective of zero3, zero3_hpz and zero3pp (hpZ + qwZ + qgZ)
+    classified by link, next to `theory.link_bytes` (ZeRO++'s accounting on the run's real units):
+    within 0.5% in every category and on both links (what is over is small control tensors: unit
+    tags, and qgZ's exact used-flag columns, 4 bytes a parameter a message, which the theory leaves out). hpZ moves backward's gathers into the node; zero3pp also sends the gathers
+    as int8 rows and replaces the reduce-scatter by two all-to-alls."""
     args = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "devices": 4}.items()]
-    assert main(["bench", *args, "--nodes", "2", "--variants", "zero3,zero3_hpz", "--out", str(tmp_path)]) == 0
+    assert main(["bench", *args, "--nodes", "2", "--variants", "zero3,zero3_hpz,zero3pp", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["options"]["nodes"] == 2 and "--nodes 2" in result["options"]["command"]
     by_name = {v["name"]: v for v in result["variants"]}
-    assert list(by_name) == ["zero3", "zero3_hpz"]
+    assert list(by_name) == ["zero3", "zero3_hpz", "zero3pp"]
     for variant in by_name.values():
         assert variant["status"] == OK, variant["reason"]
-    zero3 = by_name["zero3"]
-    # every category and link; what is over is small control tensors (unit tags and the like)
-    assert _nested_close(zero3["bytes_by_link"], zero3["theory"]["link_bytes"], rel=0.002)
-    assert set(zero3["bytes_by_link"]) == {"all_gather forward", "all_gather backward", "reduce_scatter"}
-    assert all(row["intra"] == 0 for row in zero3["bytes_by_link"].values())  # every group spans both nodes
-    hpz = by_name["zero3_hpz"]
-    expected = hpz["theory"]["link_bytes"]
-    assert expected["all_gather backward"] == {"intra": zero3["theory"]["link_bytes"]["all_gather backward"]["inter"], "inter": 0}
-    measured = hpz["bytes_by_link"]
-    moved = measured["all_gather backward"]["intra"] > 0
-    if moved:  # the engine's hpZ has landed: its bytes are the theory's
-        assert _nested_close(measured, expected, rel=0.002)
-    else:
-        assert measured == zero3["bytes_by_link"]
+        assert _nested_close(variant["bytes_by_link"], variant["theory"]["link_bytes"], rel=0.005)
+    zero3, hpz, zpp = (by_name[n]["bytes_by_link"] for n in ("zero3", "zero3_hpz", "zero3pp"))
+    assert set(zero3) == {"all_gather forward", "all_gather backward", "reduce_scatter"}
+    assert all(row["intra"] == 0 for row in zero3.values())  # every group spans both nodes
+    assert hpz["all_gather backward"] == {"intra": zero3["all_gather backward"]["inter"], "inter": 0}
+    assert {k: v for k, v in hpz.items() if k != "all_gather backward"} == {k: v for k, v in zero3.items() if k != "all_gather backward"}
+    assert set(zpp) == {"all_gather forward", "all_gather backward", "all_to_all"}  # no reduce-scatter
+    assert zpp["all_gather forward"]["inter"] < 0.3 * zero3["all_gather forward"]["inter"]  # int8 rows, fp32 weights
+    assert zpp["all_gather backward"]["inter"] == 0 and zpp["all_to_all"]["intra"] > 0 < zpp["all_to_all"]["inter"]
     text = (tmp_path / "bench.md").read_text()
     assert "## ZeRO++: bytes per link" in text and "4 ranks as 2 nodes of 2" in text
     assert "| `zero3` | 0.000 / 0.000 | 1.35 / 1.35 | 1.000 (1.000) |" in text
-    assert ("moves zero3's bytes" in text) is not moved
+    assert "moves zero3's bytes" not in text
 
 
 def _nested_close(measured: dict, expected: dict, rel: float) -> bool:
