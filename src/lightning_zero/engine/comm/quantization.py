@@ -15,6 +15,11 @@ moves the rows of every rank, and one dequantize reads them all. A block of zero
 codes 0, and dequantizes to exact zeros. Non-finite values are not representable: a block holding
 an inf or NaN dequantizes to NaN throughout, so it still reads as non-finite (what an overflow
 check or a ``GradScaler`` looks for).
+
+Memory: quantizing R rows of L elements holds one fp32 temporary of R·L (the padded rows, scaled in
+place) and a byte per element of codes; dequantizing, one fp32 (R, L) besides its result. On a GPU
+these are the caching allocator's for the span of the collective's packing; ``memory_report()`` does
+not count them.
 """
 
 from __future__ import annotations
@@ -47,26 +52,28 @@ class BlockFormat:
         return 4 * blocks + _round_up(code_bytes, 4)
 
     def quantize(self, rows: Tensor, out: Tensor) -> Tensor:
-        """Pack ``rows`` (R, L), any float dtype, into ``out`` (R, packed_bytes(L)) uint8; returns ``out``."""
+        """Pack ``rows`` (R, L), any float dtype, into ``out`` (R, packed_bytes(L)) uint8; returns ``out``.
+        One fp32 temporary of the rows' size (see [Note: quantized rows]'s last paragraph)."""
         r, length = rows.shape
         blocks = self.blocks(length)
-        padded = rows.new_zeros((r, blocks * self.block), dtype=torch.float32)
-        padded[:, :length] = rows
-        padded = padded.view(r, blocks, self.block)  # (R, nb, B)
-        scales = padded.abs().amax(dim=2, keepdim=True) / self.largest  # (R, nb, 1); inf/NaN propagate
+        scaled = rows.new_zeros((r, blocks * self.block), dtype=torch.float32)  # (R, nb·B): the padding stays 0
+        scaled[:, :length] = rows
+        blocked = scaled.view(r, blocks, self.block)  # (R, nb, B)
+        low, high = torch.aminmax(blocked, dim=2, keepdim=True)  # (R, nb, 1) each; NaN propagates
+        # the largest magnitude (abs: a block of zeros signed either way has scale +0) / the largest code
+        scales = torch.maximum(high, low.neg_()).abs_().div_(self.largest)
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))  # a zero block: codes 0
-        scaled = padded * inverse
-        scales_out = out[:, : 4 * blocks].view(torch.float32)  # (R, nb)
-        scales_out.copy_(scales.view(r, blocks))
+        blocked.mul_(inverse)
+        out[:, : 4 * blocks].view(torch.float32).copy_(scales.view(r, blocks))
         codes_out = out[:, 4 * blocks : 4 * blocks + blocks * self.block // self.codes_per_byte]
         if self.name == "fp8":
-            codes_out.copy_(scaled.view(r, -1).to(torch.float8_e4m3fn).view(torch.uint8))
+            codes_out.copy_(scaled.to(torch.float8_e4m3fn).view(torch.uint8))
         else:
-            codes = torch.round(scaled).clamp_(-self.largest, self.largest).to(torch.int8).view(r, -1)
+            codes = scaled.round_().clamp_(-self.largest, self.largest).to(torch.int8)  # (R, nb·B), a byte each
             if self.codes_per_byte == 1:
                 codes_out.copy_(codes.view(torch.uint8))
             else:  # int4: two codes a byte, offset by 8 into [1, 15], low nibble first
-                nibbles = (codes + 8).to(torch.uint8).view(r, -1, 2)
+                nibbles = codes.add_(8).view(torch.uint8).view(r, -1, 2)
                 codes_out.copy_(nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))
         return out
 
@@ -81,9 +88,9 @@ class BlockFormat:
         elif self.codes_per_byte == 1:
             values = codes.view(torch.int8).to(torch.float32)
         else:
-            values = torch.stack([codes & 0xF, codes >> 4], dim=2).view(r, -1).to(torch.float32) - 8
-        full = values.view(r, blocks, self.block) * scales  # (R, nb, B)
-        return full.view(r, -1)[:, :numel].to(dtype)
+            values = torch.stack([codes & 0xF, codes >> 4], dim=2).view(r, -1).to(torch.float32).sub_(8)
+        values.view(r, blocks, self.block).mul_(scales)  # (R, nb, B), in place: one fp32 temporary
+        return values[:, :numel].to(dtype)
 
 
 def _round_up(value: int, multiple: int) -> int:
