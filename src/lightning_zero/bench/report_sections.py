@@ -153,7 +153,7 @@ def bytes_per_link_section(result: BenchResult, ran: Sequence[VariantResult]) ->
         lines += [
             "",
             f"{', '.join(f'`{name}`' for name in same)} {'moves' if len(same) == 1 else 'move'} zero3's bytes exactly,"
-            " on the same links: the engine accepts these ZeRO++ options but does not use them (yet).",
+            " on the same links: their ZeRO++ options did not act, which is a bug (report it with this report).",
         ]
     return lines + _link_categories(measured)
 
