@@ -103,3 +103,13 @@ def test_an_option_of_ours_after_a_default_ddp_points_to_zero_strategy(capsys, m
         " --trainer.strategy=lightning_zero.ZeroStrategy --trainer.strategy.stage=3 --trainer.strategy.bucket_size_mb=..."
         " (or stage 1 or 2; in YAML: `class_path` and `init_args`, as configs/zero_class_path.yaml).\n"
     )
+
+
+def test_zero3pp_on_one_node_is_one_line(capsys, monkeypatch):
+    """The Trainer refuses ZeRO++'s options against the nodes it is given (here one): ZeroCLI prints
+    its message alone, where LightningCLI showed a traceback."""
+    assert _cli_error(capsys, monkeypatch, "--trainer.strategy=zero3pp", "--trainer.devices=1") == (
+        "error: trainer.strategy: `secondary_shard_size='node'`: one node holds every rank, so backward's gather"
+        " already stays within the node and a secondary shard would be a whole second copy of each unit. hpZ (and"
+        " `strategy='zero3pp'`) is for runs of several nodes; on one node use `strategy='zero3'`.\n"
+    )

@@ -50,6 +50,12 @@ each can stand for. float64 asks for more exactness than a quantized collective 
 ZERO_PLUS_PLUS_OPTIONS = ("secondary_shard_size", "quantize_weights", "quantize_gradients")
 
 
+class NodeLayoutError(ValueError):
+    """ZeRO++'s options against what the run turned out to be (the world size, the devices per node,
+    the precision, hybrid sharding): raised when the ``Trainer`` or ``Fabric`` is built, and at setup.
+    Its own class so that ``ZeroCLI`` can print it as the one-line strategy error it is."""
+
+
 def weight_format(option: WeightQuantization) -> Optional[str]:
     """``quantize_weights`` checked and named: None (off), "int8" or "fp8"."""
     if option is False:
@@ -132,14 +138,14 @@ def resolve_secondary_shard_size(option: SecondaryShardSize, layout: NodeLayout)
     k = layout.ranks_per_node if option == "node" else int(option)
     n = layout.world_size
     if k > n or n % k:
-        raise ValueError(
+        raise NodeLayoutError(
             f"`secondary_shard_size={option!r}` (K = {k}) does not divide the {n} ranks into equal groups:"
             f" K must divide the world size ({', '.join(str(d) for d in range(1, n) if n % d == 0)} here), or be"
             " 'node' (the devices per node)."
         )
     if k == n:
         where = "one node holds every rank" if option == "node" else f"K = {k} is every rank"
-        raise ValueError(
+        raise NodeLayoutError(
             f"`secondary_shard_size={option!r}`: {where}, so backward's gather already stays within the node"
             " and a secondary shard would be a whole second copy of each unit. hpZ (and `strategy='zero3pp'`)"
             f" is for runs of several nodes; on one node use `strategy='zero3'`{' (or a K below the world size)' if option != 'node' else ''}."
@@ -155,13 +161,13 @@ def check_zero_plus_plus_layout(
     k = resolve_secondary_shard_size(secondary_shard_size, layout)
     on = [n for n, v in (("secondary_shard_size", secondary_shard_size is not None), ("quantize_gradients", bool(quantize_gradients))) if v]
     if on and shard_group_size is not None:
-        raise ValueError(
+        raise NodeLayoutError(
             f"{' and '.join(f'`{n}`' for n in on)} cannot be combined with hybrid sharding (`shard_group_size="
             f"{shard_group_size!r}`): hybrid sharding already keeps parameter gathers within a shard group and"
             " reduces only 1/K of the gradients across groups. Use one or the other."
         )
     if layout.world_size % layout.ranks_per_node:
-        raise ValueError(f"{layout.world_size} ranks do not split into nodes of {layout.ranks_per_node}.")
+        raise NodeLayoutError(f"{layout.world_size} ranks do not split into nodes of {layout.ranks_per_node}.")
     return k
 
 
@@ -172,7 +178,7 @@ def check_quantizable(dtypes: "set[torch.dtype]", weights: Optional[str], gradie
     bad = sorted(str(d) for d in dtypes if d not in QUANTIZABLE_DTYPES)
     if bad:
         options = " and ".join(n for n, on in (("`quantize_weights`", weights), ("`quantize_gradients`", gradients)) if on)
-        raise ValueError(
+        raise NodeLayoutError(
             f"{options} quantize{'s' if ' and ' not in options else ''} blocks of float32, bfloat16 or float16 parameters,"
             f" but this model has {', '.join(bad)} parameters (e.g. `precision='64-true'`). Train in 32-true,"
             " bf16 or 16 precision, or turn quantization off."

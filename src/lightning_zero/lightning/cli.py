@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from typing_extensions import override
 
 from lightning_zero.engine.config import STRATEGY_NAMES
+from lightning_zero.engine.zero_plus_plus import NodeLayoutError
 from lightning_zero.lightning.strategy import ZeroStrategy
 
 STRATEGY_KEY = "trainer.strategy"
@@ -68,6 +69,8 @@ class ZeroCLI(LightningCLI):
             _exit(f"{STRATEGY_KEY}: {unknown}")  # before the model is built
         try:
             super().instantiate_classes()
+        except NodeLayoutError as refused:  # ZeRO++'s options against the nodes, refused by the Trainer
+            _exit(f"{STRATEGY_KEY}: {refused}")
         except (TypeError, ValueError):
             explained = strategy_refusal(strategy) if isinstance(strategy, Namespace) else None
             if explained is None:
