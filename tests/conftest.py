@@ -16,8 +16,7 @@ suite's processes would compile what it imports from source again, ~15 CPU-secon
 **The smoke subset** (``pytest -m smoke``): the files in ``SMOKE_FILES``, which ``.ci/run``'s
 compatibility stage runs on the oldest and the newest supported torch and Lightning
 (``scripts/compat_matrix.sh``): the Trainer at stages 1-3 against DDP, Fabric, a checkpoint round trip
-with a reshard, gradient views, offload, the version check and qgZ's all-to-alls. About a minute on 2
-cores.
+with a reshard, gradient views, offload, and the version check. About a minute on 2 cores.
 
 **The longest test files start first** when the suite runs on several workers
 (``-n 2 --dist loadfile``).
@@ -71,7 +70,6 @@ SMOKE_FILES = (
     "test_grad_views.py",  # clipping and gradient reads as under DDP
     "test_offload.py",  # CPU offload at stages 1-3, its checkpoints
     "test_compat.py",  # the version check and the shims for older releases
-    "test_zero_pp_gradients.py",  # qgZ's all-to-alls on 4 ranks as 2 nodes (the only all-to-all of stage 3)
 )
 
 
