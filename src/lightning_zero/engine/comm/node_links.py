@@ -33,11 +33,6 @@ class NodeLinks:
     across_nodes: collectives.ProcessGroup = None
     """qgZ's second all-to-all: one rank per node, this rank's position in each (None: no qgZ, or one node)."""
 
-    @property
-    def secondary_size(self) -> Optional[int]:
-        """hpZ's K, or None."""
-        return collectives.world_size(self.secondary) if self.secondary is not None else None
-
     def destroy(self) -> None:
         """Free the groups (each process's own: a local call, once nothing is in flight on them)."""
         for group in (self.secondary, self.within_node, self.across_nodes):

@@ -21,6 +21,7 @@ from lightning_zero.engine.comm.streams import streams_of
 from lightning_zero.engine.comm.evaluation_join import EvaluationJoin
 from lightning_zero.engine.comm.host_reads import HostReads
 from lightning_zero.engine.comm.node_links import NodeLinks
+from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
 from lightning_zero.engine.config import ZeroConfig
 from lightning_zero.engine.offload.masters_on_disk import MasterOnDisk
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
@@ -87,9 +88,8 @@ class ShardedParameters(ParameterResidency):
             copies=self.copies,
             replicate_group=replicate_group,
             param_files=param_files,
-            links=links,
             weight_format=config.weight_quantization,
-            gradient_format=config.gradient_quantization,
+            quantized_gradients=QuantizedGradients.of(links, config.gradient_quantization),
             secondary_shards=self.secondary_shards,
         )
         self.units = build_units(

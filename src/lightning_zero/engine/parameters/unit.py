@@ -31,7 +31,6 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.buffers import BufferPool
 from lightning_zero.engine.comm.copy_stream import CopyStream
 from lightning_zero.engine.comm.host_reads import HostReads
-from lightning_zero.engine.comm.node_links import NodeLinks
 from lightning_zero.engine.comm.quantized_reduction import QuantizedGradients
 from lightning_zero.engine.offload.scratch_files import ScratchDirectory
 from lightning_zero.engine.parameters.secondary_shards import BucketSecondary, SecondaryShards
@@ -73,12 +72,11 @@ class UnitCommunication:
     """Hybrid sharding: where reduced gradient chunks are all-reduced across shard groups."""
     param_files: Optional[ScratchDirectory] = None
     """``offload_params="nvme"``: where the offloaded buckets keep their chunks between uses."""
-    links: Optional[NodeLinks] = None
-    """ZeRO++: hpZ's secondary group, qgZ's node groups (see ``node_links.py``); None without them."""
     weight_format: Optional[str] = None
     """qwZ: the block format weights are all-gathered in ("int8", "fp8"; see ``quantization.py``)."""
-    gradient_format: Optional[str] = None
-    """qgZ: the block format gradients are reduced in ("int8", "int4")."""
+    quantized_gradients: Optional[QuantizedGradients] = None
+    """qgZ: the block format and the node groups gradients are reduced over (see
+    ``quantized_reduction.py``); None: the reduce-scatter."""
     secondary_shards: Optional[SecondaryShards] = None
     """hpZ: the secondary shards' group and generation (see [Note: secondary shards]); None without hpZ."""
 
@@ -124,12 +122,11 @@ class Unit:
         members: dict[object, list[ShardedParam]] = defaultdict(list)
         for p in self.params:
             members[(p.param.dtype, p.param.requires_grad)].append(p)
-        quantized_gradients = QuantizedGradients.of(comm.links, comm.gradient_format)  # qgZ (None: off)
         self.buckets = [
             Bucket(
                 index, ps, comm.reduce_group, comm.pool, comm.gather_group, comm.copies, comm.replicate_group,
                 param_files=comm.param_files, name=f"params-unit{index}-bucket{k}", weight_format=comm.weight_format,
-                quantized_gradients=quantized_gradients,
+                quantized_gradients=comm.quantized_gradients,
             )
             for k, ps in enumerate(members.values())
         ]  # fmt: skip
